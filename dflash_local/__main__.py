@@ -1,0 +1,5 @@
+"""`python -m dflash_local` runs the CLI."""
+
+from .cli import main
+
+main()

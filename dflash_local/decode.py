@@ -1,0 +1,229 @@
+"""The speculative decode loop (DFlash) and, with drafting off, the autoregressive baseline.
+
+`generate` yields one `Step` per target forward: the tokens it made final and how long
+drafting and verifying took. `Stats` folds steps into tau, histograms and tokens/s.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from .errors import DFlashError
+from .sampling import SamplingParams, accept_greedy, accept_sampled, pick, probabilities
+from .targets.base import Target
+
+
+class Drafter(Protocol):
+    """Anything that proposes block positions 1..B-1 given newly accepted context features."""
+
+    block_size: int
+    target_layer_ids: list[int]
+
+    def check_target(self, target: Target) -> None: ...
+
+    def reset(self) -> None: ...
+
+    def propose(
+        self, target: Target, new_features: torch.Tensor, first_token: int, start: int, size: int
+    ) -> torch.Tensor:
+        """Logits [size - 1, vocab] for positions start+1..start+size-1."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What to generate: length, sampling, block size, stop tokens, and whether to draft at all."""
+
+    max_new_tokens: int = 128
+    sampling: SamplingParams = SamplingParams()
+    block_size: int | None = None
+    draft: bool = True
+    stop_ids: frozenset[int] = frozenset()
+    seed: int | None = None
+
+
+@dataclass
+class Step:
+    """One target forward's result: the tokens it made final (the first step is the prefill)."""
+
+    token_ids: list[int]
+    acceptance_length: int | None
+    draft_s: float
+    target_s: float
+    block_size: int
+    finish_reason: str | None = None
+
+
+@dataclass
+class Stats:
+    """Running totals over a generation's steps."""
+
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    target_s: float = 0.0
+    acceptance_lengths: list[int] = field(default_factory=list)
+    block_size: int = 1
+    new_tokens: int = 0
+    finish_reason: str | None = None
+
+    def add(self, step: Step) -> None:
+        self.new_tokens += len(step.token_ids)
+        self.block_size = step.block_size
+        self.finish_reason = step.finish_reason or self.finish_reason
+        if step.acceptance_length is None:
+            self.prefill_s += step.target_s
+            return
+        self.acceptance_lengths.append(step.acceptance_length)
+        self.draft_s += step.draft_s
+        self.target_s += step.target_s
+
+    @property
+    def decode_s(self) -> float:
+        return self.draft_s + self.target_s
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length (accepted drafts + 1 per step)."""
+        lengths = self.acceptance_lengths
+        return sum(lengths) / len(lengths) if lengths else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens made after the first one, per second of decoding (prefill excluded)."""
+        made = self.new_tokens - 1
+        return made / self.decode_s if made > 0 and self.decode_s > 0 else 0.0
+
+    def histogram(self) -> dict[int, int]:
+        """How many steps accepted each length, 1..block size."""
+        counts = Counter(self.acceptance_lengths)
+        return {length: counts.get(length, 0) for length in range(1, max(self.block_size, 1) + 1)}
+
+    def to_dict(self) -> dict:
+        return {
+            "new_tokens": self.new_tokens,
+            "acceptance_lengths": self.acceptance_lengths,
+            "tau": self.tau,
+            "acceptance_histogram": self.histogram(),
+            "block_size": self.block_size,
+            "prefill_s": self.prefill_s,
+            "time_to_first_token_s": self.prefill_s,
+            "decode_s": self.decode_s,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+            "draft_s": self.draft_s,
+            "target_s": self.target_s,
+            "draft_time_share": self.draft_s / self.decode_s if self.decode_s else 0.0,
+            "finish_reason": self.finish_reason,
+        }
+
+
+def _clock(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _block_size(drafter: Drafter | None, settings: Settings) -> int:
+    if not settings.draft:
+        return 1
+    if drafter is None:
+        raise DFlashError("Drafting is on but no drafter was given (pass a drafter or turn drafting off).")
+    size = settings.block_size or drafter.block_size
+    if not 2 <= size <= drafter.block_size:
+        raise DFlashError(
+            f"The block size must be between 2 and the drafter's trained {drafter.block_size}, not {size}."
+        )
+    return size
+
+
+def generate(target: Target, drafter: Drafter | None, prompt_ids: list[int], settings: Settings) -> Iterator[Step]:
+    """Yield the steps of one generation; their token_ids concatenated are the new tokens."""
+    block_size = _block_size(drafter, settings)
+    if not prompt_ids:
+        raise DFlashError("The prompt is empty.")
+    bad = [i for i in prompt_ids if not 0 <= i < target.vocab_size]
+    if bad:
+        raise DFlashError(f"Prompt token id {bad[0]} is outside the vocabulary (0..{target.vocab_size - 1}).")
+    if settings.max_new_tokens < 1:
+        raise DFlashError("max new tokens must be at least 1.")
+    if len(prompt_ids) >= target.max_context:
+        raise DFlashError(f"The prompt ({len(prompt_ids)} tokens) does not fit the {target.max_context}-token context.")
+    drafting = block_size > 1
+    if drafting:
+        drafter.check_target(target)
+        drafter.reset()
+        target.set_feature_layers(drafter.target_layer_ids)
+    target.reset()
+    params = settings.sampling
+    generator = None
+    if settings.seed is not None:
+        generator = torch.Generator(device=target.device).manual_seed(settings.seed)
+
+    prompt_len = len(prompt_ids)
+    max_length = prompt_len + settings.max_new_tokens
+    length_reason = "length"
+    if max_length > target.max_context:
+        max_length, length_reason = target.max_context, "context"
+    ids = torch.tensor(prompt_ids, dtype=torch.long, device=target.device)
+
+    began = _clock(target.device)
+    out = target.forward(ids, all_logits=False, features=drafting)
+    first = int(pick(out.logits[-1], params, generator))
+    tokens = prompt_ids + [first]
+    new_features = out.features
+    start = prompt_len
+    stopped = first in settings.stop_ids
+    done = stopped or start + 1 >= max_length
+    reason = ("stop" if stopped else length_reason) if done else None
+    yield Step([first], None, 0.0, _clock(target.device) - began, block_size, reason)
+
+    while not done:
+        verify_size = min(block_size, max_length - start)
+        block = torch.full((verify_size,), tokens[start], dtype=torch.long, device=target.device)
+        t0 = _clock(target.device)
+        draft_probs = None
+        if verify_size > 1:
+            draft_logits = drafter.propose(target, new_features, tokens[start], start, verify_size)
+            if params.greedy:
+                block[1:] = draft_logits.argmax(dim=-1)
+            else:
+                draft_probs = probabilities(draft_logits, params)
+                block[1:] = torch.multinomial(draft_probs, 1, generator=generator)[:, 0]
+        t1 = _clock(target.device)
+        out = target.forward(block, all_logits=True, features=drafting)
+        if params.greedy:
+            accepted, bonus = accept_greedy(block[1:], out.logits)
+        elif verify_size > 1:
+            accepted, bonus = accept_sampled(block[1:], draft_probs, probabilities(out.logits, params), generator)
+        else:
+            accepted, bonus = 0, int(pick(out.logits[-1], params, generator))
+        made = block[1 : accepted + 1].tolist() + [bonus]
+        made = made[: max_length - start - 1]
+        for index, token in enumerate(made):
+            if token in settings.stop_ids:
+                made, stopped = made[: index + 1], True
+                break
+        produced = len(made)
+        tokens.extend(made)
+        start += produced
+        target.rollback(start)
+        if out.features is not None:
+            new_features = out.features[:produced]
+        t2 = _clock(target.device)
+        done = stopped or start + 1 >= max_length
+        reason = ("stop" if stopped else length_reason) if done else None
+        yield Step(made, produced, t1 - t0, t2 - t1, block_size, reason)
+
+
+def run(target: Target, drafter: Drafter | None, prompt_ids: list[int], settings: Settings) -> tuple[list[int], Stats]:
+    """Generate to the end; return the new token ids and the stats."""
+    stats = Stats()
+    new_ids: list[int] = []
+    for step in generate(target, drafter, prompt_ids, settings):
+        new_ids.extend(step.token_ids)
+        stats.add(step)
+    return new_ids, stats

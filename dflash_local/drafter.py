@@ -1,0 +1,273 @@
+"""The DFlash drafter: a few non-causal layers over the target's context features, plus its KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .errors import DFlashError
+from .layers import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from .targets.base import Target
+from .weights import load_weights, read_config
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The published default: target layers spread evenly between layer 1 and layer N-3."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """A drafter's config.json: Qwen3-style layer fields plus the DFlash fields."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    attention_bias: bool
+    vocab_size: int | None
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    input_embedding_scale: float
+    output_multiplier: float
+    final_logit_softcapping: float | None
+    layer_types: list[str]
+    sliding_window: int | None
+    is_causal: bool | None
+    raw: dict[str, Any]
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any], source: Path) -> DrafterConfig:
+        dflash = config.get("dflash_config") or {}
+
+        def field(name: str, default: Any = None) -> Any:
+            return dflash.get(name, config.get(name, default))
+
+        try:
+            hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+            layers = int(config["num_hidden_layers"])
+            layer_ids = field("target_layer_ids")
+            if layer_ids is None:
+                layer_ids = default_target_layer_ids(int(config["num_target_layers"]), layers)
+            mask_token_id = field("mask_token_id")
+            if mask_token_id is None:
+                raise KeyError("dflash_config.mask_token_id")
+            softcap = field("final_logit_softcapping")
+            return cls(
+                hidden_size=hidden,
+                intermediate_size=int(config["intermediate_size"]),
+                num_layers=layers,
+                num_heads=heads,
+                num_kv_heads=int(config.get("num_key_value_heads") or heads),
+                head_dim=int(config.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+                attention_bias=bool(config.get("attention_bias", False)),
+                vocab_size=int(config["vocab_size"]) if config.get("vocab_size") else None,
+                block_size=int(field("block_size", 16)),
+                mask_token_id=int(mask_token_id),
+                target_layer_ids=[int(i) for i in layer_ids],
+                input_embedding_scale=float(field("input_embedding_scale", 1.0)),
+                output_multiplier=float(field("output_multiplier", 1.0)),
+                final_logit_softcapping=float(softcap) if softcap else None,
+                layer_types=list(config.get("layer_types") or ["full_attention"] * layers),
+                sliding_window=config.get("sliding_window"),
+                is_causal=config.get("is_causal"),
+                raw=config,
+            )
+        except KeyError as exc:
+            raise DFlashError(f"{source}/config.json is not a DFlash drafter config: it lacks {exc.args[0]}.") from None
+
+
+class DraftAttention(nn.Module):
+    """Attention of block queries over [context K/V ; block K/V]; non-causal unless the layer says otherwise."""
+
+    def __init__(self, cfg: DrafterConfig, layer_index: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        sliding = cfg.layer_types[layer_index] == "sliding_attention"
+        self.is_causal = sliding if cfg.is_causal is None else bool(cfg.is_causal)
+        self.sliding_window = cfg.sliding_window if sliding else None
+
+    def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (k_norm + RoPE) and V of shape [kv_heads, len, head_dim]."""
+        steps = x.shape[0]
+        k = self.k_norm(self.k_proj(x).view(steps, self.num_kv_heads, self.head_dim)).transpose(0, 1)
+        v = self.v_proj(x).view(steps, self.num_kv_heads, self.head_dim).transpose(0, 1)
+        return apply_rope(k, cos, sin), v
+
+    def visibility(self, num_queries: int, num_keys: int, device: torch.device) -> torch.Tensor | None:
+        """Boolean mask for the last num_queries positions over num_keys keys, or None when all see all."""
+        if not self.is_causal and self.sliding_window is None:
+            return None
+        query_pos = torch.arange(num_keys - num_queries, num_keys, device=device)[:, None]
+        key_pos = torch.arange(num_keys, device=device)[None, :]
+        visible = torch.ones(num_queries, num_keys, dtype=torch.bool, device=device)
+        if self.is_causal:
+            visible &= key_pos <= query_pos
+        if self.sliding_window is not None:
+            visible &= query_pos - key_pos < self.sliding_window
+            if not self.is_causal:
+                visible &= key_pos - query_pos < self.sliding_window
+        return visible
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor
+    ) -> torch.Tensor:
+        steps = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(steps, self.num_heads, self.head_dim)).transpose(0, 1)
+        q = apply_rope(q, cos, sin)
+        k, v = self.key_value(x, cos, sin)
+        k, v = torch.cat([past_k, k], dim=1), torch.cat([past_v, v], dim=1)
+        mask = self.visibility(steps, k.shape[1], x.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(out.transpose(0, 1).reshape(steps, -1))
+
+
+class DraftLayer(nn.Module):
+    """Pre-norm layer; context K/V come from the projected target features, not from this layer's input."""
+
+    def __init__(self, cfg: DrafterConfig, layer_index: int) -> None:
+        super().__init__()
+        self.self_attn = DraftAttention(cfg, layer_index)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos, sin, past_k: torch.Tensor, past_v: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, past_k, past_v)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashModel(nn.Module):
+    """The drafter's parameters, named exactly as in published checkpoints."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(DraftLayer(cfg, i) for i in range(cfg.num_layers))
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.raw, cfg.head_dim), persistent=False)
+
+    def project_context(self, features: torch.Tensor) -> torch.Tensor:
+        """hidden_norm(fc(concatenated target features))."""
+        return self.hidden_norm(self.fc(features))
+
+    def logits(self, hidden: torch.Tensor, lm_head) -> torch.Tensor:
+        """Borrowed LM head, then the optional output multiplier and logit softcap."""
+        logits = lm_head(hidden).float() * self.cfg.output_multiplier
+        cap = self.cfg.final_logit_softcapping
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+
+class DFlashDrafter:
+    """A loaded DFlash drafter with its context KV cache; proposes a block of tokens in one forward."""
+
+    def __init__(self, model: DFlashModel, max_context: int) -> None:
+        self.model = model
+        self.cfg = model.cfg
+        param = model.fc.weight
+        self.device, self.dtype = param.device, param.dtype
+        shape = (self.cfg.num_layers, self.cfg.num_kv_heads, max_context, self.cfg.head_dim)
+        self.cache_k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.cache_v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.length = 0
+
+    @classmethod
+    def load(
+        cls, folder: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", max_context: int = 4096
+    ) -> DFlashDrafter:
+        """Build the drafter from a published-layout folder (config.json + model.safetensors)."""
+        folder = Path(folder)
+        cfg = DrafterConfig.from_dict(read_config(folder), folder)
+        with torch.device("meta"):
+            model = DFlashModel(cfg)
+        tensors = load_weights(folder, dtype, device)
+        expected = model.state_dict()
+        for name, param in expected.items():
+            tensor = tensors.get(name)
+            if tensor is None:
+                raise DFlashError(f"{folder} lacks the drafter tensor {name}.")
+            if tensor.shape != param.shape:
+                raise DFlashError(
+                    f"{folder}: drafter tensor {name} has shape {tuple(tensor.shape)}, "
+                    f"the config implies {tuple(param.shape)}."
+                )
+        model.load_state_dict({name: tensors[name] for name in expected}, assign=True)
+        model.inv_freq = rope_inv_freq(cfg.raw, cfg.head_dim).to(device)
+        return cls(model.eval(), max_context)
+
+    @property
+    def block_size(self) -> int:
+        return self.cfg.block_size
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return self.cfg.target_layer_ids
+
+    def check_target(self, target: Target) -> None:
+        """Raise a DFlashError if this drafter cannot work with the target."""
+        cfg = self.cfg
+        if cfg.hidden_size != target.hidden_size:
+            raise DFlashError(
+                f"The drafter's hidden size {cfg.hidden_size} does not match the target's {target.hidden_size}."
+            )
+        bad = [i for i in cfg.target_layer_ids if not 0 <= i < target.num_layers]
+        if bad:
+            raise DFlashError(
+                f"The drafter reads target layers {cfg.target_layer_ids}, but the target has only "
+                f"{target.num_layers} layers."
+            )
+        if cfg.vocab_size is not None and cfg.vocab_size != target.vocab_size:
+            raise DFlashError(
+                f"The drafter's vocabulary ({cfg.vocab_size} tokens) does not match the target's ({target.vocab_size})."
+            )
+        if not 0 <= cfg.mask_token_id < target.vocab_size:
+            raise DFlashError(f"The drafter's mask token id {cfg.mask_token_id} is outside the target's vocabulary.")
+        if self.cache_k.shape[2] < target.max_context:
+            raise DFlashError("The drafter's cache is shorter than the target's context.")
+
+    def reset(self) -> None:
+        self.length = 0
+
+    @torch.inference_mode()
+    def propose(
+        self, target: Target, new_features: torch.Tensor, first_token: int, start: int, size: int
+    ) -> torch.Tensor:
+        """Cache the features of positions [length, start); draft [first_token, MASK x size-1] at start."""
+        if self.length + new_features.shape[0] != start:
+            raise ValueError(f"drafter cache holds {self.length} positions, got features up to {start}")
+        model = self.model
+        block_ids = torch.full((size,), self.cfg.mask_token_id, dtype=torch.long, device=self.device)
+        block_ids[0] = first_token
+        positions = torch.arange(self.length, start + size, device=self.device)
+        cos, sin = rope_cos_sin(model.inv_freq, positions, self.dtype)
+        num_ctx = new_features.shape[0]
+        context = model.project_context(new_features.to(self.dtype))
+        x = target.embed(block_ids).to(self.dtype) * self.cfg.input_embedding_scale
+        for index, layer in enumerate(model.layers):
+            k, v = layer.self_attn.key_value(context, cos[:num_ctx], sin[:num_ctx])
+            self.cache_k[index, :, self.length : start] = k
+            self.cache_v[index, :, self.length : start] = v
+            x = layer(x, cos[num_ctx:], sin[num_ctx:], self.cache_k[index, :, :start], self.cache_v[index, :, :start])
+        self.length = start
+        return model.logits(model.norm(x[1:]), target.lm_head)

@@ -1,0 +1,100 @@
+"""Glue between files on disk and the decode loop: load a target/drafter pair, run one request."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .decode import Settings, Stats, generate
+from .drafter import DFlashDrafter
+from .errors import DFlashError
+from .runtime import pick_device, pick_dtype
+from .sampling import SamplingParams
+from .targets import load_target
+from .targets.base import Target
+from .tokenizer import Detokenizer, TextTokenizer, stop_token_ids
+
+
+@dataclass
+class LoadedModels:
+    """A target, its optional drafter, tokenizer and end-of-sequence ids."""
+
+    target: Target
+    drafter: DFlashDrafter | None
+    tokenizer: TextTokenizer | None
+    stop_ids: frozenset[int]
+
+
+def load_models(
+    target_path: Path,
+    drafter_path: Path | None,
+    backend: str = "auto",
+    device: str = "auto",
+    dtype: str = "auto",
+    max_context: int = 4096,
+) -> LoadedModels:
+    """Load and cross-check a target and (optionally) a drafter from local paths."""
+    device = pick_device(device)
+    torch_dtype = pick_dtype(dtype, device)
+    target = load_target(target_path, backend, torch_dtype, device, max_context)
+    drafter = None
+    if drafter_path is not None:
+        if not Path(drafter_path).exists():
+            raise DFlashError(f"{drafter_path} does not exist.")
+        drafter = DFlashDrafter.load(drafter_path, torch_dtype, device, target.max_context)
+        drafter.check_target(target)
+    folder = Path(target_path)
+    return LoadedModels(target, drafter, TextTokenizer.load(folder), stop_token_ids(folder))
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One prompt (text or ids) and how to continue it."""
+
+    prompt: str | None = None
+    prompt_ids: list[int] | None = None
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    block_size: int | None = None
+    draft: bool = True
+    ignore_eos: bool = False
+
+
+def prompt_ids_of(models: LoadedModels, request: GenerationRequest) -> list[int]:
+    """The request's prompt as token ids."""
+    if request.prompt_ids is not None:
+        return request.prompt_ids
+    if models.tokenizer is None:
+        raise DFlashError("The target has no tokenizer.json; pass the prompt as --prompt-ids.")
+    if not request.prompt:
+        raise DFlashError("The prompt is empty.")
+    return models.tokenizer.encode(request.prompt)
+
+
+def run_request(models: LoadedModels, request: GenerationRequest, on_text: Callable[[str], None] | None = None) -> dict:
+    """Generate to the end, streaming text to on_text; return ids, text and stats as a dict."""
+    settings = Settings(
+        max_new_tokens=request.max_new_tokens,
+        sampling=SamplingParams(request.temperature, request.top_p, request.top_k),
+        block_size=request.block_size,
+        draft=request.draft,
+        stop_ids=frozenset() if request.ignore_eos else models.stop_ids,
+        seed=request.seed,
+    )
+    ids = prompt_ids_of(models, request)
+    detokenizer = Detokenizer(models.tokenizer) if models.tokenizer else None
+    stats = Stats()
+    output_ids: list[int] = []
+    for step in generate(models.target, models.drafter, ids, settings):
+        output_ids.extend(step.token_ids)
+        stats.add(step)
+        if detokenizer and on_text:
+            on_text(detokenizer.add(step.token_ids))
+    result = {"prompt_ids": ids, "output_ids": output_ids, **stats.to_dict()}
+    if models.tokenizer:
+        result["text"] = models.tokenizer.decode(output_ids)
+    return result

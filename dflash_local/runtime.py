@@ -1,0 +1,29 @@
+"""Choosing the device and dtype a model runs with."""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import DFlashError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(name: str = "auto") -> str:
+    """'auto' means CUDA when available, else CPU."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise DFlashError("CUDA was requested but this torch build sees no CUDA GPU.")
+    if name != "cpu" and not name.startswith("cuda"):
+        raise DFlashError(f"Unknown device '{name}' (use auto, cpu or cuda).")
+    return name
+
+
+def pick_dtype(name: str, device: str) -> torch.dtype:
+    """'auto' means bfloat16 on CUDA and float32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if name not in DTYPES:
+        raise DFlashError(f"Unknown dtype '{name}' (use auto, {', '.join(DTYPES)}).")
+    return DTYPES[name]

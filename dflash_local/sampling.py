@@ -1,0 +1,80 @@
+"""Turning logits into tokens: greedy, temperature / top-k / top-p, and speculative rejection sampling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import DFlashError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 means greedy; top_k 0 and top_p 1.0 mean no truncation."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise DFlashError("The temperature must be 0 or more.")
+        if not 0 < self.top_p <= 1:
+            raise DFlashError("top-p must be in (0, 1].")
+        if self.top_k < 0:
+            raise DFlashError("top-k must be 0 (off) or more.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Row-wise sampling distribution after temperature, top-k and top-p truncation."""
+    scores = logits.float() / params.temperature
+    if 0 < params.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        keep = sorted_probs.cumsum(dim=-1) - sorted_probs < params.top_p
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs * keep)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One sample per row of a probability matrix."""
+    return torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator).view(probs.shape[:-1])
+
+
+def pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """Greedy argmax or a sample, per row."""
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    return draw(probabilities(logits, params), generator)
+
+
+def accept_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
+    """Longest prefix of draft equal to the target's argmax, and the target's token after it."""
+    choice = target_logits.argmax(dim=-1)
+    accepted = int((draft == choice[:-1]).cumprod(dim=0).sum())
+    return accepted, int(choice[accepted])
+
+
+def accept_sampled(
+    draft: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor, generator: torch.Generator | None
+) -> tuple[int, int]:
+    """Speculative rejection sampling: accepted count and the next token, exactly distributed as the target."""
+    p = target_probs[:-1].gather(-1, draft[:, None])[:, 0]
+    q = draft_probs.gather(-1, draft[:, None])[:, 0]
+    uniform = torch.rand(q.shape, generator=generator, device=q.device)
+    accepted = int((uniform * q < p).to(torch.int64).cumprod(dim=0).sum())
+    if accepted == draft.shape[0]:
+        return accepted, int(draw(target_probs[-1], generator))
+    residual = (target_probs[accepted] - draft_probs[accepted]).clamp_min(0)
+    total = residual.sum()
+    residual = residual / total if total > 0 else target_probs[accepted]
+    return accepted, int(draw(residual, generator))

@@ -1,0 +1,32 @@
+"""Target backends: each loads a model and implements `targets.base.Target`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import DFlashError
+from .base import Target
+
+BACKENDS = ("torch",)
+
+
+def load_target(
+    path: str | Path,
+    backend: str = "auto",
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    max_context: int = 4096,
+) -> Target:
+    """Load a target model from a local path with the named (or inferred) backend."""
+    path = Path(path)
+    if not path.exists():
+        raise DFlashError(f"{path} does not exist.")
+    if backend == "auto":
+        backend = "torch"
+    if backend == "torch":
+        from .torch_llama import TorchLlamaTarget
+
+        return TorchLlamaTarget.load(path, dtype=dtype, device=device, max_context=max_context)
+    raise DFlashError(f"Unknown backend '{backend}' (available: {', '.join(BACKENDS)}).")

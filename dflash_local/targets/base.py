@@ -1,0 +1,46 @@
+"""The small interface every target backend implements."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class TargetOutput:
+    """Logits (fp32, one row per requested position) and concatenated context features (or None)."""
+
+    logits: torch.Tensor
+    features: torch.Tensor | None
+
+
+class Target(Protocol):
+    """A causal LM that the decode loop feeds, verifies with, and rolls back."""
+
+    device: torch.device
+    dtype: torch.dtype
+    length: int
+    max_context: int
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    @property
+    def num_layers(self) -> int: ...
+
+    def set_feature_layers(self, layer_ids: list[int]) -> None: ...
+
+    def reset(self) -> None: ...
+
+    def rollback(self, length: int) -> None: ...
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor: ...
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def forward(self, ids: torch.Tensor, all_logits: bool = True, features: bool = True) -> TargetOutput: ...

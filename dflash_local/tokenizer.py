@@ -1,0 +1,78 @@
+"""Tokenizer loading (tokenizer.json), stop tokens, and incremental detokenization for streaming."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from .errors import DFlashError
+
+
+class TextTokenizer:
+    """A `tokenizers` tokenizer plus the folder's tokenizer_config.json."""
+
+    def __init__(self, tokenizer: Tokenizer, config: dict) -> None:
+        self.tokenizer = tokenizer
+        self.config = config
+
+    @classmethod
+    def load(cls, folder: Path) -> TextTokenizer | None:
+        """The folder's tokenizer, or None when it has no tokenizer.json."""
+        path = Path(folder) / "tokenizer.json"
+        if not path.is_file():
+            return None
+        try:
+            tokenizer = Tokenizer.from_file(str(path))
+        except Exception as exc:  # the tokenizers library raises a bare Exception on bad files
+            raise DFlashError(f"{path} cannot be read as a tokenizer ({exc}).") from None
+        config = _read_json(Path(folder) / "tokenizer_config.json")
+        return cls(tokenizer, config)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=True).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def token_id(self, token: str) -> int | None:
+        return self.tokenizer.token_to_id(token)
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DFlashError(f"{path} is not valid JSON ({exc}).") from None
+    return data if isinstance(data, dict) else {}
+
+
+def stop_token_ids(folder: Path) -> frozenset[int]:
+    """End-of-sequence ids from generation_config.json, else config.json."""
+    for name in ("generation_config.json", "config.json"):
+        eos = _read_json(Path(folder) / name).get("eos_token_id")
+        if eos is not None:
+            return frozenset([eos] if isinstance(eos, int) else eos)
+    return frozenset()
+
+
+class Detokenizer:
+    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8."""
+
+    def __init__(self, tokenizer: TextTokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.emitted = ""
+
+    def add(self, ids: list[int]) -> str:
+        """Append ids; return the newly complete text."""
+        self.ids.extend(ids)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        delta = text[len(self.emitted) :] if text.startswith(self.emitted) else text
+        self.emitted = text
+        return delta

@@ -1,0 +1,49 @@
+"""Session fixtures: tiny random-weight targets and drafters written to disk once per test run."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import make_drafter, make_target  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tiny")
+
+
+@pytest.fixture(scope="session")
+def llama_target(tiny_dir) -> Path:
+    """Llama 3.x shape: llama3 RoPE scaling, GQA, untied head."""
+    return make_target(tiny_dir / "llama", kind="llama", vocab_size=64, seed=0)
+
+
+@pytest.fixture(scope="session")
+def qwen3_target(tiny_dir) -> Path:
+    """Qwen3 shape: q/k norms, head_dim != hidden/heads, tied embeddings."""
+    return make_target(tiny_dir / "qwen3", kind="qwen3", vocab_size=48, seed=2, tied=True)
+
+
+@pytest.fixture(scope="session")
+def drafters(tiny_dir, llama_target, qwen3_target) -> dict[tuple[str, int], Path]:
+    """Reference-built drafters for each target at depths 1, 2 and 3."""
+    out = {}
+    for name, target in (("llama", llama_target), ("qwen3", qwen3_target)):
+        for depth, layer_ids in ((1, [1]), (2, [0, 2]), (3, [0, 1, 3])):
+            out[name, depth] = make_drafter(
+                tiny_dir / f"{name}-d{depth}", target, num_layers=depth, target_layer_ids=layer_ids, seed=10 + depth
+            )
+    return out
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread():
+    """Tiny models gain nothing from threads, and two busy processes on 2 cores make OpenMP spin."""
+    import torch
+
+    torch.set_num_threads(1)

@@ -1,0 +1,62 @@
+"""Loading HF-layout folders: sharded weights, transformers 4.x and 5.x configs, tied heads."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import torch
+
+from dflash_local.drafter import default_target_layer_ids
+from dflash_local.targets.torch_llama import TorchLlamaTarget
+
+IDS = torch.tensor([4, 8, 15, 16, 23, 42, 7, 1])
+
+
+def _logits(folder) -> torch.Tensor:
+    return TorchLlamaTarget.load(folder).forward(IDS, features=False).logits
+
+
+def test_sharded_checkpoint(tmp_path, llama_target):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(llama_target)
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
+    torch.testing.assert_close(_logits(tmp_path / "sharded"), _logits(llama_target), atol=0, rtol=0)
+
+
+def test_transformers4_rope_config(tmp_path, llama_target):
+    folder = tmp_path / "v4"
+    shutil.copytree(llama_target, folder)
+    config = json.loads((folder / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = rope
+    (folder / "config.json").write_text(json.dumps(config))
+    torch.testing.assert_close(_logits(folder), _logits(llama_target), atol=0, rtol=0)
+    config["rope_scaling"] = None
+    (folder / "config.json").write_text(json.dumps(config))
+    assert not torch.allclose(_logits(folder), _logits(llama_target))
+
+
+def test_tied_head_shares_embeddings(qwen3_target):
+    target = TorchLlamaTarget.load(qwen3_target)
+    assert target.model.lm_head.weight.data_ptr() == target.model.model.embed_tokens.weight.data_ptr()
+
+
+def test_default_layer_ids_match_reference():
+    from dflash.model import build_target_layer_ids
+
+    for layers in (8, 28, 36):
+        for depth in (1, 2, 5):
+            assert default_target_layer_ids(layers, depth) == build_target_layer_ids(layers, depth)
+
+
+def test_rollback_recomputes_identically(llama_target):
+    target = TorchLlamaTarget.load(llama_target)
+    whole = target.forward(IDS).logits
+    target.rollback(3)
+    again = target.forward(IDS[3:]).logits
+    torch.testing.assert_close(again, whole[3:], atol=1e-6, rtol=1e-5)

@@ -1,0 +1,124 @@
+"""Greedy DFlash output equals greedy autoregressive output, whatever the drafter proposes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dflash_local.decode import Settings, run
+from dflash_local.drafter import DFlashDrafter
+from dflash_local.errors import DFlashError
+from dflash_local.targets.torch_llama import TorchLlamaTarget
+
+PROMPTS = [[random.Random(seed).randrange(60) for _ in range(1 + seed % 13)] for seed in range(20)]
+
+
+class OracleDrafter:
+    """Proposes the true continuation, corrupting each position with some probability.
+
+    Real random-weight drafters rarely get accepted; this one exercises every acceptance length.
+    """
+
+    target_layer_ids: list[int] = []
+
+    def __init__(self, truth: list[int], vocab_size: int, error_rate: float, seed: int, block_size: int = 16) -> None:
+        self.truth, self.vocab_size, self.error_rate = truth, vocab_size, error_rate
+        self.rng = random.Random(seed)
+        self.block_size = block_size
+        self.calls = 0
+
+    def check_target(self, target) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, target, new_features, first_token, start, size):
+        assert self.truth[start] == first_token
+        self.calls += 1
+        logits = torch.zeros(size - 1, self.vocab_size)
+        for row, position in enumerate(range(start + 1, start + size)):
+            token = self.truth[position] if position < len(self.truth) else 0
+            if self.rng.random() < self.error_rate:
+                token = (token + 1 + self.rng.randrange(self.vocab_size - 1)) % self.vocab_size
+            logits[row, token] = 1.0
+        return logits
+
+
+@pytest.fixture(scope="module")
+def target(llama_target) -> TorchLlamaTarget:
+    return TorchLlamaTarget.load(llama_target)
+
+
+def _autoregressive(target, prompt, max_new_tokens, stop_ids=frozenset()):
+    ids, stats = run(target, None, prompt, Settings(max_new_tokens=max_new_tokens, draft=False, stop_ids=stop_ids))
+    assert stats.acceptance_lengths == [1] * (len(ids) - 1)
+    return ids
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+def test_oracle_drafts_are_lossless(target, block_size):
+    lengths_seen = set()
+    for index, prompt in enumerate(PROMPTS):
+        max_new = 20 + index * 3  # ends at assorted offsets inside a block
+        expected = _autoregressive(target, prompt, max_new)
+        drafter = OracleDrafter(prompt + expected + [0] * 32, target.vocab_size, error_rate=0.15, seed=index)
+        ids, stats = run(target, drafter, prompt, Settings(max_new_tokens=max_new, block_size=block_size))
+        assert ids == expected
+        assert len(ids) == max_new
+        assert sum(stats.acceptance_lengths) + 1 == len(ids)
+        assert all(1 <= n <= block_size for n in stats.acceptance_lengths)
+        lengths_seen.update(stats.acceptance_lengths)
+    assert lengths_seen == set(range(1, block_size + 1))
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+def test_stop_token_mid_block(target, block_size):
+    for index, prompt in enumerate(PROMPTS):
+        full = _autoregressive(target, prompt, 40)
+        stop = full[7 + index % 11]
+        expected = full[: full.index(stop) + 1]
+        assert _autoregressive(target, prompt, 40, frozenset([stop])) == expected
+        drafter = OracleDrafter(prompt + full + [0] * 32, target.vocab_size, error_rate=0.05, seed=index)
+        settings = Settings(max_new_tokens=40, block_size=block_size, stop_ids=frozenset([stop]))
+        ids, stats = run(target, drafter, prompt, settings)
+        assert ids == expected
+        assert stats.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+def test_real_drafters_are_lossless(llama_target, qwen3_target, drafters, block_size):
+    for (kind, depth), drafter_dir in drafters.items():
+        target = TorchLlamaTarget.load(llama_target if kind == "llama" else qwen3_target)
+        drafter = DFlashDrafter.load(drafter_dir)
+        for prompt in PROMPTS[depth::4]:
+            prompt = [t % target.vocab_size for t in prompt]
+            expected = _autoregressive(target, prompt, 33)
+            ids, _ = run(target, drafter, prompt, Settings(max_new_tokens=33, block_size=block_size))
+            assert ids == expected
+
+
+def test_first_token_can_stop(target):
+    first = _autoregressive(target, PROMPTS[0], 1)[0]
+    drafter = OracleDrafter([0] * 64, target.vocab_size, 0.0, 0)
+    ids, stats = run(target, drafter, PROMPTS[0], Settings(max_new_tokens=30, stop_ids=frozenset([first])))
+    assert ids == [first] and stats.acceptance_lengths == [] and stats.finish_reason == "stop"
+
+
+def test_context_limit_ends_generation(llama_target):
+    target = TorchLlamaTarget.load(llama_target, max_context=24)
+    prompt = PROMPTS[5]
+    expected = _autoregressive(target, prompt, 100)
+    assert len(prompt) + len(expected) == 24
+    drafter = OracleDrafter(prompt + expected + [0] * 32, target.vocab_size, 0.1, 1)
+    ids, stats = run(target, drafter, prompt, Settings(max_new_tokens=100, block_size=8))
+    assert ids == expected and stats.finish_reason == "context"
+
+
+@pytest.mark.parametrize("bad_block", [1, 17])
+def test_block_size_outside_trained_range(target, bad_block):
+    drafter = OracleDrafter([0] * 64, target.vocab_size, 0.0, 0)
+    with pytest.raises(DFlashError, match="between 2 and the drafter's trained 16"):
+        run(target, drafter, [1, 2], Settings(block_size=bad_block))

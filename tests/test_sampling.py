@@ -1,0 +1,90 @@
+"""At temperature > 0, DFlash samples sequences with exactly the target's distribution."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from tiny_models import make_drafter, make_target
+
+import dflash_local.decode as decode
+from dflash_local.decode import Settings, run
+from dflash_local.drafter import DFlashDrafter
+from dflash_local.sampling import SamplingParams, probabilities
+from dflash_local.targets.torch_llama import TorchLlamaTarget
+
+VOCAB, NEW_TOKENS, SAMPLES = 5, 3, 3000
+PROMPT = [1, 3, 0, 2]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("small_vocab")
+    target_dir = make_target(folder / "target", vocab_size=VOCAB, hidden_size=32, seed=5, std=0.5)
+    drafter_dir = make_drafter(folder / "drafter", target_dir, num_layers=1, target_layer_ids=[1], seed=6, std=0.5)
+    return TorchLlamaTarget.load(target_dir), DFlashDrafter.load(drafter_dir)
+
+
+def _exact_distribution(target, params: SamplingParams) -> dict[tuple[int, ...], float]:
+    """P(x1..xn | prompt) for every sequence, from the target's own conditionals."""
+    table = {}
+    for sequence in itertools.product(range(VOCAB), repeat=NEW_TOKENS):
+        target.reset()
+        logits = target.forward(torch.tensor(PROMPT + list(sequence[:-1])), features=False).logits
+        probs = probabilities(logits[len(PROMPT) - 1 :], params)
+        table[sequence] = float(torch.prod(probs[torch.arange(NEW_TOKENS), torch.tensor(sequence)]))
+    return table
+
+
+def _p_value(target, drafter, params: SamplingParams) -> float:
+    exact = _exact_distribution(target, params)
+    counts = dict.fromkeys(exact, 0)
+    for seed in range(SAMPLES):
+        ids, _ = run(target, drafter, PROMPT, Settings(max_new_tokens=NEW_TOKENS, sampling=params, seed=seed))
+        counts[tuple(ids)] += 1
+    # Pool sequences whose expected count is small into one cell so the chi-square test is valid.
+    observed, expected, pooled_obs, pooled_exp = [], [], 0, 0.0
+    impossible = sum(counts[sequence] for sequence, probability in exact.items() if probability == 0)
+    if impossible:
+        return 0.0  # the sampler produced sequences that top-k / top-p rule out
+    for sequence, probability in exact.items():
+        if probability == 0:
+            continue
+        if probability * SAMPLES < 5:
+            pooled_obs, pooled_exp = pooled_obs + counts[sequence], pooled_exp + probability * SAMPLES
+        else:
+            observed.append(counts[sequence])
+            expected.append(probability * SAMPLES)
+    if pooled_exp > 0:
+        observed.append(pooled_obs)
+        expected.append(pooled_exp)
+    assert len(observed) >= 8, "too few outcomes for a meaningful test"
+    total = sum(expected)
+    return chisquare(observed, [e * SAMPLES / total for e in expected]).pvalue
+
+
+@pytest.mark.parametrize(
+    "params", [SamplingParams(temperature=1.0), SamplingParams(temperature=1.5, top_k=3, top_p=0.95)]
+)
+def test_dflash_sampling_matches_target_distribution(pair, params):
+    target, drafter = pair
+    assert _p_value(target, drafter, params) > 1e-3
+
+
+def test_biased_sampler_is_detected(pair, monkeypatch):
+    """A sampler that keeps every draft (no rejection) must fail the same test."""
+    target, drafter = pair
+
+    def accept_everything(draft, draft_probs, target_probs, generator):
+        return draft.shape[0], int(torch.multinomial(target_probs[-1], 1, generator=generator))
+
+    monkeypatch.setattr(decode, "accept_sampled", accept_everything)
+    assert _p_value(target, drafter, SamplingParams(temperature=1.0)) < 1e-6
+
+
+def test_seed_makes_sampling_reproducible(pair):
+    target, drafter = pair
+    settings = Settings(max_new_tokens=12, sampling=SamplingParams(temperature=1.0), seed=42)
+    assert run(target, drafter, PROMPT, settings)[0] == run(target, drafter, PROMPT, settings)[0]
