@@ -110,3 +110,84 @@ def generate(
 def main() -> None:
     """Console-script entry point."""
     app()
+
+
+@app.command()
+def train(
+    target: Path = typer.Option(..., "--target", help="Target model folder (HF layout) the drafter will serve."),
+    corpus: list[Path] = typer.Option(..., "--corpus", help="Prompt corpus: text files, folders, JSONL chats."),
+    out: Path = typer.Option(..., "--out", help="Where to write the drafter (config.json + model.safetensors)."),
+    work: Optional[Path] = typer.Option(None, "--work", help="Shards and checkpoints (default: OUT.work)."),
+    layers: int = typer.Option(2, "--layers", help="Drafter depth."),
+    block_size: int = typer.Option(16, "--block-size"),
+    target_layer_ids: Optional[str] = typer.Option(None, "--target-layer-ids", help="e.g. 1,3,5 (default: spread)."),
+    mask_token_id: Optional[int] = typer.Option(None, "--mask-token-id", help="Default: <|mask|> or the last id."),
+    prompt_tokens: int = typer.Option(64, "--prompt-tokens", help="Window length of text prompts."),
+    max_prompts: Optional[int] = typer.Option(None, "--max-prompts", help="Use at most this many prompts."),
+    new_tokens: int = typer.Option(192, "--new-tokens", help="Tokens the target writes per prompt."),
+    sampled_fraction: float = typer.Option(0.25, "--sampled-fraction", help="Share of sampled (not greedy) data."),
+    steps: int = typer.Option(2000, "--steps"),
+    batch_size: int = typer.Option(8, "--batch-size", help="Sequences per optimisation step."),
+    anchors: int = typer.Option(16, "--anchors", help="Blocks per sequence per step."),
+    lr: float = typer.Option(6e-4, "--lr"),
+    eval_every: int = typer.Option(100, "--eval-every"),
+    seed: int = typer.Option(0, "--seed"),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the checkpoint in the work folder."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+) -> None:
+    """Train a DFlash drafter for a target by self-distillation."""
+    with user_errors():
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        from .runtime import pick_device
+        from .train.pipeline import DistillProgress, TrainRequest, run_training
+        from .train.selfdistill import DistillSettings
+        from .train.trainer import TrainSettings
+
+        request = TrainRequest(
+            target=target,
+            corpus=corpus,
+            out=out,
+            work=work,
+            prompt_tokens=prompt_tokens,
+            max_prompts=max_prompts,
+            mask_token_id=mask_token_id,
+            target_layer_ids=_parse_ids(target_layer_ids) if target_layer_ids else None,
+            resume=resume,
+            device=pick_device(device),
+            distill=DistillSettings(new_tokens=new_tokens, sampled_fraction=sampled_fraction, seed=seed),
+            train=TrainSettings(
+                layers=layers,
+                block_size=block_size,
+                steps=steps,
+                batch_size=batch_size,
+                anchors=anchors,
+                lr=lr,
+                eval_every=eval_every,
+                seed=seed,
+            ),
+        )
+        columns = (
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeRemainingColumn(),
+        )
+        tau = "-"
+        with Progress(*columns, transient=False) as progress:
+            distill = progress.add_task("self-distilling", total=None, info="")
+            fit = None
+            for event in run_training(request):
+                if isinstance(event, DistillProgress):
+                    progress.update(distill, completed=event.done, total=event.total, info=f"{event.done} prompts")
+                    continue
+                if fit is None:
+                    fit = progress.add_task("training", total=event.steps, info="")
+                if event.tau_estimate is not None:
+                    tau = f"{event.tau_estimate:.2f}"
+                progress.update(
+                    fit,
+                    completed=event.step,
+                    info=f"loss {event.loss:.3f} · held-out tau {tau} · {event.tokens_per_s:.0f} tok/s",
+                )
+        typer.echo(f"drafter written to {out} (held-out tau estimate {tau})")

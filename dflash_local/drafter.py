@@ -107,10 +107,10 @@ class DraftAttention(nn.Module):
         self.sliding_window = cfg.sliding_window if sliding else None
 
     def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K (k_norm + RoPE) and V of shape [kv_heads, len, head_dim]."""
-        steps = x.shape[0]
-        k = self.k_norm(self.k_proj(x).view(steps, self.num_kv_heads, self.head_dim)).transpose(0, 1)
-        v = self.v_proj(x).view(steps, self.num_kv_heads, self.head_dim).transpose(0, 1)
+        """K (k_norm + RoPE) and V of shape [batch, kv_heads, len, head_dim] for x [batch, len, hidden]."""
+        batch, steps, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(batch, steps, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(batch, steps, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
     def visibility(self, num_queries: int, num_keys: int, device: torch.device) -> torch.Tensor | None:
@@ -129,16 +129,24 @@ class DraftAttention(nn.Module):
         return visible
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        past_k: torch.Tensor,
+        past_v: torch.Tensor,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        steps = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(steps, self.num_heads, self.head_dim)).transpose(0, 1)
+        """Block x [batch, steps, hidden] attends to [past K/V ; its own K/V]; mask defaults to the layer type's."""
+        batch, steps, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(batch, steps, self.num_heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         k, v = self.key_value(x, cos, sin)
-        k, v = torch.cat([past_k, k], dim=1), torch.cat([past_v, v], dim=1)
-        mask = self.visibility(steps, k.shape[1], x.device)
+        k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+        if mask is None:
+            mask = self.visibility(steps, k.shape[2], x.device)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
-        return self.o_proj(out.transpose(0, 1).reshape(steps, -1))
+        return self.o_proj(out.transpose(1, 2).reshape(batch, steps, -1))
 
 
 class DraftLayer(nn.Module):
@@ -151,8 +159,8 @@ class DraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos, sin, past_k: torch.Tensor, past_v: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, past_k, past_v)
+    def forward(self, x: torch.Tensor, cos, sin, past_k: torch.Tensor, past_v: torch.Tensor, mask=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, past_k, past_v, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -187,7 +195,7 @@ class DFlashDrafter:
         self.cfg = model.cfg
         param = model.fc.weight
         self.device, self.dtype = param.device, param.dtype
-        shape = (self.cfg.num_layers, self.cfg.num_kv_heads, max_context, self.cfg.head_dim)
+        shape = (self.cfg.num_layers, 1, self.cfg.num_kv_heads, max_context, self.cfg.head_dim)
         self.cache_k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.cache_v = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.length = 0
@@ -243,7 +251,7 @@ class DFlashDrafter:
             )
         if not 0 <= cfg.mask_token_id < target.vocab_size:
             raise DFlashError(f"The drafter's mask token id {cfg.mask_token_id} is outside the target's vocabulary.")
-        if self.cache_k.shape[2] < target.max_context:
+        if self.cache_k.shape[3] < target.max_context:
             raise DFlashError("The drafter's cache is shorter than the target's context.")
 
     def reset(self) -> None:
@@ -260,14 +268,15 @@ class DFlashDrafter:
         block_ids = torch.full((size,), self.cfg.mask_token_id, dtype=torch.long, device=self.device)
         block_ids[0] = first_token
         positions = torch.arange(self.length, start + size, device=self.device)
-        cos, sin = rope_cos_sin(model.inv_freq, positions, self.dtype)
+        cos, sin = (t[None, None] for t in rope_cos_sin(model.inv_freq, positions, self.dtype))
         num_ctx = new_features.shape[0]
-        context = model.project_context(new_features.to(self.dtype))
-        x = target.embed(block_ids).to(self.dtype) * self.cfg.input_embedding_scale
+        context = model.project_context(new_features.to(self.dtype))[None]
+        x = target.embed(block_ids).to(self.dtype)[None] * self.cfg.input_embedding_scale
         for index, layer in enumerate(model.layers):
-            k, v = layer.self_attn.key_value(context, cos[:num_ctx], sin[:num_ctx])
-            self.cache_k[index, :, self.length : start] = k
-            self.cache_v[index, :, self.length : start] = v
-            x = layer(x, cos[num_ctx:], sin[num_ctx:], self.cache_k[index, :, :start], self.cache_v[index, :, :start])
+            k, v = layer.self_attn.key_value(context, cos[..., :num_ctx, :], sin[..., :num_ctx, :])
+            self.cache_k[index, :, :, self.length : start] = k
+            self.cache_v[index, :, :, self.length : start] = v
+            past_k, past_v = self.cache_k[index, :, :, :start], self.cache_v[index, :, :, :start]
+            x = layer(x, cos[..., num_ctx:, :], sin[..., num_ctx:, :], past_k, past_v)
         self.length = start
-        return model.logits(model.norm(x[1:]), target.lm_head)
+        return model.logits(model.norm(x[0, 1:]), target.lm_head)

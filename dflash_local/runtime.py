@@ -27,3 +27,14 @@ def pick_dtype(name: str, device: str) -> torch.dtype:
     if name not in DTYPES:
         raise DFlashError(f"Unknown dtype '{name}' (use auto, {', '.join(DTYPES)}).")
     return DTYPES[name]
+
+
+def bf16_is_fast(device: str) -> bool:
+    """bf16 matmuls pay off on CUDA and on CPUs with AMX or AVX-512 BF16; elsewhere fp32 is faster."""
+    if device.startswith("cuda"):
+        return True
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags

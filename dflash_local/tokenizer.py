@@ -7,6 +7,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from .chat_template import render_chat
 from .errors import DFlashError
 
 
@@ -30,8 +31,13 @@ class TextTokenizer:
         config = _read_json(Path(folder) / "tokenizer_config.json")
         return cls(tokenizer, config)
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of messages rendered with the model's chat template."""
+        text = render_chat(self.config, messages, add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)

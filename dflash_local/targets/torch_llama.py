@@ -93,26 +93,27 @@ class Attention(nn.Module):
         cache_k: torch.Tensor,
         cache_v: torch.Tensor,
         start: int,
+        mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        steps = x.shape[0]
-        q = self.q_proj(x).view(steps, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(steps, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(steps, self.num_kv_heads, self.head_dim)
+        """x [batch, steps, hidden]; caches [batch, kv_heads, max_len, head_dim]; writes at start."""
+        batch, steps, _ = x.shape
+        q = self.q_proj(x).view(batch, steps, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(batch, steps, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, steps, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(0, 1), cos, sin)
-        k = apply_rope(k.transpose(0, 1), cos, sin)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
         end = start + steps
-        cache_k[:, start:end] = k
-        cache_v[:, start:end] = v.transpose(0, 1)
-        mask = None
-        if steps > 1:
-            query_pos = torch.arange(start, end, device=x.device)[:, None]
-            mask = torch.arange(end, device=x.device)[None, :] <= query_pos
+        cache_k[:, :, start:end] = apply_rope(k.transpose(1, 2), cos, sin)
+        cache_v[:, :, start:end] = v.transpose(1, 2)
         out = F.scaled_dot_product_attention(
-            q, cache_k[:, :end], cache_v[:, :end], attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads
+            q,
+            cache_k[:, :, :end],
+            cache_v[:, :, :end],
+            attn_mask=mask,
+            enable_gqa=self.num_heads != self.num_kv_heads,
         )
-        return self.o_proj(out.transpose(0, 1).reshape(steps, -1))
+        return self.o_proj(out.transpose(1, 2).reshape(batch, steps, -1))
 
 
 class DecoderLayer(nn.Module):
@@ -125,10 +126,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_k, cache_v, start: int
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache_k, cache_v, start)
+    def forward(self, x: torch.Tensor, cos, sin, cache_k, cache_v, start: int, mask) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache_k, cache_v, start, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -152,6 +151,44 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.raw, cfg.head_dim), persistent=False)
 
+    def new_cache(self, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed K and V caches of shape [layers, batch, kv_heads, length, head_dim]."""
+        cfg, weight = self.cfg, self.lm_head.weight
+        shape = (cfg.num_layers, batch, cfg.num_kv_heads, length, cfg.head_dim)
+        return (
+            torch.zeros(shape, dtype=weight.dtype, device=weight.device),
+            torch.zeros(shape, dtype=weight.dtype, device=weight.device),
+        )
+
+    def run_layers(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        start: int,
+        mask: torch.Tensor | None,
+        feature_layer_ids: list[int],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run ids [batch, steps] at positions [batch or 1, steps]; return the final-normed hidden
+        states and the concatenated outputs of feature_layer_ids (HF `hidden_states[id + 1]`)."""
+        dtype = self.lm_head.weight.dtype
+        batch, steps = ids.shape
+        cos, sin = rope_cos_sin(self.inv_freq, positions.reshape(-1), dtype)
+        cos, sin = (t.view(positions.shape[0], 1, steps, -1) for t in (cos, sin))
+        x = F.embedding(ids, self.model.embed_tokens.weight)
+        captured: dict[int, torch.Tensor] = {}
+        wanted = set(feature_layer_ids)
+        for index, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, cache[0][index], cache[1][index], start, mask)
+            if index in wanted:
+                captured[index] = x
+        hidden = self.model.norm(x)
+        last = self.cfg.num_layers - 1
+        if last in wanted:
+            captured[last] = hidden
+        features = torch.cat([captured[i] for i in feature_layer_ids], dim=-1) if wanted else None
+        return hidden, features
+
 
 class TorchLlamaTarget:
     """A target model plus its KV cache: feed tokens, read logits and context features, roll back."""
@@ -162,9 +199,7 @@ class TorchLlamaTarget:
         param = model.lm_head.weight
         self.device, self.dtype = param.device, param.dtype
         self.max_context = min(max_context, self.cfg.max_position_embeddings)
-        shape = (self.cfg.num_layers, self.cfg.num_kv_heads, self.max_context, self.cfg.head_dim)
-        self.cache_k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.cache_v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.cache = model.new_cache(1, self.max_context)
         self.length = 0
         self.feature_layer_ids: list[int] = []
 
@@ -230,19 +265,11 @@ class TorchLlamaTarget:
         steps, start = ids.shape[0], self.length
         if start + steps > self.max_context:
             raise DFlashError(f"The context is full ({self.max_context} tokens).")
-        cos, sin = rope_cos_sin(self.model.inv_freq, torch.arange(start, start + steps, device=self.device), self.dtype)
-        x = self.embed(ids)
-        wanted = set(self.feature_layer_ids) if features else set()
-        captured: dict[int, torch.Tensor] = {}
-        backbone = self.model.model
-        last = self.cfg.num_layers - 1
-        for index, layer in enumerate(backbone.layers):
-            x = layer(x, cos, sin, self.cache_k[index], self.cache_v[index], start)
-            if index in wanted and index != last:
-                captured[index] = x
-        self.length = start + steps
-        hidden = backbone.norm(x if all_logits else x[-1:])
-        if last in wanted:
-            captured[last] = backbone.norm(x) if not all_logits else hidden
-        feats = torch.cat([captured[i] for i in self.feature_layer_ids], dim=-1) if wanted else None
-        return TargetOutput(logits=self.lm_head(hidden).float(), features=feats)
+        end = start + steps
+        positions = torch.arange(start, end, device=self.device)
+        mask = None if steps == 1 else torch.arange(end, device=self.device)[None, :] <= positions[:, None]
+        layer_ids = self.feature_layer_ids if features else []
+        hidden, feats = self.model.run_layers(ids[None], positions[None], self.cache, start, mask, layer_ids)
+        self.length = end
+        hidden = hidden[0] if all_logits else hidden[0, -1:]
+        return TargetOutput(logits=self.lm_head(hidden).float(), features=None if feats is None else feats[0])

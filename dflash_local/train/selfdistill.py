@@ -1,0 +1,143 @@
+"""Self-distillation data: the target continues each prompt (greedy or sampled), in batches, and the
+token ids plus the target's context features are written to disk in shards so a run can resume."""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..sampling import SamplingParams, pick
+from ..targets.torch_llama import LlamaModel
+
+
+@dataclass(frozen=True)
+class DistillSettings:
+    """How much to generate and how."""
+
+    new_tokens: int = 192
+    batch_size: int = 32
+    shard_size: int = 256
+    sampled_fraction: float = 0.25
+    temperature: float = 0.8
+    seed: int = 0
+
+
+@torch.inference_mode()
+def continue_batch(
+    model: LlamaModel,
+    prompts: list[list[int]],
+    new_tokens: int,
+    layer_ids: list[int],
+    params: SamplingParams,
+    stop_ids: frozenset[int],
+    generator: torch.Generator,
+) -> list[tuple[list[int], torch.Tensor]]:
+    """Continue left-padded prompts together; return per prompt (prompt + continuation ids, features of
+    every position fed to the target, shape [len(ids) - 1, features])."""
+    device = model.lm_head.weight.device
+    batch, longest = len(prompts), max(map(len, prompts))
+    total = longest + new_tokens
+    pad = torch.tensor([longest - len(p) for p in prompts], device=device)
+    ids = torch.zeros(batch, total, dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        ids[row, longest - len(prompt) : longest] = torch.tensor(prompt)
+    slots = torch.arange(total, device=device)
+    valid = slots[None, :] >= pad[:, None]
+    cache = model.new_cache(batch, total)
+    features = []
+    # Prefill: causal over real tokens; padded queries see themselves so no row is fully masked.
+    causal = slots[:longest, None] >= slots[None, :longest]
+    mask = (causal[None] & valid[:, None, :longest]) | torch.eye(longest, dtype=torch.bool, device=device)[None]
+    positions = (slots[None, :longest] - pad[:, None]).clamp_min(0)
+    hidden, feats = model.run_layers(ids[:, :longest], positions, cache, 0, mask[:, None], layer_ids)
+    features.append(feats)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    ends = torch.full((batch,), total, device=device)
+    stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
+    for step in range(longest, total):
+        token = pick(model.lm_head(hidden[:, -1]).float(), params, generator)
+        ids[:, step] = token
+        hit = torch.isin(token, stops) & ~done
+        ends = torch.where(hit, step + 1, ends)
+        done |= hit
+        if bool(done.all()) or step == total - 1:
+            break
+        positions = (step - pad)[:, None]
+        mask = valid[:, None, None, : step + 1]
+        hidden, feats = model.run_layers(ids[:, step : step + 1], positions, cache, step, mask, layer_ids)
+        features.append(feats)
+    features = torch.cat(features, dim=1)
+    out = []
+    for row in range(batch):
+        begin, end = int(pad[row]), int(ends[row])
+        out.append((ids[row, begin:end].tolist(), features[row, begin : end - 1]))
+    return out
+
+
+def _save_atomically(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    partial = path.with_suffix(".partial")
+    save_file(tensors, str(partial))
+    os.replace(partial, path)
+
+
+def pack_shard(rows: list[tuple[list[int], torch.Tensor, int, bool]], path: Path) -> None:
+    """Write (ids, features, prompt length, sampled) rows, right-padded, as one safetensors shard."""
+    width = max(len(row[0]) for row in rows)
+    dim = rows[0][1].shape[-1]
+    tokens = torch.zeros(len(rows), width, dtype=torch.int32)
+    feats = torch.zeros(len(rows), width, dim, dtype=torch.bfloat16)
+    for row, (ids, features, _, _) in enumerate(rows):
+        tokens[row, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        feats[row, : features.shape[0]] = features.to(torch.bfloat16)
+    _save_atomically(
+        {
+            "tokens": tokens,
+            "features": feats,
+            "lengths": torch.tensor([len(row[0]) for row in rows], dtype=torch.int32),
+            "prompt_lengths": torch.tensor([row[2] for row in rows], dtype=torch.int32),
+            "sampled": torch.tensor([row[3] for row in rows], dtype=torch.bool),
+        },
+        path,
+    )
+
+
+def generate_shards(
+    model: LlamaModel,
+    prompts: list[list[int]],
+    layer_ids: list[int],
+    stop_ids: frozenset[int],
+    folder: Path,
+    settings: DistillSettings,
+) -> Iterator[tuple[int, int]]:
+    """Write shard_NNNNN.safetensors files under folder, skipping shards already written; yields
+    (prompts done, prompts total) as it goes."""
+    folder.mkdir(parents=True, exist_ok=True)
+    total = len(prompts)
+    for shard_index, first in enumerate(range(0, total, settings.shard_size)):
+        path = folder / f"shard_{shard_index:05d}.safetensors"
+        chunk = prompts[first : first + settings.shard_size]
+        if path.exists():
+            yield first + len(chunk), total
+            continue
+        rows = []
+        for offset in range(0, len(chunk), settings.batch_size):
+            batch = chunk[offset : offset + settings.batch_size]
+            number = first + offset
+            sampled = random.Random(settings.seed + number).random() < settings.sampled_fraction
+            params = SamplingParams(temperature=settings.temperature if sampled else 0.0)
+            generator = torch.Generator(device=model.lm_head.weight.device).manual_seed(settings.seed + number)
+            results = continue_batch(model, batch, settings.new_tokens, layer_ids, params, stop_ids, generator)
+            rows += [(ids, feats, len(prompt), sampled) for (ids, feats), prompt in zip(results, batch, strict=True)]
+            yield first + offset + len(batch), total
+        pack_shard(rows, path)
+
+
+def load_shards(folder: Path) -> list[dict[str, torch.Tensor]]:
+    """Every complete shard in folder."""
+    return [load_file(str(path)) for path in sorted(folder.glob("shard_*.safetensors"))]

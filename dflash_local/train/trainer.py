@@ -1,0 +1,240 @@
+"""Training a DFlash drafter for a target on self-distilled shards: the loop, checkpoints, export."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from ..drafter import DFlashModel, DrafterConfig, default_target_layer_ids
+from ..errors import DFlashError
+from ..runtime import bf16_is_fast
+from ..targets.torch_llama import TargetConfig
+from .objective import block_loss, make_blocks
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """Drafter shape and optimisation settings."""
+
+    layers: int = 2
+    block_size: int = 16
+    steps: int = 2000
+    batch_size: int = 8
+    anchors: int = 16
+    lr: float = 6e-4
+    warmup: int = 100
+    weight_decay: float = 0.01
+    heldout_fraction: float = 0.03
+    eval_every: int = 100
+    checkpoint_every: int = 200
+    seed: int = 0
+
+
+@dataclass
+class TrainEvent:
+    """Progress of one optimisation step (tau_estimate only on evaluation steps)."""
+
+    step: int
+    steps: int
+    loss: float
+    lr: float
+    tokens_per_s: float
+    tau_estimate: float | None = None
+
+
+def drafter_config(target: TargetConfig, layers: int, block_size: int, layer_ids: list[int], mask_id: int) -> dict:
+    """A published-layout (Qwen3-style + dflash_config) config.json for a drafter of this target."""
+    raw = target.raw
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": target.hidden_size,
+        "intermediate_size": target.intermediate_size,
+        "num_hidden_layers": layers,
+        "num_attention_heads": target.num_heads,
+        "num_key_value_heads": target.num_kv_heads,
+        "head_dim": target.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": target.rms_norm_eps,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "max_position_embeddings": target.max_position_embeddings,
+        "vocab_size": target.vocab_size,
+        "tie_word_embeddings": False,
+        "layer_types": ["full_attention"] * layers,
+        "block_size": block_size,
+        "num_target_layers": target.num_layers,
+        "dflash_config": {"mask_token_id": mask_id, "target_layer_ids": layer_ids},
+        "dtype": "bfloat16",
+    }
+    for key in ("rope_theta", "rope_scaling", "rope_parameters"):
+        if key in raw:
+            config[key] = raw[key]
+    return config
+
+
+def new_drafter(config: dict, seed: int) -> DFlashModel:
+    """A freshly initialised drafter (normal(0, 0.02) linears, unit norms)."""
+    torch.manual_seed(seed)
+    model = DFlashModel(DrafterConfig.from_dict(config, Path("<new drafter>")))
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            torch.nn.init.ones_(param)
+        else:
+            torch.nn.init.normal_(param, std=0.02)
+    return model
+
+
+def save_drafter(model: DFlashModel, config: dict, folder: Path) -> None:
+    """Write config.json + model.safetensors (bf16), each atomically."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.detach().to(torch.bfloat16).contiguous() for name, t in model.state_dict().items()}
+    save_file(tensors, str(folder / "model.safetensors.partial"))
+    os.replace(folder / "model.safetensors.partial", folder / "model.safetensors")
+    (folder / "config.json.partial").write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(folder / "config.json.partial", folder / "config.json")
+
+
+class Sequences:
+    """All shard rows, indexable, split into training and held-out sets."""
+
+    def __init__(self, shards: list[dict[str, torch.Tensor]], heldout_fraction: float, seed: int) -> None:
+        self.rows = [(shard, row) for shard in shards for row in range(shard["tokens"].shape[0])]
+        if not self.rows:
+            raise DFlashError("No self-distilled sequences to train on.")
+        order = list(range(len(self.rows)))
+        random.Random(seed).shuffle(order)
+        greedy = [i for i in order if not bool(self.rows[i][0]["sampled"][self.rows[i][1]])]
+        count = max(1, int(len(order) * heldout_fraction)) if len(order) > 1 else 0
+        self.heldout = greedy[:count]
+        held = set(self.heldout)
+        self.train = [i for i in order if i not in held]
+
+    def batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """tokens, features, lengths, prompt lengths for the rows, padded to the longest."""
+        rows = [self.rows[i] for i in indices]
+        lengths = torch.stack([shard["lengths"][r] for shard, r in rows]).long()
+        width = int(lengths.max())
+        tokens = torch.stack([shard["tokens"][r, :width] for shard, r in rows])
+        dim = rows[0][0]["features"].shape[-1]
+        features = torch.zeros(len(rows), width, dim, dtype=torch.bfloat16)
+        for i, (shard, r) in enumerate(rows):
+            n = min(width, shard["features"].shape[1])
+            features[i, :n] = shard["features"][r, :n]
+        prompt_lengths = torch.stack([shard["prompt_lengths"][r] for shard, r in rows]).long()
+        return tokens, features, lengths, prompt_lengths
+
+
+def _lr(step: int, settings: TrainSettings) -> float:
+    if step < settings.warmup:
+        return settings.lr * (step + 1) / settings.warmup
+    progress = (step - settings.warmup) / max(1, settings.steps - settings.warmup)
+    return settings.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def _autocast(device: str):
+    """bf16 autocast where bf16 is fast, plain fp32 elsewhere."""
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    return torch.autocast(device_type=kind, dtype=torch.bfloat16, enabled=bf16_is_fast(device))
+
+
+@torch.no_grad()
+def estimate_tau(model, embed, head, data: Sequences, settings: TrainSettings, mask_id: int, device: str) -> float:
+    """Mean acceptance length the drafter would reach on held-out greedy sequences."""
+    if not data.heldout:
+        return 0.0
+    generator = torch.Generator().manual_seed(1234)
+    accepted = []
+    for first in range(0, len(data.heldout), settings.batch_size):
+        tokens, features, lengths, prompts = data.batch(data.heldout[first : first + settings.batch_size])
+        blocks = make_blocks(tokens, lengths, prompts, settings.block_size, settings.anchors, mask_id, generator)
+        blocks = _to(blocks, device)
+        with _autocast(device):
+            result = block_loss(model, embed, head, features.to(device).float(), blocks, settings.block_size)
+        accepted.append(result.accepted.float())
+    values = torch.cat(accepted)
+    return 1.0 + float(values.mean()) if values.numel() else 0.0
+
+
+def _to(blocks, device: str):
+    for name in ("ids", "positions", "labels", "weights", "mask"):
+        setattr(blocks, name, getattr(blocks, name).to(device))
+    return blocks
+
+
+def train(
+    embed: torch.Tensor,
+    head: torch.Tensor,
+    data: Sequences,
+    config: dict,
+    out: Path,
+    work: Path,
+    settings: TrainSettings,
+    resume: bool,
+    device: str = "cpu",
+) -> Iterator[TrainEvent]:
+    """Optimise a drafter, yielding a TrainEvent per step; writes checkpoints to work and the drafter to out."""
+    model = new_drafter(config, settings.seed).to(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=settings.lr,
+        betas=(0.9, 0.95),
+    )
+    checkpoint = work / "checkpoint.pt"
+    step = 0
+    if resume and checkpoint.is_file():
+        state = torch.load(checkpoint, map_location=device, weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        step = int(state["step"])
+    mask_id = int(config["dflash_config"]["mask_token_id"])
+    generator = torch.Generator().manual_seed(settings.seed + step)
+    order_rng = random.Random(settings.seed + step)
+    embed, head = embed.to(device), head.to(device)
+    while step < settings.steps:
+        began = time.perf_counter()
+        model.train()
+        indices = order_rng.sample(data.train, min(settings.batch_size, len(data.train)))
+        tokens, features, lengths, prompts = data.batch(indices)
+        blocks = _to(
+            make_blocks(tokens, lengths, prompts, settings.block_size, settings.anchors, mask_id, generator), device
+        )
+        lr = _lr(step, settings)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        with _autocast(device):
+            result = block_loss(model, embed, head, features.to(device).float(), blocks, settings.block_size)
+        optimizer.zero_grad(set_to_none=True)
+        result.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        step += 1
+        tau = None
+        if step % settings.eval_every == 0 or step == settings.steps:
+            model.eval()
+            tau = estimate_tau(model, embed, head, data, settings, mask_id, device)
+        if step % settings.checkpoint_every == 0 or step == settings.steps:
+            work.mkdir(parents=True, exist_ok=True)
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+            torch.save(state, work / "checkpoint.pt.partial")
+            os.replace(work / "checkpoint.pt.partial", checkpoint)
+            save_drafter(model, config, out)
+        elapsed = time.perf_counter() - began
+        yield TrainEvent(step, settings.steps, float(result.loss.detach()), lr, int(lengths.sum()) / elapsed, tau)
+
+
+def default_layer_ids(target: TargetConfig, layers: int) -> list[int]:
+    """Target layers to read features from: the published spread, at least 3 when the target allows."""
+    return default_target_layer_ids(target.num_layers, max(layers, min(3, target.num_layers)))

@@ -1,0 +1,129 @@
+"""`dflash train`: a few steps learn, checkpoints resume, the drafter loads here and in the reference."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from test_cli import dflash
+from tiny_models import add_char_tokenizer, make_target
+
+from dflash_local.decode import Settings, run
+from dflash_local.drafter import DFlashDrafter
+from dflash_local.targets.torch_llama import TorchLlamaTarget
+from dflash_local.train.pipeline import DistillProgress, TrainRequest, run_training
+from dflash_local.train.selfdistill import DistillSettings
+from dflash_local.train.trainer import TrainSettings
+
+CODE = '''def add(a, b):
+    """Return the sum of a and b."""
+    return a + b
+
+
+class Counter:
+    def __init__(self):
+        self.count = 0
+
+    def step(self):
+        self.count += 1
+        return self.count
+'''
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("train")
+    target = make_target(root / "target", vocab_size=96, seed=3, std=0.1)
+    add_char_tokenizer(target, 96)
+    (root / "corpus").mkdir()
+    (root / "corpus" / "code.py").write_text(CODE * 12)
+    return target, root / "corpus"
+
+
+def _request(target: Path, corpus: Path, out: Path, steps: int, resume: bool = False) -> TrainRequest:
+    return TrainRequest(
+        target=target,
+        corpus=[corpus],
+        out=out,
+        prompt_tokens=16,
+        max_prompts=24,
+        mask_token_id=95,
+        resume=resume,
+        distill=DistillSettings(new_tokens=24, batch_size=8, shard_size=16, sampled_fraction=0.25),
+        train=TrainSettings(
+            layers=1,
+            block_size=4,
+            steps=steps,
+            batch_size=4,
+            anchors=4,
+            lr=3e-3,
+            warmup=5,
+            eval_every=10,
+            checkpoint_every=10,
+            heldout_fraction=0.1,
+        ),
+    )
+
+
+def test_training_learns_and_exports(setup, tmp_path):
+    target_dir, corpus = setup
+    events = list(run_training(_request(target_dir, corpus, tmp_path / "drafter", steps=60)))
+    distilled = [e for e in events if isinstance(e, DistillProgress)]
+    assert distilled[-1].done == distilled[-1].total == 24
+    assert len(list((tmp_path / "drafter.work" / "data").glob("shard_*.safetensors"))) == 2
+    losses = [e.loss for e in events if not isinstance(e, DistillProgress)]
+    assert len(losses) == 60
+    assert sum(losses[-10:]) / 10 < 0.8 * sum(losses[:10]) / 10
+
+    target = TorchLlamaTarget.load(target_dir)
+    drafter = DFlashDrafter.load(tmp_path / "drafter")
+    assert drafter.block_size == 4 and drafter.cfg.mask_token_id == 95
+    prompt = [10, 20, 30, 40]
+    expected, _ = run(target, None, prompt, Settings(max_new_tokens=30, draft=False))
+    ids, stats = run(target, drafter, prompt, Settings(max_new_tokens=30))
+    assert ids == expected
+
+    from reference import reference_generate
+
+    ref_ids, ref_lengths = reference_generate(target_dir, tmp_path / "drafter", prompt, 30, 4)
+    assert ref_ids == ids  # the reference loads our published-layout drafter
+
+
+def test_resume_continues_from_checkpoint(setup, tmp_path):
+    target_dir, corpus = setup
+    list(run_training(_request(target_dir, corpus, tmp_path / "d", steps=10)))
+    state = torch.load(tmp_path / "d.work" / "checkpoint.pt", weights_only=True)
+    assert state["step"] == 10
+    resumed = [
+        e
+        for e in run_training(_request(target_dir, corpus, tmp_path / "d", 20, True))
+        if not isinstance(e, DistillProgress)
+    ]
+    assert [e.step for e in resumed] == list(range(11, 21))
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--corpus", "missing.txt"], "Corpus path missing.txt does not exist."),
+        (["--corpus", "EMPTY"], "The corpus has no usable text"),
+        (["--target", "NOTMODEL"], "has no config.json, so it is not a model folder."),
+        (["--block-size", "1"], "The block size must be at least 2, not 1."),
+    ],
+)
+def test_train_bad_input(setup, tmp_path, args, message):
+    target_dir, corpus = setup
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "notmodel").mkdir()
+    values = {"--target": str(target_dir), "--corpus": str(corpus), "--out": str(tmp_path / "out")}
+    swap = {"EMPTY": str(tmp_path / "empty.txt"), "NOTMODEL": str(tmp_path / "notmodel")}
+    for flag, value in zip(args[::2], args[1::2], strict=True):
+        values[flag] = swap.get(value, value)
+    result = dflash("train", *[x for pair in values.items() for x in pair])
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [f"error: {message}"] or message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()
+    shutil.rmtree(tmp_path / "notmodel")
