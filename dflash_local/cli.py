@@ -185,6 +185,7 @@ def train(
                     fit = progress.add_task("training", total=event.steps, info="")
                 if event.tau_estimate is not None:
                     tau = f"{event.tau_estimate:.2f}"
+                    progress.console.log(f"step {event.step}/{event.steps} loss {event.loss:.3f} held-out tau {tau}")
                 progress.update(
                     fit,
                     completed=event.step,

@@ -91,8 +91,10 @@ def block_loss(
     features: torch.Tensor,
     blocks: Blocks,
     block_size: int,
+    complete_only: bool = True,
 ) -> BlockResult:
-    """One drafter forward over every block of the batch; weighted cross-entropy."""
+    """One drafter forward over every block of the batch; weighted cross-entropy. Acceptance counts
+    cover complete blocks only, or every live block (labels past a sequence's end count as misses)."""
     dtype = features.dtype
     batch, width, _ = features.shape
     context = model.project_context(features)
@@ -109,7 +111,8 @@ def block_loss(
     loss = (per_token * weights).sum() / weights.sum().clamp_min(1e-6)
     with torch.no_grad():
         hit = (logits.argmax(-1) == blocks.labels).view(-1, block_size)[:, 1:]
-        complete = (blocks.labels.view(-1, block_size)[:, 1:] != IGNORE).all(dim=1)
-        hit = hit[complete]
+        labelled = blocks.labels.view(-1, block_size)[:, 1:] != IGNORE
+        keep = labelled.all(dim=1) if complete_only else labelled.any(dim=1)
+        hit = hit[keep]
         accepted = hit.long().cumprod(dim=1).sum(dim=1)
     return BlockResult(loss, accepted, hit.sum(dim=0))

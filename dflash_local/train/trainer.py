@@ -35,6 +35,7 @@ class TrainSettings:
     weight_decay: float = 0.01
     heldout_fraction: float = 0.03
     eval_every: int = 100
+    eval_sequences: int = 32
     checkpoint_every: int = 200
     seed: int = 0
 
@@ -149,20 +150,26 @@ def _autocast(device: str):
 
 @torch.no_grad()
 def estimate_tau(model, embed, head, data: Sequences, settings: TrainSettings, mask_id: int, device: str) -> float:
-    """Mean acceptance length the drafter would reach on held-out greedy sequences."""
-    if not data.heldout:
-        return 0.0
-    generator = torch.Generator().manual_seed(1234)
-    accepted = []
-    for first in range(0, len(data.heldout), settings.batch_size):
-        tokens, features, lengths, prompts = data.batch(data.heldout[first : first + settings.batch_size])
-        blocks = make_blocks(tokens, lengths, prompts, settings.block_size, settings.anchors, mask_id, generator)
-        blocks = _to(blocks, device)
+    """Greedy tau on held-out sequences: blocks at every position, chained as decoding would walk them."""
+    steps = tokens_made = 0
+    block = settings.block_size
+    for index in data.heldout[: settings.eval_sequences]:
+        tokens, features, lengths, prompts = data.batch([index])
+        first, length = int(prompts[0]), int(lengths[0])
+        anchors = length - 1 - first
+        if anchors < 1:
+            continue
+        blocks = _to(make_blocks(tokens, lengths, prompts, block, anchors, mask_id, torch.Generator()), device)
         with _autocast(device):
-            result = block_loss(model, embed, head, features.to(device).float(), blocks, settings.block_size)
-        accepted.append(result.accepted.float())
-    values = torch.cat(accepted)
-    return 1.0 + float(values.mean()) if values.numel() else 0.0
+            result = block_loss(model, embed, head, features.to(device).float(), blocks, block, complete_only=False)
+        accepted = result.accepted.tolist()  # one per anchor, in position order
+        position = first
+        while position < length - 1:
+            made = min(accepted[position - first] + 1, length - 1 - position)
+            position += made
+            tokens_made += made
+            steps += 1
+    return tokens_made / steps if steps else 0.0
 
 
 def _to(blocks, device: str):
