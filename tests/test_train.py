@@ -42,13 +42,15 @@ def setup(tmp_path_factory) -> tuple[Path, Path]:
     return target, root / "corpus"
 
 
-def _request(target: Path, corpus: Path, out: Path, steps: int, resume: bool = False) -> TrainRequest:
+def _request(
+    target: Path, corpus: Path, out: Path, steps: int, resume: bool = False, prompts: int = 24
+) -> TrainRequest:
     return TrainRequest(
         target=target,
         corpus=[corpus],
         out=out,
         prompt_tokens=16,
-        max_prompts=24,
+        max_prompts=prompts,
         mask_token_id=95,
         resume=resume,
         distill=DistillSettings(new_tokens=24, batch_size=8, shard_size=16, sampled_fraction=0.25),
@@ -127,3 +129,14 @@ def test_train_bad_input(setup, tmp_path, args, message):
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists()
     shutil.rmtree(tmp_path / "notmodel")
+
+
+def test_partial_last_shard_is_regenerated_for_more_prompts(setup, tmp_path):
+    from dflash_local.train.selfdistill import _rows_in
+
+    target_dir, corpus = setup
+    list(run_training(_request(target_dir, corpus, tmp_path / "d", steps=1)))
+    last = tmp_path / "d.work" / "data" / "shard_00001.safetensors"
+    assert _rows_in(last) == 8
+    list(run_training(_request(target_dir, corpus, tmp_path / "d", steps=1, prompts=32)))
+    assert _rows_in(last) == 16

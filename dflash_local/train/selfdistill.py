@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from ..sampling import SamplingParams, pick
@@ -122,7 +123,7 @@ def generate_shards(
     for shard_index, first in enumerate(range(0, total, settings.shard_size)):
         path = folder / f"shard_{shard_index:05d}.safetensors"
         chunk = prompts[first : first + settings.shard_size]
-        if path.exists():
+        if path.exists() and _rows_in(path) == len(chunk):
             yield first + len(chunk), total
             continue
         rows = []
@@ -136,6 +137,15 @@ def generate_shards(
             rows += [(ids, feats, len(prompt), sampled) for (ids, feats), prompt in zip(results, batch, strict=True)]
             yield first + offset + len(batch), total
         pack_shard(rows, path)
+
+
+def _rows_in(path: Path) -> int:
+    """How many sequences a shard holds (0 when it cannot be read)."""
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return handle.get_slice("lengths").get_shape()[0]
+    except (SafetensorError, OSError):
+        return 0
 
 
 def load_shards(folder: Path) -> list[dict[str, torch.Tensor]]:
