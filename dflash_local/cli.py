@@ -107,6 +107,41 @@ def generate(
         )
 
 
+@app.command()
+def chat(
+    model: str = typer.Argument("tiny", help="A model name (tiny) or a target folder."),
+    drafter: Optional[Path] = typer.Option(None, "--drafter", help="DFlash drafter folder (default: the model's)."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Longest answer in tokens."),
+    temperature: float = typer.Option(0.0, "--temperature"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k"),
+    block_size: Optional[int] = typer.Option(None, "--block-size"),
+    no_draft: bool = typer.Option(False, "--no-draft", help="Start with drafting off."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Answer until --max-new-tokens, past end-of-turn."),
+    device: str = typer.Option("auto", "--device"),
+    dtype: str = typer.Option("auto", "--dtype"),
+    max_context: int = typer.Option(2048, "--max-context"),
+) -> None:
+    """Chat with a model: streaming answers, live tokens/s and acceptance, /help for commands."""
+    with user_errors():
+        from .catalog import resolve
+        from .chat import run_chat
+        from .decode import Settings
+        from .generation import load_models
+        from .sampling import SamplingParams
+
+        target_path, drafter_path = resolve(model, drafter)
+        models = load_models(target_path, drafter_path, "auto", device, dtype, max_context)
+        settings = Settings(
+            max_new_tokens=max_new_tokens,
+            sampling=SamplingParams(temperature, top_p, top_k),
+            block_size=block_size,
+            draft=not no_draft and models.drafter is not None,
+            stop_ids=frozenset() if ignore_eos else models.stop_ids,
+        )
+        run_chat(models, settings)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()
