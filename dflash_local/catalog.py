@@ -9,6 +9,7 @@ from .errors import DFlashError
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 BUNDLED = {"tiny": (MODELS_DIR / "tiny" / "target", MODELS_DIR / "tiny" / "drafter")}
+BUNDLED_PROMPTS = {"tiny": MODELS_DIR / "tiny" / "heldout_prompts.jsonl"}
 
 
 def resolve(name: str, drafter: Path | None = None) -> tuple[Path, Path | None]:

@@ -142,6 +142,87 @@ def chat(
         run_chat(models, settings)
 
 
+@app.command()
+def bench(
+    model: str = typer.Argument("tiny", help="A model name (tiny) or a target folder."),
+    drafter: Optional[Path] = typer.Option(None, "--drafter", help="DFlash drafter folder (default: the model's)."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL prompts (default: the model's own set)."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Use only the first N prompts."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
+    block_size: Optional[int] = typer.Option(None, "--block-size"),
+    temperature: float = typer.Option(0.0, "--temperature"),
+    seed: int = typer.Option(0, "--seed"),
+    ignore_eos: bool = typer.Option(True, "--ignore-eos/--stop-at-eos", help="Generate all max-new-tokens."),
+    lookup: bool = typer.Option(True, "--lookup/--no-lookup", help="Also run the prompt-lookup baseline."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG: histogram and tokens/s."),
+    device: str = typer.Option("auto", "--device"),
+    dtype: str = typer.Option("auto", "--dtype"),
+) -> None:
+    """Autoregressive vs DFlash (and prompt lookup) on the same target, prompt by prompt."""
+    with user_errors():
+        from .bench import plot, read_prompts, run_bench
+        from .catalog import BUNDLED_PROMPTS, resolve
+        from .decode import Settings
+        from .generation import load_models
+        from .sampling import SamplingParams
+
+        target_path, drafter_path = resolve(model, drafter)
+        prompt_file = prompts or BUNDLED_PROMPTS.get(model)
+        if prompt_file is None:
+            raise DFlashError("Pass --prompts FILE.jsonl: this model has no built-in prompt set.")
+        models = load_models(target_path, drafter_path, "auto", device, dtype)
+        settings = Settings(
+            max_new_tokens=max_new_tokens,
+            sampling=SamplingParams(temperature),
+            block_size=block_size,
+            stop_ids=frozenset() if ignore_eos else models.stop_ids,
+            seed=seed,
+        )
+        report = run_bench(models, read_prompts(prompt_file, models, limit), settings, lookup)
+        report["model"] = model
+        if plot_path is not None:
+            plot(report, plot_path)
+        if as_json:
+            typer.echo(json.dumps(report))
+            return
+        _print_bench(report)
+
+
+def _print_bench(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    names = [name for name in report["mean"] if name != "speedup"]
+    labels = {"autoregressive": "AR", "dflash": "DFlash", "prompt_lookup": "lookup"}
+    table = Table(title=f"{report['model']}: {report['max_new_tokens']} new tokens, block {report['block_size']}")
+    table.add_column("prompt", max_width=28, no_wrap=True)
+    table.add_column("tau", justify="right")
+    for name in names:
+        table.add_column(f"{labels[name]} tok/s", justify="right")
+    table.add_column("speedup", justify="right")
+    table.add_column("identical")
+    for row in report["prompts"]:
+        rates = [f"{row[n]['decode_tokens_per_s']:.0f}" for n in names]
+        table.add_row(
+            row["prompt"].splitlines()[0],
+            f"{row['dflash']['tau']:.2f}",
+            *rates,
+            f"{row['speedup']:.2f}x",
+            "yes" if row["identical"] else "NO",
+        )
+    mean = report["mean"]
+    table.add_row(
+        "mean",
+        f"{mean['dflash']['tau']:.2f}",
+        *[f"{mean[n]['decode_tokens_per_s']:.0f}" for n in names],
+        f"{mean['speedup']:.2f}x",
+        "yes" if report["all_identical"] else "NO",
+        style="bold",
+    )
+    Console().print(table)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

@@ -30,9 +30,9 @@ class Drafter(Protocol):
     def reset(self) -> None: ...
 
     def propose(
-        self, target: Target, new_features: torch.Tensor, first_token: int, start: int, size: int
+        self, target: Target, new_features: torch.Tensor | None, tokens: list[int], start: int, size: int
     ) -> torch.Tensor:
-        """Logits [size - 1, vocab] for positions start+1..start+size-1."""
+        """Logits [size - 1, vocab] for positions start+1..start+size-1; tokens[: start + 1] are known."""
 
 
 @dataclass(frozen=True)
@@ -187,7 +187,7 @@ def generate(target: Target, drafter: Drafter | None, prompt_ids: list[int], set
         t0 = _clock(target.device)
         draft_probs = None
         if verify_size > 1:
-            draft_logits = drafter.propose(target, new_features, tokens[start], start, verify_size)
+            draft_logits = drafter.propose(target, new_features, tokens, start, verify_size)
             if params.greedy:
                 block[1:] = draft_logits.argmax(dim=-1)
             else:

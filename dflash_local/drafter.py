@@ -259,14 +259,14 @@ class DFlashDrafter:
 
     @torch.inference_mode()
     def propose(
-        self, target: Target, new_features: torch.Tensor, first_token: int, start: int, size: int
+        self, target: Target, new_features: torch.Tensor, tokens: list[int], start: int, size: int
     ) -> torch.Tensor:
-        """Cache the features of positions [length, start); draft [first_token, MASK x size-1] at start."""
+        """Cache the features of positions [length, start); draft [tokens[start], MASK x size-1] at start."""
         if self.length + new_features.shape[0] != start:
             raise ValueError(f"drafter cache holds {self.length} positions, got features up to {start}")
         model = self.model
         block_ids = torch.full((size,), self.cfg.mask_token_id, dtype=torch.long, device=self.device)
-        block_ids[0] = first_token
+        block_ids[0] = tokens[start]
         positions = torch.arange(self.length, start + size, device=self.device)
         cos, sin = (t[None, None] for t in rope_cos_sin(model.inv_freq, positions, self.dtype))
         num_ctx = new_features.shape[0]

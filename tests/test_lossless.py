@@ -35,8 +35,8 @@ class OracleDrafter:
     def reset(self) -> None:
         pass
 
-    def propose(self, target, new_features, first_token, start, size):
-        assert self.truth[start] == first_token
+    def propose(self, target, new_features, tokens, start, size):
+        assert self.truth[: start + 1] == tokens
         self.calls += 1
         logits = torch.zeros(size - 1, self.vocab_size)
         for row, position in enumerate(range(start + 1, start + size)):
@@ -122,3 +122,23 @@ def test_block_size_outside_trained_range(target, bad_block):
     drafter = OracleDrafter([0] * 64, target.vocab_size, 0.0, 0)
     with pytest.raises(DFlashError, match="between 2 and the drafter's trained 16"):
         run(target, drafter, [1, 2], Settings(block_size=bad_block))
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_prompt_lookup_is_lossless(target, block_size):
+    from dflash_local.lookup import PromptLookupDrafter
+
+    drafter = PromptLookupDrafter(block_size)
+    for prompt in PROMPTS[:8]:
+        prompt = prompt * 3  # repetition gives the lookup something to find
+        expected = _autoregressive(target, prompt, 40)
+        ids, stats = run(target, drafter, prompt, Settings(max_new_tokens=40))
+        assert ids == expected
+
+
+def test_prompt_lookup_continuation():
+    from dflash_local.lookup import PromptLookupDrafter
+
+    lookup = PromptLookupDrafter(max_ngram=2)
+    assert lookup.continuation([1, 2, 3, 4, 9, 1, 2], 3) == [3, 4, 9]
+    assert lookup.continuation([5, 6, 7], 3) == []

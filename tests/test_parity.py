@@ -79,5 +79,5 @@ def test_draft_step_logits_match_reference(qwen3_target, drafters):
             )[:, 1:]
             expected = ref_drafter.compute_logits(out, ref_target.lm_head)[0]
         cache.crop(end)
-        logits = drafter.propose(target, features[begin:end], int(block[0, 0]), end, 8)
+        logits = drafter.propose(target, features[begin:end], [0] * end + [int(block[0, 0])], end, 8)
         torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-4)

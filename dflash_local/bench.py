@@ -1,0 +1,120 @@
+"""Benchmarks: autoregressive vs DFlash (vs prompt lookup) on the same target, side by side per prompt."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from .decode import Settings, Stats, run
+from .errors import DFlashError
+from .generation import LoadedModels
+from .lookup import PromptLookupDrafter
+
+
+def read_prompts(path: Path, models: LoadedModels, limit: int | None = None) -> list[tuple[str, list[int]]]:
+    """(label, ids) per JSONL line: {"prompt": text}, {"messages": [...]} or {"prompt_ids": [...]}."""
+    if not path.is_file():
+        raise DFlashError(f"Prompt file {path} does not exist.")
+    prompts = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            raise DFlashError(f"{path} line {number} is not valid JSON.") from None
+        if "prompt_ids" in record:
+            prompts.append((f"ids #{number}", [int(i) for i in record["prompt_ids"]]))
+            continue
+        if models.tokenizer is None:
+            raise DFlashError(f"{path} holds text prompts but the model has no tokenizer.json.")
+        if "messages" in record:
+            label = str(record["messages"][-1].get("content", ""))
+            prompts.append((label, models.tokenizer.encode_chat(record["messages"])))
+        elif "prompt" in record:
+            prompts.append((str(record["prompt"]), models.tokenizer.encode(record["prompt"])))
+        else:
+            raise DFlashError(f"{path} line {number} has none of prompt, messages, prompt_ids.")
+    if not prompts:
+        raise DFlashError(f"{path} holds no prompts.")
+    return prompts[:limit] if limit else prompts
+
+
+def acceptance_rates(stats: Stats) -> list[float]:
+    """Share of steps that accepted at least j drafts, for j = 1..B-1."""
+    steps = len(stats.acceptance_lengths) or 1
+    return [sum(length > j for length in stats.acceptance_lengths) / steps for j in range(1, stats.block_size)]
+
+
+def _summary(stats: Stats) -> dict:
+    return {
+        "decode_tokens_per_s": stats.decode_tokens_per_s,
+        "tau": stats.tau,
+        "new_tokens": stats.new_tokens,
+        "acceptance_histogram": stats.histogram(),
+        "acceptance_rate_by_position": acceptance_rates(stats),
+        "draft_time_share": stats.draft_s / stats.decode_s if stats.decode_s else 0.0,
+    }
+
+
+def run_bench(
+    models: LoadedModels, prompts: list[tuple[str, list[int]]], settings: Settings, lookup: bool = True
+) -> dict:
+    """Per prompt: AR, DFlash and (optionally) prompt lookup, one after another; then means."""
+    if models.drafter is None:
+        raise DFlashError("The benchmark needs a drafter to compare against autoregressive decoding.")
+    block = settings.block_size or models.drafter.block_size
+    methods = {"autoregressive": (None, replace(settings, draft=False)), "dflash": (models.drafter, settings)}
+    if lookup:
+        methods["prompt_lookup"] = (PromptLookupDrafter(block), replace(settings, block_size=None))
+    run(models.target, models.drafter, prompts[0][1], replace(settings, max_new_tokens=8))  # warm-up
+    rows = []
+    for label, ids in prompts:
+        outputs, row = {}, {"prompt": label[:80]}
+        for name, (drafter, method_settings) in methods.items():
+            outputs[name], stats = run(models.target, drafter, ids, method_settings)
+            row[name] = _summary(stats)
+        row["identical"] = all(out == outputs["autoregressive"] for out in outputs.values())
+        row["speedup"] = row["dflash"]["decode_tokens_per_s"] / max(row["autoregressive"]["decode_tokens_per_s"], 1e-9)
+        rows.append(row)
+    mean = {
+        name: {
+            "decode_tokens_per_s": sum(r[name]["decode_tokens_per_s"] for r in rows) / len(rows),
+            "tau": sum(r[name]["tau"] for r in rows) / len(rows),
+        }
+        for name in methods
+    }
+    mean["speedup"] = mean["dflash"]["decode_tokens_per_s"] / max(mean["autoregressive"]["decode_tokens_per_s"], 1e-9)
+    histogram = {
+        length: sum(r["dflash"]["acceptance_histogram"][length] for r in rows) for length in range(1, block + 1)
+    }
+    return {
+        "block_size": block,
+        "max_new_tokens": settings.max_new_tokens,
+        "temperature": settings.sampling.temperature,
+        "prompts": rows,
+        "mean": mean,
+        "dflash_acceptance_histogram": histogram,
+        "all_identical": all(r["identical"] for r in rows),
+    }
+
+
+def plot(report: dict, path: Path) -> None:
+    """Acceptance-length histogram and mean tokens/s bars in one PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise DFlashError("--plot needs matplotlib: pip install matplotlib.") from None
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    histogram = report["dflash_acceptance_histogram"]
+    left.bar([int(k) for k in histogram], list(histogram.values()), color="#4477aa")
+    left.set(title="DFlash acceptance length per step", xlabel="accepted tokens (drafts + 1)", ylabel="steps")
+    names = [name for name in report["mean"] if name != "speedup"]
+    right.bar(names, [report["mean"][n]["decode_tokens_per_s"] for n in names], color=["#999999", "#4477aa", "#cc6677"])
+    right.set(title=f"decode tokens/s (mean, {report['mean']['speedup']:.2f}x)", ylabel="tokens/s")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)

@@ -1,0 +1,43 @@
+"""`dflash bench tiny --json`: the report's fields, and identical outputs checked rather than assumed."""
+
+from __future__ import annotations
+
+import json
+
+from test_cli import dflash
+
+
+def test_bench_json_and_plot(tmp_path):
+    plot = tmp_path / "bench.png"
+    result = dflash("bench", "tiny", "--limit", "2", "--max-new-tokens", "24", "--json", "--plot", plot)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["block_size"] == 16 and len(report["prompts"]) == 2
+    for row in report["prompts"]:
+        for method in ("autoregressive", "dflash", "prompt_lookup"):
+            assert row[method]["new_tokens"] == 24
+            assert row[method]["decode_tokens_per_s"] > 0
+        assert len(row["dflash"]["acceptance_rate_by_position"]) == 15
+        assert sum(row["dflash"]["acceptance_histogram"].values()) > 0
+        assert row["identical"] is True
+    assert report["all_identical"] is True
+    assert set(report["mean"]) == {"autoregressive", "dflash", "prompt_lookup", "speedup"}
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_detects_differing_outputs(monkeypatch):
+    import dflash_local.bench as bench
+    from dflash_local.catalog import BUNDLED, BUNDLED_PROMPTS
+    from dflash_local.decode import Settings
+    from dflash_local.generation import load_models
+
+    real_run = bench.run
+
+    def corrupting_run(target, drafter, ids, settings):
+        out, stats = real_run(target, drafter, ids, settings)
+        return (out[:-1] + [out[-1] + 1] if drafter is not None else out), stats
+
+    monkeypatch.setattr(bench, "run", corrupting_run)
+    models = load_models(*BUNDLED["tiny"], device="cpu")
+    report = bench.run_bench(models, bench.read_prompts(BUNDLED_PROMPTS["tiny"], models, 1), Settings(max_new_tokens=8))
+    assert report["all_identical"] is False
