@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -10,6 +9,7 @@ from .decode import Settings, Stats, run
 from .errors import DFlashError
 from .generation import LoadedModels
 from .lookup import PromptLookupDrafter
+from .weights import read_jsonl
 
 
 def read_prompts(path: Path, models: LoadedModels, limit: int | None = None) -> list[tuple[str, list[int]]]:
@@ -17,13 +17,7 @@ def read_prompts(path: Path, models: LoadedModels, limit: int | None = None) -> 
     if not path.is_file():
         raise DFlashError(f"Prompt file {path} does not exist.")
     prompts = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            raise DFlashError(f"{path} line {number} is not valid JSON.") from None
+    for number, record in read_jsonl(path):
         if "prompt_ids" in record:
             prompts.append((f"ids #{number}", [int(i) for i in record["prompt_ids"]]))
             continue

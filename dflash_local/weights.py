@@ -1,8 +1,9 @@
-"""Reading config.json and safetensors weights from a model folder, with clear errors."""
+"""Reading config.json, JSONL and safetensors weights from disk, with clear errors."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,20 @@ def read_config(folder: Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise DFlashError(f"{path} does not hold a JSON object.")
     return config
+
+
+def read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) for each non-blank line of a JSONL file."""
+    for number, line in enumerate(Path(path).read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            raise DFlashError(f"{path} line {number} is not valid JSON.") from None
+        if not isinstance(record, dict):
+            raise DFlashError(f"{path} line {number} is not a JSON object.")
+        yield number, record
 
 
 def _weight_files(folder: Path) -> list[Path]:

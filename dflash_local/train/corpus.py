@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
 from ..errors import DFlashError
 from ..tokenizer import TextTokenizer
+from ..weights import read_jsonl
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".c", ".h", ".js", ".ts", ".rs", ".go", ".java", ".json", ".toml"}
 
@@ -28,15 +28,7 @@ def corpus_files(paths: list[Path]) -> list[Path]:
 def _jsonl_prompts(path: Path, tokenizer: TextTokenizer) -> tuple[list[list[int]], list[str]]:
     """Chat and prompt lines become prompts; text lines become documents."""
     prompts, documents = [], []
-    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            raise DFlashError(f"{path} line {number} is not valid JSON.") from None
-        if not isinstance(record, dict):
-            raise DFlashError(f"{path} line {number} is not a JSON object.")
+    for _, record in read_jsonl(path):
         if isinstance(record.get("messages"), list):
             messages = record["messages"]
             while messages and messages[-1].get("role") == "assistant":
