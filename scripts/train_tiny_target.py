@@ -27,6 +27,8 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_corpus  # noqa: E402
 
+from dflash_local.layers import MLP, RMSNorm, apply_rope  # noqa: E402  (the same blocks the engine runs)
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SPECIALS = list(tiny_corpus.SPECIAL_TOKENS)  # ids 0..4
 EOT, USER, ASSISTANT, END, MASK = range(5)
@@ -169,24 +171,6 @@ def sample_batch(data, step: int, batch: int, seq: int, chat_frac: float, seed: 
 # ----------------------------------------------------------------------------- model
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: dict) -> None:
         super().__init__()
@@ -202,24 +186,13 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, self.nh, self.hd).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
         groups = self.nh // self.nkv
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.nh * self.hd))
-
-
-class MLP(nn.Module):
-    def __init__(self, h: int, inter: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(h, inter, bias=False)
-        self.up_proj = nn.Linear(h, inter, bias=False)
-        self.down_proj = nn.Linear(inter, h, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Layer(nn.Module):
