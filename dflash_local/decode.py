@@ -196,12 +196,13 @@ def generate(target: Target, drafter: Drafter | None, prompt_ids: list[int], set
         t1 = _clock(target.device)
         out = target.forward(block, all_logits=True, features=drafting)
         if params.greedy:
-            accepted, bonus = accept_greedy(block[1:], out.logits)
-        elif verify_size > 1:
-            accepted, bonus = accept_sampled(block[1:], draft_probs, probabilities(out.logits, params), generator)
+            accepted, made = accept_greedy(block[1:], out.logits)
         else:
-            accepted, bonus = 0, int(pick(out.logits[-1], params, generator))
-        made = block[1 : accepted + 1].tolist() + [bonus]
+            if verify_size > 1:
+                accepted, bonus = accept_sampled(block[1:], draft_probs, probabilities(out.logits, params), generator)
+            else:
+                accepted, bonus = 0, int(pick(out.logits[-1], params, generator))
+            made = block[1 : accepted + 1].tolist() + [bonus]
         made = made[: max_length - start - 1]
         for index, token in enumerate(made):
             if token in settings.stop_ids:

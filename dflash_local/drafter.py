@@ -10,6 +10,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from kernels import block_attention, visibility_mask
+
 from .errors import DFlashError
 from .layers import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 from .targets.base import Target
@@ -115,18 +117,7 @@ class DraftAttention(nn.Module):
 
     def visibility(self, num_queries: int, num_keys: int, device: torch.device) -> torch.Tensor | None:
         """Boolean mask for the last num_queries positions over num_keys keys, or None when all see all."""
-        if not self.is_causal and self.sliding_window is None:
-            return None
-        query_pos = torch.arange(num_keys - num_queries, num_keys, device=device)[:, None]
-        key_pos = torch.arange(num_keys, device=device)[None, :]
-        visible = torch.ones(num_queries, num_keys, dtype=torch.bool, device=device)
-        if self.is_causal:
-            visible &= key_pos <= query_pos
-        if self.sliding_window is not None:
-            visible &= query_pos - key_pos < self.sliding_window
-            if not self.is_causal:
-                visible &= key_pos - query_pos < self.sliding_window
-        return visible
+        return visibility_mask(num_queries, num_keys, self.is_causal, self.sliding_window, device)
 
     def forward(
         self,
@@ -142,10 +133,12 @@ class DraftAttention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(batch, steps, self.num_heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         k, v = self.key_value(x, cos, sin)
-        k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
         if mask is None:
-            mask = self.visibility(steps, k.shape[2], x.device)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
+            out = block_attention(q, past_k, past_v, k, v, self.is_causal, self.sliding_window)
+        else:
+            k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+            gqa = self.num_heads != self.num_kv_heads
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(batch, steps, -1))
 
 
@@ -160,8 +153,9 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos, sin, past_k: torch.Tensor, past_v: torch.Tensor, mask=None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, past_k, past_v, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, past_k, past_v, mask)
+        normed, x = self.post_attention_layernorm.add_and_norm(attended, x)
+        return x + self.mlp(normed)
 
 
 class DFlashModel(nn.Module):

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import greedy_accept
+
 from .errors import DFlashError
 
 
@@ -57,11 +59,14 @@ def pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generato
     return draw(probabilities(logits, params), generator)
 
 
-def accept_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
-    """Longest prefix of draft equal to the target's argmax, and the target's token after it."""
-    choice = target_logits.argmax(dim=-1)
-    accepted = int((draft == choice[:-1]).cumprod(dim=0).sum())
-    return accepted, int(choice[accepted])
+def accept_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, list[int]]:
+    """Longest prefix of draft equal to the target's argmax, and the tokens it makes final: that prefix + the bonus.
+
+    One device-to-host read: the target's argmax equals the draft on the accepted prefix.
+    """
+    result = greedy_accept(draft, target_logits).tolist()
+    accepted = result[0]
+    return accepted, result[1 : accepted + 2]
 
 
 def accept_sampled(

@@ -127,8 +127,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos, sin, cache_k, cache_v, start: int, mask) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache_k, cache_v, start, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, cache_k, cache_v, start, mask)
+        normed, x = self.post_attention_layernorm.add_and_norm(attended, x)
+        return x + self.mlp(normed)
 
 
 class Backbone(nn.Module):

@@ -1,0 +1,40 @@
+"""Choosing Triton or the torch reference for one call, from DFLASH_KERNELS and the tensors' device."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+KERNELS_ENV = "DFLASH_KERNELS"
+MODES = ("auto", "triton", "torch")
+
+
+def kernel_mode() -> str:
+    """The DFLASH_KERNELS setting: auto (default), triton or torch."""
+    mode = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
+    if mode not in MODES:
+        raise ValueError(f"{KERNELS_ENV}={mode!r} is not one of {', '.join(MODES)}.")
+    return mode
+
+
+@functools.cache
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """True when this call should run the Triton kernel; autograd always takes the reference."""
+    mode = kernel_mode()
+    if mode == "torch" or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        return False
+    on_cuda = tensors[0].is_cuda
+    if mode == "auto":
+        return on_cuda and triton_installed()
+    if not triton_installed():
+        raise RuntimeError(f"{KERNELS_ENV}=triton, but triton is not installed.")
+    if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(f"{KERNELS_ENV}=triton on CPU tensors needs TRITON_INTERPRET=1 (the Triton interpreter).")
+    return True

@@ -1,0 +1,131 @@
+"""Triton kernels (run by the Triton interpreter) match their torch references, and the engine's greedy ids too.
+
+Tolerances, fp32 throughout (the interpreter's tl.dot is wrong on bf16 inputs): attention atol 1e-5 / rtol 1e-4
+(online softmax sums in another order), RMSNorm atol 1e-5 / rtol 1e-5, greedy acceptance exact.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # read when a kernel is defined, so before kernels import their Triton twins
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from dflash_local.decode import Settings, run  # noqa: E402
+from dflash_local.drafter import DFlashDrafter  # noqa: E402
+from dflash_local.targets.torch_llama import TorchLlamaTarget  # noqa: E402
+from kernels import KERNELS_ENV, use_triton  # noqa: E402
+from kernels.accept import greedy_accept_reference  # noqa: E402
+from kernels.accept_triton import greedy_accept_triton  # noqa: E402
+from kernels.attention import block_attention_reference  # noqa: E402
+from kernels.attention_triton import block_attention_triton  # noqa: E402
+from kernels.rmsnorm import rms_norm_reference  # noqa: E402
+from kernels.rmsnorm_triton import rms_norm_triton  # noqa: E402
+
+BUNDLED = Path(__file__).parent.parent / "models" / "tiny"
+
+
+def _attention_inputs(seed: int, batch: int, kv_heads: int, group: int, context: int, block: int, head_dim: int):
+    """Random q, block K/V, and context K/V sliced out of a longer cache (strided, as the drafter passes them)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, kv_heads * group, block, head_dim, generator=gen)
+    cache_k = torch.randn(batch, kv_heads, context + 7, head_dim, generator=gen)
+    cache_v = torch.randn(batch, kv_heads, context + 7, head_dim, generator=gen)
+    k = torch.randn(batch, kv_heads, block, head_dim, generator=gen)
+    v = torch.randn(batch, kv_heads, block, head_dim, generator=gen)
+    return q, cache_k[:, :, :context], cache_v[:, :, :context], k, v
+
+
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("block", [2, 8, 16])
+@pytest.mark.parametrize("context", [0, 1, 17, 300])
+def test_block_attention_matches_reference(context: int, block: int, group: int) -> None:
+    head_dim = 24 if group == 1 else 64
+    inputs = _attention_inputs(
+        context * 100 + block * 10 + group, 2 if context == 17 else 1, 2, group, context, block, head_dim
+    )
+    got = block_attention_triton(*inputs)
+    torch.testing.assert_close(got, block_attention_reference(*inputs), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("causal,window", [(True, None), (False, 5), (True, 7), (False, 40)])
+@pytest.mark.parametrize("context", [0, 17, 300])
+def test_block_attention_masks_match_reference(context: int, causal: bool, window: int | None) -> None:
+    inputs = _attention_inputs(context + (window or 0), 1, 2, 4, context, 8, 32)
+    got = block_attention_triton(*inputs, causal=causal, window=window)
+    torch.testing.assert_close(got, block_attention_reference(*inputs, causal, window), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (3, 5, 96), (2, 16, 4, 24), (0, 32)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_reference(shape: tuple[int, ...], with_residual: bool) -> None:
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(shape, generator=gen) * 3
+    weight = 1 + 0.2 * torch.randn(shape[-1], generator=gen)
+    residual = torch.randn(shape, generator=gen) if with_residual else None
+    normed, summed = rms_norm_triton(x, weight, 1e-6, residual)
+    want_normed, want_summed = rms_norm_reference(x, weight, 1e-6, residual)
+    torch.testing.assert_close(normed, want_normed, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(summed, want_summed, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 50), (2, 1024), (8, 3000), (16, 1100)])
+def test_greedy_accept_matches_reference(rows: int, vocab: int) -> None:
+    gen = torch.Generator().manual_seed(rows * vocab)
+    logits = torch.randn(rows, vocab, generator=gen)
+    logits[0, [3, vocab - 2]] = 100.0  # a tie across vocab tiles: the first index wins, as in torch.argmax
+    choice = logits.argmax(dim=-1)
+    for mismatch in range(rows):
+        draft = choice[:-1].clone()
+        if mismatch < rows - 1:
+            draft[mismatch] = (draft[mismatch] + 1) % vocab
+            draft[mismatch + 1 :] = (draft[mismatch + 1 :] + 1) % vocab if mismatch % 2 else draft[mismatch + 1 :]
+        got = greedy_accept_triton(draft, logits)
+        assert got.tolist() == greedy_accept_reference(draft, logits).tolist()
+        assert got[0] == mismatch
+
+
+def test_backend_choice(monkeypatch) -> None:
+    x = torch.zeros(2)
+    monkeypatch.delenv(KERNELS_ENV, raising=False)
+    assert not use_triton(x)  # auto: CPU tensors take the reference
+    monkeypatch.setenv(KERNELS_ENV, "triton")
+    assert use_triton(x)
+    assert not use_triton(torch.zeros(2, requires_grad=True))  # autograd always takes the reference
+    monkeypatch.setenv(KERNELS_ENV, "torch")
+    assert not use_triton(x)
+    monkeypatch.setenv(KERNELS_ENV, "cuda")
+    with pytest.raises(ValueError, match="DFLASH_KERNELS"):
+        use_triton(x)
+
+
+def _greedy(target, drafter, prompt: list[int], tokens: int) -> tuple[list[int], list[int]]:
+    ids, stats = run(target, drafter, prompt, Settings(max_new_tokens=tokens))
+    return ids, stats.acceptance_lengths
+
+
+def _same_with_both_backends(monkeypatch, target, drafter, prompts: list[list[int]], tokens: int) -> list[int]:
+    results = {}
+    for mode in ("torch", "triton"):
+        monkeypatch.setenv(KERNELS_ENV, mode)
+        results[mode] = [_greedy(target, drafter, prompt, tokens) for prompt in prompts]
+    assert results["triton"] == results["torch"]
+    return [length for _, lengths in results["torch"] for length in lengths]
+
+
+def test_engine_ids_identical_on_bundled_models(monkeypatch) -> None:
+    target = TorchLlamaTarget.load(BUNDLED / "target", max_context=256)
+    drafter = DFlashDrafter.load(BUNDLED / "drafter", max_context=256)
+    lengths = _same_with_both_backends(monkeypatch, target, drafter, [[10, 57, 300, 41, 12, 9, 77, 8]], 24)
+    assert max(lengths) > 1  # the trained drafter gets drafts accepted, so the multi-token path ran
+
+
+@pytest.mark.parametrize("name,depth", [("llama", 2), ("qwen3", 3)])
+def test_engine_ids_identical_on_tiny_models(monkeypatch, drafters, llama_target, qwen3_target, name, depth) -> None:
+    target = TorchLlamaTarget.load(llama_target if name == "llama" else qwen3_target, max_context=128)
+    drafter = DFlashDrafter.load(drafters[name, depth], max_context=128)
+    _same_with_both_backends(monkeypatch, target, drafter, [[1, 2, 3], [5, 9, 11, 2, 7, 30, 8, 1, 4]], 12)
