@@ -1,0 +1,186 @@
+"""`dflash convert`: an HF-layout Llama/Qwen3 target to one GGUF file, quantized by llama.cpp's own quantizer."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import tempfile
+from pathlib import Path
+
+import gguf
+import llama_cpp
+import numpy as np
+import torch
+
+from .errors import DFlashError
+from .layers import rope_inv_freq, rope_parameters
+from .targets.llama_taps import quiet_llama_logs
+from .targets.torch_llama import TargetConfig
+from .weights import load_weights, read_config
+
+# llama_ftype values from llama.h.
+FILE_TYPES = {"f16": 1, "bf16": 32, "q8_0": 7, "q4_k_m": 15}
+
+_LAYER_TENSORS = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def _to_neox_interleaved(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Reorder q/k rows from HF's rotate-half RoPE layout to llama.cpp's interleaved one (llama arch)."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _tensors(cfg: TargetConfig, folder: Path) -> dict[str, np.ndarray]:
+    """GGUF tensor name -> fp32 array in HF [out, in] order."""
+    weights = load_weights(folder, torch.float32, "cpu")
+    if cfg.attention_bias or cfg.mlp_bias:
+        raise DFlashError(f"{folder}: attention or MLP biases are not supported by the GGUF converter.")
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in weights.items():
+        if name == "model.embed_tokens.weight":
+            out["token_embd.weight"] = tensor
+        elif name == "model.norm.weight":
+            out["output_norm.weight"] = tensor
+        elif name == "lm_head.weight":
+            if not cfg.tie_word_embeddings:
+                out["output.weight"] = tensor
+        elif name.startswith("model.layers."):
+            index, rest = name[len("model.layers.") :].split(".", 1)
+            if rest not in _LAYER_TENSORS:
+                raise DFlashError(f"{folder}: tensor {name} has no GGUF counterpart.")
+            if cfg.model_type == "llama" and rest == "self_attn.q_proj.weight":
+                tensor = _to_neox_interleaved(tensor, cfg.num_heads)
+            elif cfg.model_type == "llama" and rest == "self_attn.k_proj.weight":
+                tensor = _to_neox_interleaved(tensor, cfg.num_kv_heads)
+            out[f"blk.{index}.{_LAYER_TENSORS[rest]}"] = tensor
+        else:
+            raise DFlashError(f"{folder}: tensor {name} has no GGUF counterpart.")
+    needed = ["token_embd.weight", "output_norm.weight"] + ([] if cfg.tie_word_embeddings else ["output.weight"])
+    missing = [name for name in needed if name not in out]
+    if missing:
+        raise DFlashError(f"{folder} lacks the weights for GGUF tensor {missing[0]}.")
+    kind = rope_parameters(cfg.raw)["rope_type"]
+    if kind != "default":
+        if cfg.model_type != "llama":
+            raise DFlashError(f"{folder}: RoPE type '{kind}' is only converted for llama models.")
+        default = rope_inv_freq({"rope_theta": rope_parameters(cfg.raw)["rope_theta"]}, cfg.head_dim)
+        out["rope_freqs.weight"] = default / rope_inv_freq(cfg.raw, cfg.head_dim)
+    return {name: tensor.contiguous().numpy() for name, tensor in out.items()}
+
+
+def _add_tokenizer(writer, folder: Path, cfg: TargetConfig) -> None:
+    """tokenizer.json (byte-level BPE) as a gpt2-style GGUF tokenizer, plus special ids and chat template."""
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise DFlashError(f"{folder} has no tokenizer.json to put in the GGUF file.")
+    spec = json.loads(path.read_text())
+    model = spec.get("model") or {}
+    pre = spec.get("pre_tokenizer") or {}
+    pre_types = {pre.get("type")} | {p.get("type") for p in pre.get("pretokenizers", [])}
+    if model.get("type") != "BPE" or "ByteLevel" not in pre_types:
+        raise DFlashError(f"{path}: only byte-level BPE tokenizers can be converted to GGUF.")
+    vocab: dict[str, int] = dict(model["vocab"])
+    added = {token["content"]: token for token in spec.get("added_tokens", [])}
+    for content, token in added.items():
+        vocab[content] = token["id"]
+    size = max(cfg.vocab_size, max(vocab.values()) + 1)
+    tokens = [f"[PAD{i}]" for i in range(size)]
+    types = [gguf.TokenType.UNUSED] * size
+    for content, index in vocab.items():
+        tokens[index] = content
+        special = added.get(content, {}).get("special")
+        types[index] = (
+            gguf.TokenType.CONTROL
+            if special
+            else gguf.TokenType.USER_DEFINED
+            if content in added
+            else gguf.TokenType.NORMAL
+        )
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    tok_config_path = folder / "tokenizer_config.json"
+    tok_config = json.loads(tok_config_path.read_text()) if tok_config_path.is_file() else {}
+    writer.add_add_bos_token(bool(tok_config.get("add_bos_token", False)))
+    for key, add in (
+        ("bos_token", writer.add_bos_token_id),
+        ("eos_token", writer.add_eos_token_id),
+        ("pad_token", writer.add_pad_token_id),
+    ):
+        name = tok_config.get(key)
+        name = name.get("content") if isinstance(name, dict) else name
+        if name in vocab:
+            add(vocab[name])
+    if tok_config.get("chat_template"):
+        writer.add_chat_template(tok_config["chat_template"])
+
+
+def _write_f32(cfg: TargetConfig, folder: Path, out: Path) -> None:
+    """Write every tensor in F32 (norms and RoPE factors stay F32 through quantization)."""
+    tensors = _tensors(cfg, folder)
+    writer = gguf.GGUFWriter(str(out), cfg.model_type)
+    writer.add_name(folder.name)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_heads)
+    writer.add_head_count_kv(cfg.num_kv_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_rope_freq_base(float(rope_parameters(cfg.raw)["rope_theta"]))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_file_type(0)
+    _add_tokenizer(writer, folder, cfg)
+    for name, array in tensors.items():
+        writer.add_tensor(name, array.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _quantize(src: Path, out: Path, kind: str, threads: int) -> None:
+    """Run llama.cpp's llama_model_quantize from src (F32) to out."""
+    quiet_llama_logs()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = FILE_TYPES[kind]
+    params.nthread = threads
+    status = llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), ctypes.byref(params))
+    if status != 0:
+        raise DFlashError(f"llama.cpp could not quantize the model to {kind} (status {status}).")
+
+
+def convert(source: Path, out: Path, kind: str = "f16", threads: int = 0) -> Path:
+    """Convert an HF-layout Llama/Qwen3 folder to a GGUF file of the given type; return its path."""
+    source, out = Path(source), Path(out)
+    if kind not in FILE_TYPES:
+        raise DFlashError(f"Unknown GGUF type '{kind}' (use {', '.join(FILE_TYPES)}).")
+    if out.suffix != ".gguf":
+        raise DFlashError(f"The output file name must end in .gguf, not '{out.name}'.")
+    cfg = TargetConfig.from_dict(read_config(source), source)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as work:
+        staged = Path(work) / "f32.gguf"
+        _write_f32(cfg, source, staged)
+        partial = Path(work) / out.name
+        _quantize(staged, partial, kind, threads)
+        partial.replace(out)
+    return out

@@ -1,0 +1,144 @@
+"""GGUF targets through llama.cpp: conversion, lossless DFlash, tapped features, exact rollback."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("llama_cpp")
+pytest.importorskip("gguf")
+
+from dflash_local.decode import Settings, run  # noqa: E402
+from dflash_local.drafter import DFlashDrafter  # noqa: E402
+from dflash_local.gguf_convert import convert  # noqa: E402
+from dflash_local.targets.llamacpp import LlamaCppTarget  # noqa: E402
+from dflash_local.targets.torch_llama import TorchLlamaTarget  # noqa: E402
+from dflash_local.tokenizer import TextTokenizer  # noqa: E402
+
+TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"
+NEW_TOKENS = 40
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory) -> dict[str, Path]:
+    """The bundled tiny target converted once per session to F16 and Q8_0."""
+    root = tmp_path_factory.mktemp("gguf")
+    return {kind: convert(TINY / "target", root / f"tiny-{kind}.gguf", kind, threads=1) for kind in ("f16", "q8_0")}
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    tokenizer = TextTokenizer.load(TINY / "target")
+    lines = (TINY / "heldout_prompts.jsonl").read_text().splitlines()[:10]
+    return [tokenizer.encode(json.loads(line)["prompt"])[-48:] for line in lines]
+
+
+@pytest.fixture(scope="module")
+def drafter() -> DFlashDrafter:
+    return DFlashDrafter.load(TINY / "drafter", max_context=2048)
+
+
+@pytest.mark.parametrize("kind", ["f16", "q8_0"])
+def test_dflash_equals_llamacpp_greedy(kind, tiny_gguf, prompts, drafter):
+    from llama_cpp import Llama
+
+    target = LlamaCppTarget.load(tiny_gguf[kind], max_context=2048, threads=1)
+    own = Llama(str(tiny_gguf[kind]), n_ctx=512, n_threads=1, n_threads_batch=1, verbose=False)
+    taus = []
+    for index, prompt in enumerate(prompts):
+        expected, _ = run(target, None, prompt, Settings(max_new_tokens=NEW_TOKENS, draft=False))
+        if index < 3:
+            own.reset()
+            stream = own.generate(prompt, top_k=1, temp=0.0, reset=True)
+            assert [next(stream) for _ in range(NEW_TOKENS)] == expected
+        for block in (4, 16):
+            ids, stats = run(target, drafter, prompt, Settings(max_new_tokens=NEW_TOKENS, block_size=block))
+            assert ids == expected, (kind, index, block)
+            taus.append(stats.tau)
+    assert sum(taus) / len(taus) > 2.0, taus
+
+
+def test_tapped_features_and_logits_match_torch(tiny_gguf, prompts, drafter):
+    """F16 weights and F16 KV cache against the fp32 torch backend: features within 0.2% (relative L2 per row)."""
+    gguf_target = LlamaCppTarget.load(tiny_gguf["f16"], max_context=2048, threads=1)
+    torch_target = TorchLlamaTarget.load(TINY / "target", max_context=2048)
+    for target in (gguf_target, torch_target):
+        target.set_feature_layers(drafter.target_layer_ids)
+    for prompt in prompts[:3]:
+        ids = torch.tensor(prompt)
+        outs = []
+        for target in (gguf_target, torch_target):
+            target.reset()
+            outs.append(target.forward(ids, all_logits=True, features=True))
+        got, want = outs
+        assert got.features.shape == want.features.shape == (len(prompt), 3 * 256)
+        for part in range(3):
+            a, b = got.features[:, part * 256 : (part + 1) * 256], want.features[:, part * 256 : (part + 1) * 256]
+            assert ((a - b).norm(dim=-1) / b.norm(dim=-1)).max() < 2e-3
+        assert ((got.logits - want.logits).abs().max() / want.logits.abs().max()) < 2e-3
+
+
+def test_rollback_leaves_the_state_of_a_fresh_run(tiny_gguf, prompts):
+    target = LlamaCppTarget.load(tiny_gguf["f16"], max_context=2048, threads=1)
+    target.set_feature_layers([1, 3, 5])
+    prompt, block, tail = torch.tensor(prompts[0]), torch.tensor(prompts[1][:16]), torch.tensor(prompts[2][:6])
+    keep = len(prompt) + 5
+
+    def continued(block_tokens: torch.Tensor):
+        target.reset()
+        target.forward(prompt)
+        target.forward(block_tokens)
+        target.rollback(keep)
+        assert target.length == keep
+        return target.forward(tail)
+
+    after_rollback = continued(block)
+    other = block.clone()
+    other[5:] = (other[5:] + 7) % 4096
+    with_other_rejects = continued(other)
+    assert torch.equal(after_rollback.logits, with_other_rejects.logits)
+    assert torch.equal(after_rollback.features, with_other_rejects.features)
+    target.reset()
+    target.forward(prompt)
+    target.forward(block[:5])
+    fresh = target.forward(tail)
+    assert torch.equal(after_rollback.logits, fresh.logits)
+    assert torch.equal(after_rollback.features, fresh.features)
+
+
+def _add_byte_bpe_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A byte-level BPE tokenizer.json: vocab_size - 1 byte symbols and one merge (enough for llama.cpp to load)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    symbols = sorted(pre_tokenizers.ByteLevel.alphabet())[: vocab_size - 1]
+    vocab = {char: i for i, char in enumerate(symbols + [symbols[0] + symbols[1]])}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[(symbols[0], symbols[1])]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.save(str(folder / "tokenizer.json"))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_converted_families_match_torch_and_stay_lossless(kind, request, tmp_path, drafters):
+    """llama: llama3 RoPE scaling (rope_freqs), GQA, untied head; qwen3: q/k norms, wide heads, tied head."""
+    import shutil
+
+    folder = tmp_path / kind
+    shutil.copytree(request.getfixturevalue(f"{kind}_target"), folder)
+    torch_target = TorchLlamaTarget.load(folder)
+    _add_byte_bpe_tokenizer(folder, torch_target.vocab_size)
+    gguf_target = LlamaCppTarget.load(convert(folder, tmp_path / f"{kind}.gguf", "f16", threads=1), threads=1)
+    drafter_folder = drafters[kind, 2]
+    drafter = DFlashDrafter.load(drafter_folder, max_context=gguf_target.max_context)
+    prompt = torch.randint(0, torch_target.vocab_size, (20,), generator=torch.Generator().manual_seed(3))
+    for target in (gguf_target, torch_target):
+        target.set_feature_layers(drafter.target_layer_ids)
+    got, want = gguf_target.forward(prompt), torch_target.forward(prompt)
+    assert ((got.logits - want.logits).abs().max() / want.logits.abs().max()) < 5e-3
+    assert ((got.features - want.features).norm(dim=-1) / want.features.norm(dim=-1)).max() < 5e-3
+    expected, _ = run(gguf_target, None, prompt.tolist(), Settings(max_new_tokens=24, draft=False))
+    ids, _ = run(gguf_target, drafter, prompt.tolist(), Settings(max_new_tokens=24, block_size=8))
+    assert ids == expected

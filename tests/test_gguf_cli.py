@@ -1,0 +1,115 @@
+"""`dflash convert` and `dflash generate` on GGUF files; bad GGUF input ends in one clear sentence."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from test_cli import dflash
+
+pytest.importorskip("llama_cpp")
+gguf = pytest.importorskip("gguf")
+
+TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"
+PROMPT_IDS = "94,1209,1011,267,2155,7,1021,30,1024,14"
+
+
+@pytest.fixture(scope="module")
+def q4(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("gguf_cli") / "tiny-q4_k_m.gguf"
+    result = dflash("convert", TINY / "target", "--out", out, "--type", "q4_k_m")
+    assert result.returncode == 0, result.stderr
+    assert out.is_file() and "q4_k_m" in result.stdout
+    return out
+
+
+def _generate(target: Path, *extra: str) -> dict:
+    result = dflash(
+        "generate", "--target", target, "--prompt-ids", PROMPT_IDS, "--max-new-tokens", "24", "--json", *extra
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_generate_on_gguf_reports_tau_and_speed(q4):
+    fast = _generate(q4, "--drafter", str(TINY / "drafter"), "--block-size", "8")
+    slow = _generate(q4, "--no-draft")
+    assert fast["output_ids"] == slow["output_ids"] and len(fast["output_ids"]) == 24
+    assert fast["tau"] > 1.0 and fast["decode_tokens_per_s"] > 0 and slow["decode_tokens_per_s"] > 0
+    assert max(fast["acceptance_lengths"]) <= 8
+
+
+def _write_gguf(path: Path, arch: str, layers: int) -> Path:
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(layers)
+    writer.add_embedding_length(8)
+    writer.add_context_length(64)
+    writer.add_vocab_size(16)
+    writer.add_tensor("token_embd.weight", gguf.np.zeros((16, 8), dtype=gguf.np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def bad(tmp_path_factory, q4) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("bad_gguf")
+    truncated = root / "truncated.gguf"
+    truncated.write_bytes(q4.read_bytes()[: q4.stat().st_size * 2 // 3])
+    header_only = root / "header.gguf"
+    header_only.write_bytes(q4.read_bytes()[:100])
+    deep = root / "deep_drafter"
+    shutil.copytree(TINY / "drafter", deep)
+    config = json.loads((deep / "config.json").read_text())
+    config["dflash_config"]["target_layer_ids"] = [1, 3, 9]
+    (deep / "config.json").write_text(json.dumps(config))
+    last = root / "last_layer_drafter"
+    shutil.copytree(TINY / "drafter", last)
+    config["dflash_config"]["target_layer_ids"] = [1, 3, 7]
+    (last / "config.json").write_text(json.dumps(config))
+    return {
+        "gemma": _write_gguf(root / "gemma.gguf", "gemma", 2),
+        "incomplete": _write_gguf(root / "incomplete.gguf", "llama", 2),
+        "truncated": truncated,
+        "header": header_only,
+        "not_gguf": TINY / "heldout_prompts.jsonl",
+        "deep": deep,
+        "last": last,
+        "good": q4,
+    }
+
+
+CASES = {
+    "unsupported architecture": ("gemma", [], "holds a 'gemma' model; the llama.cpp backend reads layer features only"),
+    "llama.cpp rejects it": ("incomplete", [], "llama.cpp could not load"),
+    "truncated tensors": ("truncated", [], "is not a complete, readable GGUF file"),
+    "truncated header": ("header", [], "is not a complete, readable GGUF file"),
+    "not a GGUF file": ("not_gguf", ["--backend", "llamacpp"], "is not a complete, readable GGUF file"),
+    "layer ids past the end": ("good", ["--drafter", "deep"], "layers [1, 3, 9], but the target has only 8"),
+    "last layer untappable": ("good", ["--drafter", "last"], "reads features of target layers 0..6, not layer 7"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_gguf_input_is_one_clear_sentence(case, bad):
+    target, extra, message = CASES[case]
+    extra = [str(bad.get(arg, arg)) for arg in extra]
+    if "--drafter" not in extra:
+        extra.append("--no-draft")
+    result = dflash("generate", "--target", bad[target], "--prompt-ids", "1,2", *extra)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ") and message in lines[0], lines[0]
+
+
+def test_convert_rejects_bad_requests(tmp_path):
+    result = dflash("convert", TINY / "target", "--out", tmp_path / "x.gguf", "--type", "q3")
+    assert result.returncode == 1 and "Unknown GGUF type 'q3'" in result.stderr
+    result = dflash("convert", TINY / "drafter", "--out", tmp_path / "x.gguf")
+    assert result.returncode == 1 and "has no GGUF counterpart" in result.stderr
