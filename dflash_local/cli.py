@@ -43,6 +43,14 @@ def user_errors() -> Iterator[None]:
         raise typer.Exit(1) from None
 
 
+def _resolve(model: str, drafter: str | None, offline: bool, token: str | None):
+    """Local paths for what the user named, pulling from the Hub (with progress) unless offline."""
+    from .catalog import resolve
+    from .downloads import Downloader
+
+    return resolve(model, drafter, Downloader(token, offline))
+
+
 def _parse_ids(text: str) -> list[int]:
     try:
         return [int(part) for part in text.replace(" ", "").split(",") if part]
@@ -52,8 +60,8 @@ def _parse_ids(text: str) -> list[int]:
 
 @app.command()
 def generate(
-    target: Path = typer.Option(..., "--target", help="Target model: an HF-layout folder."),
-    drafter: Optional[Path] = typer.Option(None, "--drafter", help="DFlash drafter folder."),
+    target: str = typer.Option(..., "--target", help="A model name, a Hub repo, an HF-layout folder or a .gguf file."),
+    drafter: Optional[str] = typer.Option(None, "--drafter", help="DFlash drafter: a folder or a Hub repo."),
     prompt: Optional[str] = typer.Option(None, "--prompt", help="Prompt text (needs the target's tokenizer)."),
     prompt_ids: Optional[str] = typer.Option(None, "--prompt-ids", help="Prompt as token ids: 1,2,3."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
@@ -65,10 +73,12 @@ def generate(
     no_draft: bool = typer.Option(False, "--no-draft", help="Plain autoregressive decoding (the baseline)."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Do not stop at end-of-sequence tokens."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
-    backend: str = typer.Option("auto", "--backend", help="Target backend: auto or torch."),
+    backend: str = typer.Option("auto", "--backend", help="auto (llamacpp for .gguf), torch or llamacpp."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
     dtype: str = typer.Option("auto", "--dtype", help="auto, float32, bfloat16 or float16."),
     max_context: int = typer.Option(4096, "--max-context", help="KV cache length in tokens."),
+    offline: bool = typer.Option(False, "--offline", help="Use only models already pulled."),
+    token: Optional[str] = typer.Option(None, "--token", help="Hugging Face token (default: HF_TOKEN)."),
 ) -> None:
     """Generate one continuation of a prompt, with DFlash drafting or without."""
     with user_errors():
@@ -76,9 +86,13 @@ def generate(
 
         if (prompt is None) == (prompt_ids is None):
             raise DFlashError("Give exactly one of --prompt or --prompt-ids.")
-        if not no_draft and drafter is None:
+        resolved = _resolve(target, drafter, offline, token)
+        if not no_draft and resolved.drafter is None:
             raise DFlashError("Pass --drafter DIR, or --no-draft for plain autoregressive decoding.")
-        models = load_models(target, None if no_draft else drafter, backend, device, dtype, max_context)
+        if backend == "auto":
+            backend = resolved.backend
+        drafter_path = None if no_draft else resolved.drafter
+        models = load_models(resolved.target, drafter_path, backend, device, dtype, max_context)
         request = GenerationRequest(
             prompt=prompt,
             prompt_ids=_parse_ids(prompt_ids) if prompt_ids is not None else None,
@@ -109,8 +123,8 @@ def generate(
 
 @app.command()
 def chat(
-    model: str = typer.Argument("tiny", help="A model name (tiny) or a target folder."),
-    drafter: Optional[Path] = typer.Option(None, "--drafter", help="DFlash drafter folder (default: the model's)."),
+    model: str = typer.Argument("tiny", help="A model name (dflash models), a Hub repo, a folder or a .gguf file."),
+    drafter: Optional[str] = typer.Option(None, "--drafter", help="Drafter folder or Hub repo (default: the model's)."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Longest answer in tokens."),
     temperature: float = typer.Option(0.0, "--temperature"),
     top_p: float = typer.Option(1.0, "--top-p"),
@@ -121,17 +135,18 @@ def chat(
     device: str = typer.Option("auto", "--device"),
     dtype: str = typer.Option("auto", "--dtype"),
     max_context: int = typer.Option(2048, "--max-context"),
+    offline: bool = typer.Option(False, "--offline", help="Use only models already pulled."),
+    token: Optional[str] = typer.Option(None, "--token", help="Hugging Face token (default: HF_TOKEN)."),
 ) -> None:
     """Chat with a model: streaming answers, live tokens/s and acceptance, /help for commands."""
     with user_errors():
-        from .catalog import resolve
         from .chat import run_chat
         from .decode import Settings
         from .generation import load_models
         from .sampling import SamplingParams
 
-        target_path, drafter_path = resolve(model, drafter)
-        models = load_models(target_path, drafter_path, "auto", device, dtype, max_context)
+        resolved = _resolve(model, drafter, offline, token)
+        models = load_models(resolved.target, resolved.drafter, resolved.backend, device, dtype, max_context)
         settings = Settings(
             max_new_tokens=max_new_tokens,
             sampling=SamplingParams(temperature, top_p, top_k),
@@ -144,8 +159,8 @@ def chat(
 
 @app.command()
 def bench(
-    model: str = typer.Argument("tiny", help="A model name (tiny) or a target folder."),
-    drafter: Optional[Path] = typer.Option(None, "--drafter", help="DFlash drafter folder (default: the model's)."),
+    model: str = typer.Argument("tiny", help="A model name (dflash models), a Hub repo, a folder or a .gguf file."),
+    drafter: Optional[str] = typer.Option(None, "--drafter", help="Drafter folder or Hub repo (default: the model's)."),
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL prompts (default: the model's own set)."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Use only the first N prompts."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
@@ -158,20 +173,23 @@ def bench(
     plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG: histogram and tokens/s."),
     device: str = typer.Option("auto", "--device"),
     dtype: str = typer.Option("auto", "--dtype"),
+    offline: bool = typer.Option(False, "--offline", help="Use only models already pulled."),
+    token: Optional[str] = typer.Option(None, "--token", help="Hugging Face token (default: HF_TOKEN)."),
 ) -> None:
     """Autoregressive vs DFlash (and prompt lookup) on the same target, prompt by prompt."""
     with user_errors():
         from .bench import plot, read_prompts, run_bench
-        from .catalog import BUNDLED_PROMPTS, resolve
         from .decode import Settings
         from .generation import load_models
         from .sampling import SamplingParams
 
-        target_path, drafter_path = resolve(model, drafter)
-        prompt_file = prompts or BUNDLED_PROMPTS.get(model)
+        resolved = _resolve(model, drafter, offline, token)
+        prompt_file = prompts or resolved.prompts
         if prompt_file is None:
             raise DFlashError("Pass --prompts FILE.jsonl: this model has no built-in prompt set.")
-        models = load_models(target_path, drafter_path, "auto", device, dtype)
+        if resolved.drafter is None:
+            raise DFlashError(f"'{model}' has no drafter: pass --drafter DIR or a Hub repo.")
+        models = load_models(resolved.target, resolved.drafter, resolved.backend, device, dtype)
         settings = Settings(
             max_new_tokens=max_new_tokens,
             sampling=SamplingParams(temperature),
@@ -221,6 +239,141 @@ def _print_bench(report: dict) -> None:
         style="bold",
     )
     Console().print(table)
+
+
+@app.command()
+def convert(
+    source: Path = typer.Argument(..., help="HF-layout Llama/Qwen3 target folder."),
+    out: Path = typer.Option(..., "--out", help="The GGUF file to write."),
+    kind: str = typer.Option("f16", "--type", help="f16, bf16, q8_0 or q4_k_m."),
+) -> None:
+    """Convert a target to one GGUF file, quantized by llama.cpp's own quantizer."""
+    with user_errors():
+        try:
+            from .gguf_convert import convert as convert_to_gguf
+        except ImportError:
+            raise DFlashError("dflash convert needs llama-cpp-python and gguf (dflash-local[gguf]).") from None
+
+        path = convert_to_gguf(source, out, kind)
+        typer.echo(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, {kind})")
+
+
+def _hub_sources(name: str) -> tuple[list, bool]:
+    """The Hub sources behind a model name or repo, and whether the name is a bundled model."""
+    from .catalog import ModelEntry, lookup
+    from .hub import HubSource
+
+    found = lookup(name)
+    sources = found.sources() if isinstance(found, ModelEntry) else [found]
+    hub = [s for s in sources if isinstance(s, HubSource)]
+    return hub, isinstance(found, ModelEntry) and found.bundled
+
+
+@app.command()
+def pull(
+    name: str = typer.Argument(..., help="A model name (dflash models) or a Hub repo: owner/name[:QUANT]."),
+    offline: bool = typer.Option(False, "--offline", help="Do not download: check what is already pulled."),
+    token: Optional[str] = typer.Option(
+        None, "--token", help="Hugging Face token for gated repos (default: HF_TOKEN)."
+    ),
+) -> None:
+    """Download a model (target + drafter) into the Hugging Face cache: resumable, verified, only needed files."""
+    with user_errors():
+        from .downloads import Downloader
+        from .hub import cached_folder, human_size, local_size
+
+        sources, bundled = _hub_sources(name)
+        if bundled:
+            typer.echo(f"{name} is bundled with dflash-local: nothing to download.")
+            return
+        downloader = Downloader(token, offline)
+        for source in sources:
+            if offline:
+                if cached_folder(source) is None:
+                    raise DFlashError(
+                        f"{source.repo} is not downloaded (or not completely) and --offline is set: "
+                        f"run `dflash pull {name}` while online."
+                    )
+                typer.echo(f"{source.repo}: pulled, {human_size(local_size(source) or 0)} in {cached_folder(source)}")
+            else:
+                downloader.pull(source)
+        typer.echo(f"{name} is ready: dflash chat {name}")
+
+
+@app.command(name="models")
+def list_models() -> None:
+    """The model catalog: what each name is, what it needs, and what is downloaded."""
+    with user_errors():
+        from rich.console import Console
+        from rich.table import Table
+
+        from .catalog import load_catalog
+        from .hub import human_size, local_size, pulled_files
+
+        table = Table(title="dflash models (pull with: dflash pull NAME)")
+        for column in ("name", "backend", "on disk", "needs", "runs on", "what"):
+            table.add_column(column, overflow="fold")
+        for entry in load_catalog().values():
+            if entry.bundled:
+                disk = "bundled"
+            else:
+                sizes = [local_size(s) for s in entry.sources()]
+                partial = any(pulled_files(s) for s in entry.sources())
+                disk = human_size(sum(sizes)) if None not in sizes else ("partial" if partial else "-")
+            needs = f"{entry.memory_gb:g} GB" + (f" ({entry.quantize})" if entry.quantize else "")
+            table.add_row(entry.name, entry.backend, disk, needs, entry.hardware, entry.summary)
+        Console().print(table)
+
+
+@app.command()
+def rm(name: str = typer.Argument(..., help="A model name or Hub repo pulled before.")) -> None:
+    """Delete a pulled model's files from the cache (files another downloaded model uses are kept)."""
+    with user_errors():
+        from .catalog import load_catalog
+        from .hub import cached_folder, human_size, pulled_files, remove
+
+        sources, bundled = _hub_sources(name)
+        if bundled:
+            raise DFlashError(f"{name} is bundled with dflash-local; there is nothing to remove.")
+        pulled = [s for s in sources if pulled_files(s)]
+        if not pulled:
+            raise DFlashError(f"{name} is not downloaded.")
+        shared = {
+            s
+            for other in load_catalog().values()
+            if other.name != name and not other.bundled and all(cached_folder(x) for x in other.sources())
+            for s in other.sources()
+        }
+        freed = sum(remove(s) for s in pulled if s not in shared)
+        kept = [s.repo for s in pulled if s in shared]
+        note = f" (kept {', '.join(kept)}: another downloaded model uses it)" if kept else ""
+        typer.echo(f"removed {name}: freed {human_size(freed)}{note}")
+
+
+@app.command()
+def doctor(
+    model: Optional[str] = typer.Argument(None, help="A model name: also check whether it fits this machine."),
+) -> None:
+    """What this machine offers: torch, CUDA/GPU and VRAM, Triton, bitsandbytes, llama.cpp, disk."""
+    with user_errors():
+        from rich.console import Console
+        from rich.markup import escape
+        from rich.table import Table
+
+        from .catalog import load_catalog
+        from .doctor import run_checks
+
+        memory = None
+        if model is not None:
+            catalog = load_catalog()
+            if model not in catalog:
+                raise DFlashError(f"'{model}' is not in the catalog (see dflash models).")
+            memory = catalog[model].memory_gb
+        table = Table(show_header=False, box=None)
+        marks = {True: "[green]ok[/green]", False: "[red]!![/red]", None: "[dim]--[/dim]"}
+        for check in run_checks(memory, model):
+            table.add_row(marks[check.ok], check.name, escape(check.found))
+        Console().print(table)
 
 
 def main() -> None:

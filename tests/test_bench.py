@@ -27,7 +27,7 @@ def test_bench_json_and_plot(tmp_path):
 
 def test_bench_detects_differing_outputs(monkeypatch):
     import dflash_local.bench as bench
-    from dflash_local.catalog import BUNDLED, BUNDLED_PROMPTS
+    from dflash_local.catalog import resolve
     from dflash_local.decode import Settings
     from dflash_local.generation import load_models
 
@@ -38,6 +38,7 @@ def test_bench_detects_differing_outputs(monkeypatch):
         return (out[:-1] + [out[-1] + 1] if drafter is not None else out), stats
 
     monkeypatch.setattr(bench, "run", corrupting_run)
-    models = load_models(*BUNDLED["tiny"], device="cpu")
-    report = bench.run_bench(models, bench.read_prompts(BUNDLED_PROMPTS["tiny"], models, 1), Settings(max_new_tokens=8))
+    tiny = resolve("tiny", None, fetch=None)
+    models = load_models(tiny.target, tiny.drafter, device="cpu")
+    report = bench.run_bench(models, bench.read_prompts(tiny.prompts, models, 1), Settings(max_new_tokens=8))
     assert report["all_identical"] is False

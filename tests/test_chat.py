@@ -69,4 +69,6 @@ def test_unknown_model_suggests_close_names():
         [sys.executable, "-m", "dflash_local", "chat", "tinyy"], capture_output=True, text=True, env=ENV, timeout=60
     )
     assert result.returncode == 1
-    assert result.stderr.strip() == "error: 'tinyy' is neither a known model nor a path. Did you mean tiny?"
+    assert result.stderr.strip() == (
+        "error: 'tinyy' is neither a known model, a Hub repo (owner/name) nor a path. Did you mean tiny?"
+    )

@@ -9,7 +9,7 @@ import torch
 from ..errors import DFlashError
 from .base import Target
 
-BACKENDS = ("torch",)
+BACKENDS = ("torch", "llamacpp")
 
 
 def load_target(
@@ -24,9 +24,16 @@ def load_target(
     if not path.exists():
         raise DFlashError(f"{path} does not exist.")
     if backend == "auto":
-        backend = "torch"
+        backend = "llamacpp" if path.suffix == ".gguf" else "torch"
     if backend == "torch":
         from .torch_llama import TorchLlamaTarget
 
         return TorchLlamaTarget.load(path, dtype=dtype, device=device, max_context=max_context)
+    if backend == "llamacpp":
+        try:
+            from .llamacpp import LlamaCppTarget
+        except ImportError:
+            raise DFlashError("GGUF targets need llama-cpp-python and gguf: pip install dflash-local[gguf].") from None
+
+        return LlamaCppTarget.load(path, dtype=dtype, device=device, max_context=max_context)
     raise DFlashError(f"Unknown backend '{backend}' (available: {', '.join(BACKENDS)}).")

@@ -1,0 +1,338 @@
+"""Downloads from the Hugging Face Hub into its standard cache: only the files needed, verified, resumable."""
+
+from __future__ import annotations
+
+import errno
+import fnmatch
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import DFlashError
+
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
+DRAFTER_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json")
+DISK_MARGIN = 1.02  # keep 2% headroom over the bytes still to download
+
+
+@dataclass(frozen=True)
+class HubSource:
+    """A Hub repo and the file patterns to take from it (never the whole repo, never code)."""
+
+    repo: str
+    patterns: tuple[str, ...] = MODEL_FILES
+    revision: str = "main"
+
+    def wants(self, name: str) -> bool:
+        return any(fnmatch.fnmatch(name.lower(), pattern.lower()) for pattern in self.patterns)
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    """One file of a repo as the Hub describes it: size and content hash."""
+
+    name: str
+    size: int
+    sha256: str | None = None  # LFS files
+    blob_id: str | None = None  # git blob id (sha1) of small files
+
+
+@dataclass
+class PullReport:
+    """What a pull did: where the files are and how many bytes came over the network."""
+
+    folder: Path
+    files: list[RemoteFile]
+    downloaded: list[str] = field(default_factory=list)
+    refetched: list[str] = field(default_factory=list)
+
+
+def endpoint() -> str:
+    return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+
+
+def cache_dir() -> Path:
+    """The Hub cache every HF tool shares (HF_HUB_CACHE, else HF_HOME/hub)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "huggingface"
+    return Path(home) / "hub"
+
+
+def state_dir() -> Path:
+    """dflash's own records of completed pulls (DFLASH_HOME, else ~/.cache/dflash)."""
+    return Path(os.environ.get("DFLASH_HOME") or Path.home() / ".cache" / "dflash")
+
+
+def repo_folder(repo: str) -> Path:
+    return cache_dir() / f"models--{repo.replace('/', '--')}"
+
+
+def human_size(size: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{size:.1f} GB"
+
+
+def _manifest_path(source: HubSource) -> Path:
+    return state_dir() / "pulled" / f"{source.repo.replace('/', '--')}@{source.revision}.json"
+
+
+def _read_manifest(source: HubSource) -> dict:
+    path = _manifest_path(source)
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _write_manifest(source: HubSource, commit: str, files: dict[str, int]) -> None:
+    """Record which files (name -> size) of source are whole in the cache, written atomically."""
+    path = _manifest_path(source)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"repo": source.repo, "revision": source.revision, "commit": commit, "files": files}))
+    os.replace(tmp, path)
+
+
+def pulled_files(source: HubSource) -> dict[str, int]:
+    """Names and sizes of source's files that a completed pull recorded (whole or not now)."""
+    return {n: size for n, size in _read_manifest(source).get("files", {}).items() if source.wants(n)}
+
+
+def cached_folder(source: HubSource) -> Path | None:
+    """The snapshot folder of a completed, verified pull of source, if its files are all still whole on disk."""
+    manifest = _read_manifest(source)
+    if not manifest:
+        return None
+    folder = repo_folder(source.repo) / "snapshots" / manifest["commit"]
+    wanted = {name: size for name, size in manifest["files"].items() if source.wants(name)}
+    if not all(any(fnmatch.fnmatch(n.lower(), p.lower()) for n in wanted) for p in _required(source)):
+        return None
+    for name, size in wanted.items():
+        path = folder / name
+        if not path.is_file() or path.stat().st_size != size:
+            return None
+    return folder
+
+
+def _required(source: HubSource) -> tuple[str, ...]:
+    """Patterns that must match at least one file: config and weights, or the explicit files asked for."""
+    if source.patterns in (MODEL_FILES, DRAFTER_FILES):
+        return ("config.json", "*.safetensors")
+    return source.patterns
+
+
+def remote_files(source: HubSource, token: str | None) -> tuple[str, list[RemoteFile]]:
+    """The commit the revision points at and the repo files source wants, with sizes and hashes."""
+    from huggingface_hub import HfApi
+
+    with hub_errors(source.repo, token):
+        info = HfApi(endpoint=endpoint()).model_info(
+            source.repo, revision=source.revision, files_metadata=True, token=token
+        )
+    files = [
+        RemoteFile(s.rfilename, s.size or 0, s.lfs.sha256 if s.lfs else None, None if s.lfs else s.blob_id)
+        for s in info.siblings or []
+        if source.wants(s.rfilename)
+    ]
+    all_names = sorted(s.rfilename for s in info.siblings or [])
+    for pattern in _required(source):
+        if not any(fnmatch.fnmatch(f.name.lower(), pattern.lower()) for f in files):
+            quants = sorted({n.removesuffix(".gguf").rsplit("-", 1)[-1] for n in all_names if n.endswith(".gguf")})
+            if quants and not pattern.endswith(".gguf"):
+                raise DFlashError(
+                    f"{source.repo} holds GGUF files: name one, e.g. {source.repo}:{quants[0]} ({', '.join(quants)})."
+                )
+            raise DFlashError(f"{source.repo} has no file matching '{pattern}' (it has: {', '.join(all_names[:12])}).")
+    return info.sha, files
+
+
+def file_is_whole(path: Path, remote: RemoteFile) -> bool:
+    """Size and content hash of a downloaded file match what the Hub says."""
+    if not path.is_file() or path.stat().st_size != remote.size:
+        return False
+    if remote.sha256:
+        digest = hashlib.sha256()
+        expected = remote.sha256
+    elif remote.blob_id:
+        digest = hashlib.sha1(f"blob {remote.size}\0".encode())
+        expected = remote.blob_id
+    else:
+        return True
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest() == expected
+
+
+def _forget(path: Path) -> None:
+    """Delete a cached file: the snapshot link and the blob it points to."""
+    blob = path.resolve()
+    path.unlink(missing_ok=True)
+    if blob != path:
+        blob.unlink(missing_ok=True)
+
+
+def _partial_bytes(repo: str) -> int:
+    blobs = repo_folder(repo) / "blobs"
+    return sum(p.stat().st_size for p in blobs.glob("*.part")) if blobs.is_dir() else 0
+
+
+def check_disk_space(needed: int, folder: Path) -> None:
+    """Fail before downloading when the cache's disk cannot hold what is still to come."""
+    folder.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(folder).free
+    if needed * DISK_MARGIN > free:
+        raise DFlashError(
+            f"Not enough disk space in {folder}: {human_size(needed)} to download, {human_size(free)} free."
+        )
+
+
+ProgressFactory = Callable[[str], type]
+
+
+def pull(source: HubSource, token: str | None = None, progress: ProgressFactory | None = None) -> PullReport:
+    """Download what source needs that is not already whole in the cache; verify every file."""
+    commit, files = remote_files(source, token)
+    folder = repo_folder(source.repo) / "snapshots" / commit
+    missing = [f for f in files if not file_is_whole(folder / f.name, f)]
+    report = PullReport(folder, files)
+    check_disk_space(sum(f.size for f in missing) - _partial_bytes(source.repo), cache_dir())
+    for remote in missing:
+        path = folder / remote.name
+        if path.exists():
+            _forget(path)
+            report.refetched.append(remote.name)
+        for attempt in range(2):
+            with hub_errors(source.repo, token):
+                download(source.repo, remote.name, commit, token, progress(remote.name) if progress else None)
+            if file_is_whole(path, remote):
+                break
+            _forget(path)
+            if attempt == 1:
+                raise DFlashError(f"{source.repo}/{remote.name} failed verification twice (size or sha256 differ).")
+        report.downloaded.append(remote.name)
+    refs = repo_folder(source.repo) / "refs"
+    refs.mkdir(parents=True, exist_ok=True)
+    (refs / source.revision).write_text(commit)
+    old = _read_manifest(source)
+    known = old.get("files", {}) if old.get("commit") == commit else {}
+    _write_manifest(source, commit, known | {f.name: f.size for f in files})
+    return report
+
+
+def download(repo: str, name: str, commit: str, token: str | None, bar: type | None = None) -> Path:
+    """Fetch one file into the Hub cache layout (blobs/ + snapshots/ link), resuming a partial `.part` blob."""
+    from filelock import FileLock
+    from huggingface_hub import file_download, get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.utils import build_hf_headers
+
+    url = hf_hub_url(repo, name, revision=commit, endpoint=endpoint())
+    meta = get_hf_file_metadata(url, token=token, endpoint=endpoint())
+    folder = repo_folder(repo)
+    blob = folder / "blobs" / meta.etag
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    lock = cache_dir() / ".locks" / folder.name / f"{meta.etag}.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(lock)):
+        if not blob.exists():
+            partial = blob.with_name(blob.name + ".part")
+            resume = partial.stat().st_size if partial.exists() else 0
+            if meta.size is not None and resume > meta.size:
+                partial.unlink()
+                resume = 0
+            with open(partial, "ab") as handle:
+                file_download.http_get(
+                    meta.location,
+                    handle,
+                    resume_size=resume,
+                    headers=build_hf_headers(token=token),
+                    expected_size=meta.size,
+                    displayed_filename=name,
+                    tqdm_class=bar,
+                )
+            os.replace(partial, blob)
+    pointer = folder / "snapshots" / commit / name
+    pointer.parent.mkdir(parents=True, exist_ok=True)
+    pointer.unlink(missing_ok=True)
+    pointer.symlink_to(os.path.relpath(blob, pointer.parent))
+    return pointer
+
+
+@contextmanager
+def hub_errors(repo: str, token: str | None) -> Iterator[None]:
+    """Turn huggingface_hub and network failures into one sentence a person can act on."""
+    import httpx
+    from huggingface_hub import errors as hub
+
+    try:
+        yield
+    except hub.GatedRepoError:
+        page = f"{endpoint()}/{repo}"
+        if token or os.environ.get("HF_TOKEN"):
+            raise DFlashError(
+                f"Your Hugging Face token has no access to the gated repo {repo}: accept its terms at {page}."
+            ) from None
+        raise DFlashError(f"{repo} is gated: accept its terms at {page}, then set HF_TOKEN or pass --token.") from None
+    except hub.RepositoryNotFoundError:
+        raise DFlashError(f"No model repo '{repo}' at {endpoint()} (if it is private, set HF_TOKEN).") from None
+    except hub.RevisionNotFoundError:
+        raise DFlashError(f"{repo} has no such revision.") from None
+    except hub.RemoteEntryNotFoundError as exc:
+        raise DFlashError(f"A file is missing from {repo} on the Hub ({exc.response.url}).") from None
+    except (hub.OfflineModeIsEnabled, hub.LocalEntryNotFoundError, httpx.TransportError):
+        raise DFlashError(
+            f"Cannot reach the Hugging Face Hub at {endpoint()}: check the network (or HF_ENDPOINT), "
+            "or use --offline with models already pulled."
+        ) from None
+    except hub.HfHubHTTPError as exc:
+        status = exc.response.status_code if exc.response is not None else "an error"
+        raise DFlashError(f"The Hub answered {status} for {repo}; try again later.") from None
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise DFlashError(
+                f"The disk holding {cache_dir()} is full: free some space and pull again (the download resumes)."
+            ) from None
+        raise
+
+
+def remove(source: HubSource) -> int:
+    """Delete source's files from the cache (blobs other repos' snapshots still use stay); return bytes freed."""
+    manifest = _read_manifest(source)
+    folder = repo_folder(source.repo)
+    freed = 0
+    if manifest:
+        snapshot = folder / "snapshots" / manifest["commit"]
+        for name in manifest["files"]:
+            if source.wants(name) and (snapshot / name).exists():
+                freed += (snapshot / name).stat().st_size
+                _forget(snapshot / name)
+        remaining = {n: s for n, s in manifest["files"].items() if not source.wants(n)}
+        if remaining:
+            _write_manifest(source, manifest["commit"], remaining)
+        else:
+            _manifest_path(source).unlink(missing_ok=True)
+    if folder.is_dir() and not any(p.is_file() for p in (folder / "snapshots").rglob("*")):
+        shutil.rmtree(folder, ignore_errors=True)
+    return freed
+
+
+def local_size(source: HubSource) -> int | None:
+    """Bytes on disk of a completed pull of source, or None when it is not (fully) downloaded."""
+    return sum(pulled_files(source).values()) if cached_folder(source) else None

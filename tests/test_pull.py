@@ -1,0 +1,252 @@
+"""`dflash pull/models/rm` against a loopback Hub (HF_ENDPOINT): progress, resume, verification, clear errors."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hub_server import FakeHub, repo_of
+
+from dflash_local.hub import human_size
+
+MODELS = Path(__file__).resolve().parent.parent / "models" / "tiny"
+TARGET_FILES = {
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "special_tokens_map.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+}
+PULLED = [("target", n) for n in TARGET_FILES] + [("drafter", "config.json"), ("drafter", "model.safetensors")]
+CATALOG = """
+[tiny-hub]
+summary = "the bundled pair, served by a loopback hub"
+backend = "torch"
+target = { repo = "test/tiny" }
+drafter = { repo = "test/tiny-drafter" }
+memory_gb = 0.1
+"""
+
+
+def _repos() -> dict[str, dict[str, bytes]]:
+    drafter = repo_of(MODELS / "drafter", {"dflash.py": b"raise SystemExit('code from a repo must never run')\n"})
+    config = json.loads(drafter["config.json"])
+    config["dflash_config"]["target_layer_ids"] = [1, 3, 20]
+    return {
+        "test/tiny": repo_of(MODELS / "target", {"modeling_tiny.py": b"import os\n", "README.md": b"# tiny\n"}),
+        "test/tiny-drafter": drafter,
+        "test/gated-drafter": drafter,
+        "test/bad-drafter": drafter | {"config.json": json.dumps(config).encode()},
+        "test/tiny-gguf": {"tiny-Q8_0.gguf": b"q8" * 5000, "tiny-F16.gguf": b"16" * 9000, "README.md": b"#\n"},
+    }
+
+
+@pytest.fixture()
+def hub(tmp_path, monkeypatch):
+    """A running loopback hub and an environment (in-process and for subprocesses) that points at it."""
+    catalog = tmp_path / "catalog.toml"
+    catalog.write_text(CATALOG)
+    with FakeHub(_repos(), gated={"test/gated-drafter"}) as server:
+        env = {
+            "HF_ENDPOINT": server.url,
+            "HF_HOME": str(tmp_path / "hf"),
+            "DFLASH_HOME": str(tmp_path / "dflash"),
+            "DFLASH_CATALOG": str(catalog),
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+            "OMP_NUM_THREADS": "1",
+        }
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        server.env = {k: v for k, v in os.environ.items() if k != "HF_TOKEN"}
+        yield server
+
+
+def dflash(hub: FakeHub, *args: str, **env: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "dflash_local", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env={**hub.env, **env})
+
+
+def snapshot(tmp_path: Path, repo: str) -> Path:
+    folders = list((tmp_path / "hf" / "hub" / f"models--{repo.replace('/', '--')}" / "snapshots").iterdir())
+    assert len(folders) == 1
+    return folders[0]
+
+
+def generate(hub: FakeHub, *extra: str) -> subprocess.CompletedProcess:
+    return dflash(
+        hub, "generate", "--target", "tiny-hub", "--prompt", "def main", "--max-new-tokens", "8", "--json", *extra
+    )
+
+
+def assert_one_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_pull_fetches_only_needed_files_verifies_and_second_pull_downloads_nothing(hub, tmp_path):
+    first = dflash(hub, "pull", "tiny-hub")
+    assert first.returncode == 0, first.stderr
+    assert "verified 6 files (size + sha256): 6 downloaded" in first.stderr
+    assert "verified 2 files (size + sha256): 2 downloaded" in first.stderr
+    assert "model.safetensors" in first.stderr and "100%" not in first.stdout  # bars go to stderr
+    assert {p.name for p in snapshot(tmp_path, "test/tiny").iterdir()} == TARGET_FILES
+    assert {p.name for p in snapshot(tmp_path, "test/tiny-drafter").iterdir()} == {"config.json", "model.safetensors"}
+    for name in TARGET_FILES:
+        assert (snapshot(tmp_path, "test/tiny") / name).read_bytes() == (MODELS / "target" / name).read_bytes()
+    assert len(hub.downloads()) == 8
+
+    second = dflash(hub, "pull", "tiny-hub")
+    assert second.returncode == 0, second.stderr
+    assert "0 downloaded (0 B), 6 already in the cache" in second.stderr
+    assert len(hub.downloads()) == 8  # nothing fetched again
+
+    result = generate(hub, "--offline")
+    assert result.returncode == 0, result.stderr
+    assert len(json.loads(result.stdout)["output_ids"]) == 8
+
+    size = human_size(sum((MODELS / f / n).stat().st_size for f, n in PULLED))
+    listed = dflash(hub, "models")
+    assert "tiny-hub" in listed.stdout and size in listed.stdout
+    removed = dflash(hub, "rm", "tiny-hub")
+    assert removed.returncode == 0 and f"freed {size}" in removed.stdout
+    assert_one_error(generate(hub, "--offline"), "is not downloaded", "--offline")
+    assert_one_error(dflash(hub, "rm", "tiny-hub"), "tiny-hub is not downloaded.")
+
+
+def test_generate_pulls_on_first_use(hub, tmp_path):
+    result = generate(hub)
+    assert result.returncode == 0, result.stderr
+    assert "pulling test/tiny" in result.stderr and "pulling test/tiny-drafter" in result.stderr
+    assert json.loads(result.stdout)["tau"] >= 1.0
+
+
+def test_interrupted_pull_resumes_where_it_stopped(hub, tmp_path):
+    hub.delay_per_chunk = 0.02  # ~5 s for the 15 MB weights file
+    process = subprocess.Popen(
+        [sys.executable, "-m", "dflash_local", "pull", "tiny-hub"],
+        env=hub.env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    blobs = tmp_path / "hf" / "hub" / "models--test--tiny" / "blobs"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        partial = list(blobs.glob("*.part")) if blobs.is_dir() else []
+        if partial and partial[0].stat().st_size > 2_000_000:
+            break
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert partial and partial[0].stat().st_size > 2_000_000
+
+    assert_one_error(generate(hub, "--offline"), "is not downloaded (or not completely)")  # half a pull never loads
+
+    hub.delay_per_chunk = 0.0
+    resumed = dflash(hub, "pull", "tiny-hub")
+    assert resumed.returncode == 0, resumed.stderr
+    ranges = [r.range for r in hub.downloads() if r.path.endswith("/model.safetensors") and "drafter" not in r.path]
+    assert ranges[-1] is not None and int(ranges[-1].removeprefix("bytes=").rstrip("-")) > 2_000_000
+    weights = snapshot(tmp_path, "test/tiny") / "model.safetensors"
+    assert weights.read_bytes() == (MODELS / "target" / "model.safetensors").read_bytes()
+
+
+def test_corrupted_and_truncated_cache_files_are_detected_and_fetched_again(hub, tmp_path):
+    assert dflash(hub, "pull", "tiny-hub").returncode == 0
+    target_weights = (snapshot(tmp_path, "test/tiny") / "model.safetensors").resolve()
+    data = bytearray(target_weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, one bit pattern changed
+    target_weights.write_bytes(bytes(data))
+    drafter_weights = (snapshot(tmp_path, "test/tiny-drafter") / "model.safetensors").resolve()
+    drafter_weights.write_bytes(drafter_weights.read_bytes()[:1000])
+
+    assert_one_error(generate(hub, "--offline"), "is not downloaded (or not completely)")  # truncation shows offline
+
+    repaired = dflash(hub, "pull", "tiny-hub")
+    assert repaired.returncode == 0, repaired.stderr
+    assert repaired.stderr.count("was corrupted or truncated in the cache, fetched again") == 2
+    for repo, folder in (("test/tiny", "target"), ("test/tiny-drafter", "drafter")):
+        pulled = snapshot(tmp_path, repo) / "model.safetensors"
+        assert pulled.read_bytes() == (MODELS / folder / "model.safetensors").read_bytes()
+    assert generate(hub, "--offline").returncode == 0
+
+
+def test_offline_with_nothing_cached_says_so(hub):
+    assert_one_error(dflash(hub, "pull", "tiny-hub", "--offline"), "test/tiny is not downloaded", "--offline")
+    assert_one_error(dflash(hub, "chat", "tiny-hub", "--offline"), "test/tiny is not downloaded", "--offline")
+    assert hub.log == []
+
+
+def test_no_network_is_one_sentence(hub):
+    result = dflash(hub, "pull", "tiny-hub", HF_ENDPOINT="http://127.0.0.1:9")
+    assert_one_error(result, "Cannot reach the Hugging Face Hub at http://127.0.0.1:9")
+
+
+def test_gated_repo_needs_a_token(hub, tmp_path):
+    assert_one_error(dflash(hub, "pull", "test/gated-drafter"), "test/gated-drafter is gated", "HF_TOKEN")
+    assert_one_error(
+        dflash(hub, "pull", "test/gated-drafter", HF_TOKEN="hf_wrong"), "token has no access", "test/gated-drafter"
+    )
+    allowed = dflash(hub, "pull", "test/gated-drafter", "--token", hub.token)
+    assert allowed.returncode == 0, allowed.stderr
+
+
+def test_unknown_repo_name_and_alias(hub):
+    assert_one_error(dflash(hub, "pull", "test/nope"), "No model repo 'test/nope'")
+    assert_one_error(dflash(hub, "pull", "tiny-hbu"), "Did you mean tiny-hub?")
+
+
+def test_one_quantization_out_of_a_gguf_repo(hub, tmp_path):
+    assert_one_error(dflash(hub, "pull", "test/tiny-gguf"), "holds GGUF files", "test/tiny-gguf:F16")
+    result = dflash(hub, "pull", "test/tiny-gguf:Q8_0")
+    assert result.returncode == 0, result.stderr
+    assert [p.name for p in snapshot(tmp_path, "test/tiny-gguf").iterdir()] == ["tiny-Q8_0.gguf"]
+
+
+def test_drafter_repo_that_does_not_match_the_target(hub):
+    result = generate(hub, "--drafter", "test/bad-drafter")
+    assert_one_error(result, "reads target layers [1, 3, 20], but the target has only 8 layers")
+
+
+def test_not_enough_disk_space_stops_before_downloading(hub, monkeypatch):
+    from dflash_local import hub as hub_module
+    from dflash_local.errors import DFlashError
+
+    usage = type("usage", (), {"free": 1_000_000, "total": 10**9, "used": 0})
+    monkeypatch.setattr(hub_module.shutil, "disk_usage", lambda _: usage)
+    needed = hub_module.human_size(sum(len(data) for data in hub.repos["test/tiny"].values()) - 18 - 8)
+    with pytest.raises(DFlashError, match=rf"Not enough disk space in .*: {needed} to download, 1\.0 MB free\."):
+        hub_module.pull(hub_module.HubSource("test/tiny"))
+    assert hub.downloads() == []
+
+
+def test_disk_full_mid_download_leaves_nothing_that_loads(hub, monkeypatch):
+    from huggingface_hub import file_download
+
+    from dflash_local import hub as hub_module
+    from dflash_local.errors import DFlashError
+
+    def fill_disk(url, handle, **kwargs):
+        handle.write(b"x" * 1000)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(file_download, "http_get", fill_disk)
+    source = hub_module.HubSource("test/tiny")
+    with pytest.raises(DFlashError, match=r"The disk holding .* is full: free some space and pull again"):
+        hub_module.pull(source)
+    assert hub_module.cached_folder(source) is None
+    snapshots = hub_module.repo_folder("test/tiny") / "snapshots"
+    assert not snapshots.exists() or not any(snapshots.rglob("*.safetensors"))
