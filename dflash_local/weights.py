@@ -58,8 +58,10 @@ def _weight_files(folder: Path) -> list[Path]:
     raise DFlashError(f"{folder} has no model.safetensors (or sharded index) to load weights from.")
 
 
-def load_weights(folder: Path, dtype: torch.dtype, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """Load every tensor of a folder's safetensors file(s), cast to dtype on device."""
+def load_weights(
+    folder: Path, dtype: torch.dtype | None, device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """Load every tensor of a folder's safetensors file(s), cast to dtype (None: as stored) on device."""
     tensors: dict[str, torch.Tensor] = {}
     for path in _weight_files(Path(folder)):
         if not path.is_file():

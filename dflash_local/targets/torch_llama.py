@@ -12,6 +12,7 @@ from torch.nn import functional as F
 
 from ..errors import DFlashError
 from ..layers import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from ..quant import check_quantize, install_4bit, prequantized
 from ..weights import load_weights, read_config
 from .base import TargetOutput
 
@@ -206,17 +207,35 @@ class TorchLlamaTarget:
 
     @classmethod
     def load(
-        cls, folder: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", max_context: int = 4096
+        cls,
+        folder: str | Path,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        max_context: int = 4096,
+        quantize: str | None = None,
     ) -> TorchLlamaTarget:
-        """Build the model from an HF-layout folder (config.json + safetensors)."""
+        """Build the model from an HF-layout folder (config.json + safetensors).
+
+        quantize="nf4" makes the decoder layers' linears NF4 (bitsandbytes); a bnb-4bit checkpoint loads as 4-bit.
+        """
         folder = Path(folder)
-        cfg = TargetConfig.from_dict(read_config(folder), folder)
+        config = read_config(folder)
+        cfg = TargetConfig.from_dict(config, folder)
+        check_quantize(quantize)
+        four_bit = prequantized(config) or quantize is not None
         with torch.device("meta"):
             model = LlamaModel(cfg)
-        tensors = load_weights(folder, dtype, device)
+        tensors = load_weights(folder, None if four_bit else dtype, "cpu" if four_bit else device)
+        swapped = install_4bit(model, tensors, "model.layers", dtype, device, str(folder)) if four_bit else []
+        if four_bit:
+            tensors = {name: tensor.to(device=device, dtype=dtype) for name, tensor in tensors.items()}
         if cfg.tie_word_embeddings and "model.embed_tokens.weight" in tensors:
             tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
-        expected = model.state_dict()
+        expected = {
+            name: param
+            for name, param in model.state_dict().items()
+            if not any(name.startswith(module + ".") for module in swapped)
+        }
         for name, param in expected.items():
             tensor = tensors.get(name)
             if tensor is None:
@@ -225,7 +244,7 @@ class TorchLlamaTarget:
                 raise DFlashError(
                     f"{folder}: tensor {name} has shape {tuple(tensor.shape)}, the config implies {tuple(param.shape)}."
                 )
-        model.load_state_dict({name: tensors[name] for name in expected}, assign=True)
+        model.load_state_dict({name: tensors[name] for name in expected}, assign=True, strict=not swapped)
         model.inv_freq = rope_inv_freq(cfg.raw, cfg.head_dim).to(device)
         return cls(model.eval(), max_context)
 

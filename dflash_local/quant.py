@@ -1,0 +1,121 @@
+"""4-bit (NF4) linear layers through bitsandbytes: quantize on load, or load pre-quantized bnb-4bit checkpoints.
+
+Pre-quantized checkpoints use the Hugging Face layout: per quantized linear, `weight` (packed uint8) plus
+`weight.absmax`, `weight.quant_map`, optional `weight.nested_*`, and `weight.quant_state.bitsandbytes__nf4`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import DFlashError
+
+QUANT_TYPES = ("nf4",)
+STATE_PREFIX = "quant_state.bitsandbytes__"
+
+
+def bitsandbytes():
+    """The bitsandbytes module, or a DFlashError saying how to install it."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise DFlashError("4-bit targets need bitsandbytes: pip install 'dflash-local[gpu]'.") from None
+    return bnb
+
+
+def check_quantize(quantize: str | None) -> None:
+    """Raise a DFlashError unless quantize is None or a supported 4-bit type."""
+    if quantize is not None and quantize not in QUANT_TYPES:
+        raise DFlashError(f"Unknown quantization '{quantize}' (supported: {', '.join(QUANT_TYPES)}).")
+
+
+def prequantized(config: dict[str, Any]) -> bool:
+    """True for a bitsandbytes 4-bit checkpoint's config.json; other quantized checkpoints are refused."""
+    quant = config.get("quantization_config")
+    if not quant:
+        return False
+    if quant.get("quant_method") != "bitsandbytes" or not quant.get("load_in_4bit"):
+        raise DFlashError(
+            f"Quantized checkpoints of kind '{quant.get('quant_method')}' are not supported by the torch backend "
+            "(supported: bitsandbytes 4-bit)."
+        )
+    return True
+
+
+def _stats(tensors: dict[str, torch.Tensor], weight_name: str) -> dict[str, torch.Tensor]:
+    prefix = weight_name + "."
+    return {name[len(prefix) :]: tensors.pop(name) for name in list(tensors) if name.startswith(prefix)}
+
+
+def linear_4bit(
+    layer: nn.Linear,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    stats: dict[str, torch.Tensor],
+    compute_dtype: torch.dtype,
+    device: str,
+) -> nn.Module:
+    """A bitsandbytes Linear4bit for layer's shape: from pre-quantized stats, else NF4-quantized from weight."""
+    bnb = bitsandbytes()
+    out_features, in_features = layer.weight.shape
+    with torch.device("meta"):
+        new = bnb.nn.Linear4bit(
+            in_features, out_features, bias=bias is not None, compute_dtype=compute_dtype, quant_type="nf4"
+        )
+    if stats:
+        try:
+            new.weight = bnb.nn.Params4bit.from_prequantized(weight, stats, device=device, module=new)
+        except (ValueError, KeyError, AssertionError, AttributeError, RuntimeError) as exc:
+            raise DFlashError(f"its bitsandbytes quant state is malformed ({exc})") from None
+    else:
+        param = bnb.nn.Params4bit(weight.to(compute_dtype), requires_grad=False, quant_type="nf4", module=new)
+        new.weight = param.to(device)
+    if bias is not None:
+        new.bias = nn.Parameter(bias.to(device=device, dtype=compute_dtype), requires_grad=False)
+    return new
+
+
+def install_4bit(
+    model: nn.Module,
+    tensors: dict[str, torch.Tensor],
+    scope: str,
+    compute_dtype: torch.dtype,
+    device: str,
+    source: str,
+) -> list[str]:
+    """Swap each nn.Linear under model.<scope> for a 4-bit one, taking its tensors out of `tensors`.
+
+    A linear stored with bitsandbytes quant state loads as stored, a plain one is quantized to NF4; returns their names.
+    """
+    parent_of = dict(model.named_modules())
+    swapped = []
+    for name, layer in list(model.get_submodule(scope).named_modules()):
+        if not isinstance(layer, nn.Linear):
+            continue
+        full = f"{scope}.{name}"
+        weight = tensors.pop(f"{full}.weight", None)
+        if weight is None:
+            raise DFlashError(f"{source} lacks the tensor {full}.weight.")
+        stats = _stats(tensors, f"{full}.weight")
+        if not stats and tuple(weight.shape) != tuple(layer.weight.shape):
+            raise DFlashError(
+                f"{source}: tensor {full}.weight has shape {tuple(weight.shape)}, "
+                f"the config implies {tuple(layer.weight.shape)}."
+            )
+        try:
+            new = linear_4bit(layer, weight, tensors.pop(f"{full}.bias", None), stats, compute_dtype, device)
+        except DFlashError as exc:
+            raise DFlashError(f"{source}: the 4-bit tensor {full}.weight cannot be loaded: {exc}.") from None
+        shape = tuple(new.weight.quant_state.shape)
+        if shape != tuple(layer.weight.shape):
+            raise DFlashError(
+                f"{source}: the 4-bit tensor {full}.weight holds shape {shape}, "
+                f"the config implies {tuple(layer.weight.shape)}."
+            )
+        owner_name, _, attr = full.rpartition(".")
+        setattr(parent_of[owner_name], attr, new)
+        swapped.append(full)
+    return swapped

@@ -1,0 +1,120 @@
+"""NF4 targets through bitsandbytes on CPU: quantize on load, pre-quantized bnb-4bit checkpoints, lossless decoding."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import bitsandbytes as bnb
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from dflash_local.decode import Settings, run
+from dflash_local.drafter import DFlashDrafter
+from dflash_local.errors import DFlashError
+from dflash_local.targets.torch_llama import TorchLlamaTarget
+
+BUNDLED = Path(__file__).parent.parent / "models" / "tiny"
+PROMPTS = [[10, 57, 300, 41, 12, 9, 77, 8], [5, 6, 7]]
+
+
+def save_prequantized(target: TorchLlamaTarget, source: Path, folder: Path) -> Path:
+    """Write a 4-bit target as a Hugging Face bnb-4bit checkpoint: packed weights + quant state, quantization_config."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config = json.loads((source / "config.json").read_text())
+    tensors = {name: tensor.contiguous() for name, tensor in target.model.state_dict().items()}
+    if config.get("tie_word_embeddings"):
+        del tensors["lm_head.weight"]
+    save_file(tensors, str(folder / "model.safetensors"))
+    config["quantization_config"] = {
+        "quant_method": "bitsandbytes",
+        "load_in_4bit": True,
+        "load_in_8bit": False,
+        "bnb_4bit_quant_type": "nf4",
+        "bnb_4bit_use_double_quant": True,
+        "bnb_4bit_compute_dtype": "float32",
+        "bnb_4bit_quant_storage": "uint8",
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def _linears(target: TorchLlamaTarget) -> dict[str, torch.nn.Module]:
+    return {name: m for name, m in target.model.model.layers.named_modules() if name.endswith("_proj")}
+
+
+@pytest.fixture(scope="module")
+def bundled_nf4() -> TorchLlamaTarget:
+    return TorchLlamaTarget.load(BUNDLED / "target", max_context=256, quantize="nf4")
+
+
+@pytest.mark.parametrize("source", ["fp32", "bf16"])
+def test_quantize_on_load(source: str, llama_target: Path) -> None:
+    folder = llama_target if source == "fp32" else BUNDLED / "target"
+    plain, nf4 = TorchLlamaTarget.load(folder), TorchLlamaTarget.load(folder, quantize="nf4")
+    plain_linears = _linears(plain)
+    for name, layer in _linears(nf4).items():
+        assert isinstance(layer, bnb.nn.Linear4bit) and layer.weight.quant_state.quant_type == "nf4"
+        original = plain_linears[name].weight
+        restored = bnb.functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state)
+        # NF4 levels lie at most ~0.28 * absmax apart: rounding moves a weight by at most half of that
+        assert (restored - original).abs().max() <= 0.15 * original.abs().max()
+    assert not isinstance(nf4.model.lm_head, bnb.nn.Linear4bit)  # head and embeddings stay in the model dtype
+    assert torch.equal(nf4.model.lm_head.weight, plain.model.lm_head.weight)
+
+
+def test_prequantized_round_trip(tmp_path: Path, llama_target: Path) -> None:
+    nf4 = TorchLlamaTarget.load(llama_target, quantize="nf4")
+    loaded = TorchLlamaTarget.load(save_prequantized(nf4, llama_target, tmp_path / "bnb4"))
+    assert all(isinstance(layer, bnb.nn.Linear4bit) for layer in _linears(loaded).values())
+    ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+    assert torch.equal(loaded.forward(ids).logits, nf4.forward(ids).logits)
+
+
+def test_nf4_dflash_is_lossless(bundled_nf4: TorchLlamaTarget) -> None:
+    drafter = DFlashDrafter.load(BUNDLED / "drafter", max_context=256)
+    lengths = []
+    for prompt in PROMPTS:
+        autoregressive, _ = run(bundled_nf4, None, prompt, Settings(max_new_tokens=40, draft=False))
+        drafted, stats = run(bundled_nf4, drafter, prompt, Settings(max_new_tokens=40))
+        assert drafted == autoregressive
+        lengths += stats.acceptance_lengths
+    assert max(lengths) > 1  # drafts were accepted, so rollback and multi-token verify ran on the 4-bit target
+
+
+def test_prequantized_dflash_is_lossless(tmp_path: Path, bundled_nf4: TorchLlamaTarget) -> None:
+    target = TorchLlamaTarget.load(
+        save_prequantized(bundled_nf4, BUNDLED / "target", tmp_path / "bnb4"), max_context=256
+    )
+    drafter = DFlashDrafter.load(BUNDLED / "drafter", max_context=256)
+    autoregressive, _ = run(bundled_nf4, None, PROMPTS[0], Settings(max_new_tokens=40, draft=False))
+    drafted, _ = run(target, drafter, PROMPTS[0], Settings(max_new_tokens=40))
+    assert drafted == autoregressive
+
+
+def test_unknown_quantization_is_refused(llama_target: Path) -> None:
+    with pytest.raises(DFlashError, match="Unknown quantization 'int3'"):
+        TorchLlamaTarget.load(llama_target, quantize="int3")
+
+
+def test_other_quantized_checkpoints_are_refused(tmp_path: Path, llama_target: Path) -> None:
+    folder = tmp_path / "gptq"
+    shutil.copytree(llama_target, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DFlashError, match="'gptq' are not supported"):
+        TorchLlamaTarget.load(folder)
+
+
+def test_malformed_quant_state_is_one_clear_error(tmp_path: Path, llama_target: Path) -> None:
+    folder = save_prequantized(TorchLlamaTarget.load(llama_target, quantize="nf4"), llama_target, tmp_path / "bnb4")
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    del tensors["model.layers.1.mlp.up_proj.weight.quant_state.bitsandbytes__nf4"]
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(DFlashError, match=r"model\.layers\.1\.mlp\.up_proj\.weight cannot be loaded"):
+        TorchLlamaTarget.load(folder)
