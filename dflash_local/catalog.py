@@ -57,19 +57,22 @@ class ResolvedModel:
     quantize: str | None = None
 
 
-def catalog_path() -> Path:
-    return Path(os.environ.get("DFLASH_CATALOG") or MODELS_DIR / "catalog.toml")
+def catalog_paths() -> list[Path]:
+    """The bundled catalog, then the user's own (DFLASH_CATALOG), whose names win."""
+    extra = os.environ.get("DFLASH_CATALOG")
+    return [MODELS_DIR / "catalog.toml", *([Path(extra)] if extra else [])]
 
 
 def load_catalog() -> dict[str, ModelEntry]:
-    """Every entry of the catalog file (DFLASH_CATALOG overrides the bundled one)."""
-    path = catalog_path()
-    try:
-        data = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise DFlashError(f"The model catalog {path} cannot be read ({exc}).") from None
-    base = path.parent
-    return {name: _entry(name, table, base) for name, table in data.items()}
+    """Every entry of the catalog files; bundled paths are relative to the file that names them."""
+    entries = {}
+    for path in catalog_paths():
+        try:
+            data = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise DFlashError(f"The model catalog {path} cannot be read ({exc}).") from None
+        entries.update({name: _entry(name, table, path.parent) for name, table in data.items()})
+    return entries
 
 
 def _entry(name: str, table: dict, base: Path) -> ModelEntry:

@@ -161,7 +161,9 @@ def chat(
 def bench(
     model: str = typer.Argument("tiny", help="A model name (dflash models), a Hub repo, a folder or a .gguf file."),
     drafter: Optional[str] = typer.Option(None, "--drafter", help="Drafter folder or Hub repo (default: the model's)."),
-    prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL prompts (default: the model's own set)."),
+    prompts: Optional[str] = typer.Option(
+        None, "--prompts", help="A JSONL file, or a dataset: gsm8k, humaneval, mt-bench (default: the model's own set)."
+    ),
     limit: Optional[int] = typer.Option(None, "--limit", help="Use only the first N prompts."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
     block_size: Optional[int] = typer.Option(None, "--block-size"),
@@ -184,7 +186,7 @@ def bench(
         from .sampling import SamplingParams
 
         resolved = _resolve(model, drafter, offline, token)
-        prompt_file = prompts or resolved.prompts
+        prompt_file = _prompt_file(prompts, offline, token) if prompts else resolved.prompts
         if prompt_file is None:
             raise DFlashError("Pass --prompts FILE.jsonl: this model has no built-in prompt set.")
         if resolved.drafter is None:
@@ -205,6 +207,15 @@ def bench(
             typer.echo(json.dumps(report))
             return
         _print_bench(report)
+
+
+def _prompt_file(prompts: str, offline: bool, token: str | None) -> Path:
+    """A JSONL path as given, or a named Hugging Face prompt set fetched and converted to JSONL."""
+    from .prompt_sets import PROMPT_SETS, prompt_file
+
+    if prompts in PROMPT_SETS and not Path(prompts).exists():
+        return prompt_file(prompts, token, offline)
+    return Path(prompts)
 
 
 def _print_bench(report: dict) -> None:

@@ -26,7 +26,7 @@ class Request:
 
 @dataclass
 class FakeHub:
-    """Serves repos {owner/name: {filename: bytes}} on 127.0.0.1; gated repos need `Bearer <token>`."""
+    """Serves model and dataset repos {owner/name: {filename: bytes}} on 127.0.0.1; gated ones need a token."""
 
     repos: dict[str, dict[str, bytes]]
     gated: set[str] = field(default_factory=set)
@@ -65,8 +65,8 @@ class FakeHub:
     def _serve(self, handler: BaseHTTPRequestHandler, body: bool) -> None:
         path = unquote(urlparse(handler.path).path)
         self.log.append(Request(handler.command, path, handler.headers.get("Range")))
-        api = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/revision/[^/]+)?", path)
-        resolve = re.fullmatch(r"/([^/]+/[^/]+)/resolve/[^/]+/(.+)", path)
+        api = re.fullmatch(r"/api/(?:models|datasets)/([^/]+/[^/]+)(?:/revision/[^/]+)?", path)
+        resolve = re.fullmatch(r"/(?:datasets/)?([^/]+/[^/]+)/resolve/[^/]+/(.+)", path)
         repo = (api or resolve).group(1) if (api or resolve) else None
         if repo not in self.repos:
             return _reply(handler, 404, {"X-Error-Code": "RepoNotFound"}, b'{"error": "Repository not found"}')

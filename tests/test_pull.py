@@ -46,7 +46,23 @@ def _repos() -> dict[str, dict[str, bytes]]:
         "test/gated-drafter": drafter,
         "test/bad-drafter": drafter | {"config.json": json.dumps(config).encode()},
         "test/tiny-gguf": {"tiny-Q8_0.gguf": b"q8" * 5000, "tiny-F16.gguf": b"16" * 9000, "README.md": b"#\n"},
+        "openai/gsm8k": {"main/test-00000-of-00001.parquet": _parquet({"question": GSM8K, "answer": ["4", "2"]})},
+        "HuggingFaceH4/mt_bench_prompts": {"raw/question.jsonl": b'{"turns": ["Write a haiku.", "Another."]}\n'},
     }
+
+
+GSM8K = ["What is 2 + 2?", "Tom has 3 apples and eats one. How many are left?"]
+
+
+def _parquet(columns: dict[str, list]) -> bytes:
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buffer = io.BytesIO()
+    pq.write_table(pa.table(columns), buffer)
+    return buffer.getvalue()
 
 
 @pytest.fixture()
@@ -206,7 +222,7 @@ def test_gated_repo_needs_a_token(hub, tmp_path):
 
 def test_unknown_repo_name_and_alias(hub):
     assert_one_error(dflash(hub, "pull", "test/nope"), "No model repo 'test/nope'")
-    assert_one_error(dflash(hub, "pull", "tiny-hbu"), "Did you mean tiny-hub?")
+    assert_one_error(dflash(hub, "pull", "tiny-hbu"), "Did you mean tiny-hub, tiny?")
 
 
 def test_one_quantization_out_of_a_gguf_repo(hub, tmp_path):
@@ -250,3 +266,15 @@ def test_disk_full_mid_download_leaves_nothing_that_loads(hub, monkeypatch):
     assert hub_module.cached_folder(source) is None
     snapshots = hub_module.repo_folder("test/tiny") / "snapshots"
     assert not snapshots.exists() or not any(snapshots.rglob("*.safetensors"))
+
+
+def test_bench_prompt_sets_from_hub_datasets(hub):
+    args = ("bench", "tiny", "--limit", "2", "--max-new-tokens", "4", "--no-lookup", "--json")
+    result = dflash(hub, *args, "--prompts", "gsm8k")
+    assert result.returncode == 0, result.stderr
+    assert [row["prompt"] for row in json.loads(result.stdout)["prompts"]] == GSM8K
+    offline = dflash(hub, *args, "--prompts", "gsm8k", "--offline")
+    assert offline.returncode == 0, offline.stderr
+    chat = dflash(hub, *args, "--prompts", "mt-bench")
+    assert [row["prompt"] for row in json.loads(chat.stdout)["prompts"]] == ["Write a haiku."]
+    assert_one_error(dflash(hub, *args, "--prompts", "humaneval", HF_ENDPOINT="http://127.0.0.1:9"), "Cannot reach")
