@@ -21,7 +21,7 @@ from .weights import load_weights, read_config
 # llama_ftype values from llama.h.
 FILE_TYPES = {"f16": 1, "bf16": 32, "q8_0": 7, "q4_k_m": 15}
 
-_LAYER_TENSORS = {
+LAYER_TENSORS = {
     "input_layernorm.weight": "attn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight",
     "self_attn.k_proj.weight": "attn_k.weight",
@@ -42,6 +42,14 @@ def _to_neox_interleaved(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
+def rope_factors(config: dict, head_dim: int) -> torch.Tensor | None:
+    """llama.cpp's rope_freqs (plain frequency / scaled frequency), or None for unscaled RoPE."""
+    params = rope_parameters(config)
+    if params["rope_type"] == "default":
+        return None
+    return rope_inv_freq({"rope_theta": params["rope_theta"]}, head_dim) / rope_inv_freq(config, head_dim)
+
+
 def _tensors(cfg: TargetConfig, folder: Path) -> dict[str, np.ndarray]:
     """GGUF tensor name -> fp32 array in HF [out, in] order."""
     weights = load_weights(folder, torch.float32, "cpu")
@@ -58,25 +66,24 @@ def _tensors(cfg: TargetConfig, folder: Path) -> dict[str, np.ndarray]:
                 out["output.weight"] = tensor
         elif name.startswith("model.layers."):
             index, rest = name[len("model.layers.") :].split(".", 1)
-            if rest not in _LAYER_TENSORS:
+            if rest not in LAYER_TENSORS:
                 raise DFlashError(f"{folder}: tensor {name} has no GGUF counterpart.")
             if cfg.model_type == "llama" and rest == "self_attn.q_proj.weight":
                 tensor = _to_neox_interleaved(tensor, cfg.num_heads)
             elif cfg.model_type == "llama" and rest == "self_attn.k_proj.weight":
                 tensor = _to_neox_interleaved(tensor, cfg.num_kv_heads)
-            out[f"blk.{index}.{_LAYER_TENSORS[rest]}"] = tensor
+            out[f"blk.{index}.{LAYER_TENSORS[rest]}"] = tensor
         else:
             raise DFlashError(f"{folder}: tensor {name} has no GGUF counterpart.")
     needed = ["token_embd.weight", "output_norm.weight"] + ([] if cfg.tie_word_embeddings else ["output.weight"])
     missing = [name for name in needed if name not in out]
     if missing:
         raise DFlashError(f"{folder} lacks the weights for GGUF tensor {missing[0]}.")
-    kind = rope_parameters(cfg.raw)["rope_type"]
-    if kind != "default":
+    factors = rope_factors(cfg.raw, cfg.head_dim)
+    if factors is not None:
         if cfg.model_type != "llama":
-            raise DFlashError(f"{folder}: RoPE type '{kind}' is only converted for llama models.")
-        default = rope_inv_freq({"rope_theta": rope_parameters(cfg.raw)["rope_theta"]}, cfg.head_dim)
-        out["rope_freqs.weight"] = default / rope_inv_freq(cfg.raw, cfg.head_dim)
+            raise DFlashError(f"{folder}: RoPE scaling is only converted for llama models.")
+        out["rope_freqs.weight"] = factors
     return {name: tensor.contiguous().numpy() for name, tensor in out.items()}
 
 

@@ -13,7 +13,9 @@ pytest.importorskip("gguf")
 
 from dflash_local.decode import Settings, run  # noqa: E402
 from dflash_local.drafter import DFlashDrafter  # noqa: E402
+from dflash_local.errors import DFlashError  # noqa: E402
 from dflash_local.gguf_convert import convert  # noqa: E402
+from dflash_local.native_drafter import NativeDrafter, load_drafter  # noqa: E402
 from dflash_local.targets.llamacpp import LlamaCppTarget  # noqa: E402
 from dflash_local.targets.torch_llama import TorchLlamaTarget  # noqa: E402
 from dflash_local.tokenizer import TextTokenizer  # noqa: E402
@@ -43,11 +45,13 @@ def drafter() -> DFlashDrafter:
 
 @pytest.mark.parametrize("kind", ["f16", "q8_0"])
 def test_dflash_equals_llamacpp_greedy(kind, tiny_gguf, prompts, drafter):
+    """Both drafters (torch, llama.cpp-native) reproduce llama.cpp's greedy ids; they accept alike."""
     from llama_cpp import Llama
 
     target = LlamaCppTarget.load(tiny_gguf[kind], max_context=2048, threads=1)
+    native = NativeDrafter.load(TINY / "drafter", target, threads=1)
     own = Llama(str(tiny_gguf[kind]), n_ctx=512, n_threads=1, n_threads_batch=1, verbose=False)
-    taus = []
+    taus, native_taus = [], []
     for index, prompt in enumerate(prompts):
         expected, _ = run(target, None, prompt, Settings(max_new_tokens=NEW_TOKENS, draft=False))
         if index < 3:
@@ -55,10 +59,14 @@ def test_dflash_equals_llamacpp_greedy(kind, tiny_gguf, prompts, drafter):
             stream = own.generate(prompt, top_k=1, temp=0.0, reset=True)
             assert [next(stream) for _ in range(NEW_TOKENS)] == expected
         for block in (4, 16):
-            ids, stats = run(target, drafter, prompt, Settings(max_new_tokens=NEW_TOKENS, block_size=block))
-            assert ids == expected, (kind, index, block)
+            settings = Settings(max_new_tokens=NEW_TOKENS, block_size=block)
+            ids, stats = run(target, drafter, prompt, settings)
+            native_ids, native_stats = run(target, native, prompt, settings)
+            assert ids == expected and native_ids == expected, (kind, index, block)
             taus.append(stats.tau)
+            native_taus.append(native_stats.tau)
     assert sum(taus) / len(taus) > 2.0, taus
+    assert abs(sum(native_taus) - sum(taus)) / sum(taus) < 0.05, (native_taus, taus)
 
 
 def test_tapped_features_and_logits_match_torch(tiny_gguf, prompts, drafter):
@@ -142,3 +150,18 @@ def test_converted_families_match_torch_and_stay_lossless(kind, request, tmp_pat
     expected, _ = run(gguf_target, None, prompt.tolist(), Settings(max_new_tokens=24, draft=False))
     ids, _ = run(gguf_target, drafter, prompt.tolist(), Settings(max_new_tokens=24, block_size=8))
     assert ids == expected
+
+
+def test_drafter_choice(tiny_gguf):
+    """auto: the native drafter beside a GGUF target on CPU (measured faster), torch otherwise; clear errors."""
+    gguf_target = LlamaCppTarget.load(tiny_gguf["f16"], max_context=2048, threads=1)
+    torch_target = TorchLlamaTarget.load(TINY / "target", max_context=2048)
+    assert isinstance(load_drafter(TINY / "drafter", gguf_target), NativeDrafter)
+    assert isinstance(load_drafter(TINY / "drafter", gguf_target, kind="torch"), DFlashDrafter)
+    assert isinstance(load_drafter(TINY / "drafter", torch_target), DFlashDrafter)
+    with pytest.raises(DFlashError, match="needs a GGUF target"):
+        load_drafter(TINY / "drafter", torch_target, kind="native")
+    native = load_drafter(TINY / "drafter", gguf_target)
+    other = LlamaCppTarget.load(tiny_gguf["q8_0"], max_context=2048, threads=1)
+    with pytest.raises(DFlashError, match="only the GGUF target it was loaded with"):
+        native.check_target(other)

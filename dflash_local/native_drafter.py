@@ -1,0 +1,233 @@
+"""llama.cpp's own DFlash drafter (GGUF architecture `dflash`) beside a GGUF target, fed through llama_process.
+
+The published-layout drafter folder is written to a temporary `dflash` GGUF (F32) and loaded into a
+llama.cpp context whose ctx_other is the target's, so it borrows the target's embeddings and head.
+Accepted context features go in as embedding batches (llama.cpp projects them and fills the draft
+KV cache); the noise block goes in as tokens with non-causal attention.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import tempfile
+import weakref
+from pathlib import Path
+
+import gguf
+import llama_cpp
+import numpy as np
+import torch
+
+from .drafter import DFlashDrafter, DrafterConfig
+from .errors import DFlashError
+from .gguf_convert import LAYER_TENSORS, rope_factors
+from .layers import rope_parameters
+from .targets.llama_taps import first_llama_error, quiet_llama_logs
+from .targets.llamacpp import BATCH, LlamaCppTarget
+from .weights import load_weights, read_config
+
+_TOKENIZER_KEYS = (
+    "tokenizer.ggml.model",
+    "tokenizer.ggml.pre",
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.merges",
+    "tokenizer.ggml.eos_token_id",
+)
+
+
+def _free(batch, ctx, model) -> None:
+    llama_cpp.llama_batch_ext_free(batch)
+    llama_cpp.llama_free(ctx)
+    llama_cpp.llama_model_free(model)
+
+
+def _copy_tokenizer(writer: gguf.GGUFWriter, target: LlamaCppTarget) -> None:
+    """The target's vocabulary metadata (llama.cpp loads a vocabulary for every model)."""
+    reader = target.info.reader
+    for key in _TOKENIZER_KEYS:
+        field = reader.get_field(key)
+        if field is None:
+            continue
+        value = field.contents()
+        if isinstance(value, list):
+            writer.add_array(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        else:
+            writer.add_uint32(key, int(value))
+
+
+def write_drafter_gguf(folder: Path, cfg: DrafterConfig, target: LlamaCppTarget, out: Path) -> None:
+    """A published-layout drafter as an F32 `dflash` GGUF whose target_layers are llama.cpp tap ids (id + 1)."""
+    if any(kind != "full_attention" for kind in cfg.layer_types) or cfg.is_causal:
+        raise DFlashError(f"{folder}: the native drafter handles only non-causal, full-attention drafters.")
+    weights = load_weights(folder, torch.float32, "cpu")
+    writer = gguf.GGUFWriter(str(out), "dflash")
+    writer.add_context_length(int(cfg.raw.get("max_position_embeddings", 4096)))
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_heads)
+    writer.add_head_count_kv(cfg.num_kv_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_rope_freq_base(float(rope_parameters(cfg.raw)["rope_theta"]))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_uint32("dflash.block_size", cfg.block_size)
+    writer.add_array("dflash.target_layers", [i + 1 for i in cfg.target_layer_ids])
+    if cfg.input_embedding_scale != 1.0:
+        writer.add_float32("dflash.embedding_scale", cfg.input_embedding_scale)
+    _copy_tokenizer(writer, target)
+    writer.add_mask_token_id(cfg.mask_token_id)
+    names = {
+        "fc.weight": "fc.weight",
+        "hidden_norm.weight": "enc.output_norm.weight",
+        "norm.weight": "output_norm.weight",
+    }
+    for name, tensor in weights.items():
+        if name in names:
+            writer.add_tensor(names[name], tensor.numpy())
+        elif name.startswith("layers.") and name.split(".", 2)[2] in LAYER_TENSORS:
+            index, rest = name.split(".", 2)[1:]
+            writer.add_tensor(f"blk.{index}.{LAYER_TENSORS[rest]}", tensor.numpy())
+        else:
+            raise DFlashError(f"{folder}: drafter tensor {name} has no llama.cpp counterpart.")
+    factors = rope_factors(cfg.raw, cfg.head_dim)
+    if factors is not None:
+        writer.add_tensor("rope_freqs.weight", factors.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+class NativeDrafter:
+    """The Drafter interface of decode.py over a llama.cpp `dflash` context tied to one GGUF target."""
+
+    def __init__(self, cfg: DrafterConfig, model, ctx, target: LlamaCppTarget) -> None:
+        self.cfg, self.target = cfg, target
+        self._model, self._ctx = model, ctx
+        self._memory = llama_cpp.llama_get_memory(ctx)
+        self._batch = llama_cpp.llama_batch_ext_init(ctx)
+        weakref.finalize(self, _free, self._batch, ctx, model)
+        self.length = 0
+
+    @classmethod
+    def load(cls, folder: str | Path, target: LlamaCppTarget, threads: int | None = None) -> NativeDrafter:
+        """Convert the drafter folder to a temporary GGUF and load it beside `target`."""
+        folder = Path(folder)
+        cfg = DrafterConfig.from_dict(read_config(folder), folder)
+        if not isinstance(target, LlamaCppTarget):
+            raise DFlashError("The native llama.cpp drafter needs a GGUF target (the llamacpp backend).")
+        quiet_llama_logs()
+        model_params = llama_cpp.llama_model_default_params()
+        model_params.n_gpu_layers = -1 if target.device.type == "cuda" else 0
+        with tempfile.TemporaryDirectory() as work:
+            path = Path(work) / "drafter.gguf"
+            write_drafter_gguf(folder, cfg, target, path)
+            model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
+        if not model:
+            raise DFlashError(f"llama.cpp could not load the drafter {folder} ({first_llama_error() or 'no reason'}).")
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = target.max_context, BATCH, BATCH, 1
+        params.n_threads = params.n_threads_batch = threads or torch.get_num_threads()
+        params.ctx_other = target._ctx
+        ctx = llama_cpp.llama_init_from_model(model, params)
+        if not ctx:
+            llama_cpp.llama_model_free(model)
+            raise DFlashError(f"llama.cpp could not create the drafter context ({first_llama_error() or 'no reason'}).")
+        llama_cpp.llama_set_causal_attn(ctx, False)
+        return cls(cfg, model, ctx, target)
+
+    @property
+    def block_size(self) -> int:
+        return self.cfg.block_size
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return self.cfg.target_layer_ids
+
+    def check_target(self, target) -> None:
+        """Raise a DFlashError unless target is the GGUF target this drafter was loaded beside and fits it."""
+        cfg = self.cfg
+        if target is not self.target:
+            raise DFlashError("The native llama.cpp drafter serves only the GGUF target it was loaded with.")
+        if cfg.hidden_size != target.hidden_size:
+            raise DFlashError(
+                f"The drafter's hidden size {cfg.hidden_size} does not match the target's {target.hidden_size}."
+            )
+        if cfg.vocab_size is not None and cfg.vocab_size != target.vocab_size:
+            raise DFlashError(
+                f"The drafter's vocabulary ({cfg.vocab_size} tokens) does not match the target's ({target.vocab_size})."
+            )
+        if not 0 <= cfg.mask_token_id < target.vocab_size:
+            raise DFlashError(f"The drafter's mask token id {cfg.mask_token_id} is outside the target's vocabulary.")
+        target.set_feature_layers(cfg.target_layer_ids)
+
+    def reset(self) -> None:
+        llama_cpp.llama_memory_clear(self._memory, True)
+        self.length = 0
+
+    def _process(self) -> None:
+        status = llama_cpp.llama_process(self._ctx, llama_cpp.LLAMA_PROCESS_TYPE_DECODE, self._batch)
+        if status != 0:
+            raise DFlashError(f"llama.cpp's drafter failed on a batch (status {status}).")
+
+    def _add(self, index: int, position: int) -> None:
+        if index < 0:
+            raise DFlashError("llama.cpp's drafter batch is full.")
+        pos = llama_cpp.llama_pos(position)
+        llama_cpp.llama_batch_ext_set_pos(self._batch, index, ctypes.byref(pos))
+
+    def _inject(self, features: np.ndarray, start: int) -> None:
+        """Append context features for positions start.. to the draft KV cache."""
+        width = features.shape[1]
+        for offset in range(0, features.shape[0], BATCH):
+            chunk = np.ascontiguousarray(features[offset : offset + BATCH], dtype=np.float32)
+            llama_cpp.llama_batch_ext_clear(self._batch)
+            base = chunk.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            for row in range(chunk.shape[0]):
+                row_ptr = ctypes.cast(ctypes.addressof(base.contents) + row * width * 4, ctypes.POINTER(ctypes.c_float))
+                embd = llama_cpp.llama_embd(row_ptr, 1, width)
+                self._add(llama_cpp.llama_batch_ext_add_embd(self._batch, 0, embd), start + offset + row)
+            self._process()
+
+    def propose(self, target, new_features: torch.Tensor, tokens: list[int], start: int, size: int) -> torch.Tensor:
+        """Cache the features of positions [length, start); logits for [tokens[start], MASK x size-1] at start."""
+        if self.length + new_features.shape[0] != start:
+            raise ValueError(f"drafter cache holds {self.length} positions, got features up to {start}")
+        llama_cpp.llama_memory_seq_rm(self._memory, 0, self.length, -1)
+        self._inject(new_features.float().cpu().numpy(), self.length)
+        llama_cpp.llama_batch_ext_clear(self._batch)
+        for index in range(size):
+            token = tokens[start] if index == 0 else self.cfg.mask_token_id
+            slot = llama_cpp.llama_batch_ext_add_token(self._batch, 0, token)
+            self._add(slot, start + index)
+            llama_cpp.llama_batch_ext_set_output_logits(self._batch, slot, True)
+        self._process()
+        self.length = start
+        vocab = target.vocab_size
+        rows = [
+            np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, i), shape=(vocab,)) for i in range(1, size)
+        ]
+        logits = torch.from_numpy(np.stack(rows)).to(target.device) * self.cfg.output_multiplier
+        cap = self.cfg.final_logit_softcapping
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def load_drafter(
+    folder: str | Path, target, dtype: torch.dtype = torch.float32, device: str = "cpu", kind: str = "auto"
+) -> DFlashDrafter | NativeDrafter:
+    """The torch drafter or llama.cpp's native one; auto takes the one measured faster for the device.
+
+    Measured on CPU (scripts/bench_gguf.py): native for GGUF targets. CUDA is unmeasured, so auto keeps torch there.
+    """
+    if kind == "auto":
+        kind = "native" if isinstance(target, LlamaCppTarget) and target.device.type == "cpu" else "torch"
+    if kind == "native":
+        return NativeDrafter.load(folder, target)
+    if kind == "torch":
+        return DFlashDrafter.load(folder, dtype, device, target.max_context)
+    raise DFlashError(f"Unknown drafter kind '{kind}' (use auto, torch or native).")
