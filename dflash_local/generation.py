@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .decode import Settings, Stats, generate
 from .drafter import DFlashDrafter
@@ -15,6 +16,9 @@ from .targets import load_target
 from .targets.base import Target
 from .tokenizer import Detokenizer, TextTokenizer, stop_token_ids
 
+if TYPE_CHECKING:
+    from .gguf_tokenizer import GGUFTokenizer
+
 
 @dataclass
 class LoadedModels:
@@ -22,7 +26,7 @@ class LoadedModels:
 
     target: Target
     drafter: DFlashDrafter | None
-    tokenizer: TextTokenizer | None
+    tokenizer: TextTokenizer | GGUFTokenizer | None
     stop_ids: frozenset[int]
 
 
@@ -44,8 +48,12 @@ def load_models(
             raise DFlashError(f"{drafter_path} does not exist.")
         drafter = DFlashDrafter.load(drafter_path, torch_dtype, device, target.max_context)
         drafter.check_target(target)
-    folder = Path(target_path)
-    return LoadedModels(target, drafter, TextTokenizer.load(folder), stop_token_ids(folder))
+    path = Path(target_path)
+    if path.suffix == ".gguf":
+        from .gguf_tokenizer import GGUFTokenizer
+
+        return LoadedModels(target, drafter, GGUFTokenizer.load(path), target.stop_ids)
+    return LoadedModels(target, drafter, TextTokenizer.load(path), stop_token_ids(path))
 
 
 @dataclass(frozen=True)
