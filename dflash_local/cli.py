@@ -51,6 +51,13 @@ def _resolve(model: str, drafter: str | None, offline: bool, token: str | None):
     return resolve(model, drafter, Downloader(token, offline))
 
 
+def _quantize(option: str, default: str | None) -> str | None:
+    """--quantize as the loader wants it: None, or 'nf4'."""
+    if option not in ("auto", "none", "nf4"):
+        raise DFlashError(f"--quantize must be auto, none or nf4, got '{option}'.")
+    return default if option == "auto" else (None if option == "none" else option)
+
+
 def _parse_ids(text: str) -> list[int]:
     try:
         return [int(part) for part in text.replace(" ", "").split(",") if part]
@@ -78,6 +85,7 @@ def generate(
     dtype: str = typer.Option("auto", "--dtype", help="auto, float32, bfloat16 or float16."),
     max_context: int = typer.Option(4096, "--max-context", help="KV cache length in tokens."),
     offline: bool = typer.Option(False, "--offline", help="Use only models already pulled."),
+    quantize: str = typer.Option("auto", "--quantize", help="Torch targets: auto (the model's default), none or nf4."),
     token: Optional[str] = typer.Option(None, "--token", help="Hugging Face token (default: HF_TOKEN)."),
 ) -> None:
     """Generate one continuation of a prompt, with DFlash drafting or without."""
@@ -92,7 +100,8 @@ def generate(
         if backend == "auto":
             backend = resolved.backend
         drafter_path = None if no_draft else resolved.drafter
-        models = load_models(resolved.target, drafter_path, backend, device, dtype, max_context)
+        quantize = _quantize(quantize, resolved.quantize)
+        models = load_models(resolved.target, drafter_path, backend, device, dtype, max_context, quantize)
         request = GenerationRequest(
             prompt=prompt,
             prompt_ids=_parse_ids(prompt_ids) if prompt_ids is not None else None,
@@ -136,6 +145,7 @@ def chat(
     dtype: str = typer.Option("auto", "--dtype"),
     max_context: int = typer.Option(2048, "--max-context"),
     offline: bool = typer.Option(False, "--offline", help="Use only models already pulled."),
+    quantize: str = typer.Option("auto", "--quantize", help="Torch targets: auto (the model's default), none or nf4."),
     token: Optional[str] = typer.Option(None, "--token", help="Hugging Face token (default: HF_TOKEN)."),
 ) -> None:
     """Chat with a model: streaming answers, live tokens/s and acceptance, /help for commands."""
@@ -146,7 +156,8 @@ def chat(
         from .sampling import SamplingParams
 
         resolved = _resolve(model, drafter, offline, token)
-        models = load_models(resolved.target, resolved.drafter, resolved.backend, device, dtype, max_context)
+        quantize = _quantize(quantize, resolved.quantize)
+        models = load_models(resolved.target, resolved.drafter, resolved.backend, device, dtype, max_context, quantize)
         settings = Settings(
             max_new_tokens=max_new_tokens,
             sampling=SamplingParams(temperature, top_p, top_k),
@@ -159,7 +170,9 @@ def chat(
 
 @app.command()
 def bench(
-    model: str = typer.Argument("tiny", help="A model name (dflash models), a Hub repo, a folder or a .gguf file."),
+    names: Optional[list[str]] = typer.Argument(
+        None, help="Model names (dflash models), Hub repos, folders or .gguf files; default: tiny.", show_default=False
+    ),
     drafter: Optional[str] = typer.Option(None, "--drafter", help="Drafter folder or Hub repo (default: the model's)."),
     prompts: Optional[str] = typer.Option(
         None, "--prompts", help="A JSONL file, or a dataset: gsm8k, humaneval, mt-bench (default: the model's own set)."
@@ -176,37 +189,45 @@ def bench(
     device: str = typer.Option("auto", "--device"),
     dtype: str = typer.Option("auto", "--dtype"),
     offline: bool = typer.Option(False, "--offline", help="Use only models already pulled."),
+    quantize: str = typer.Option("auto", "--quantize", help="Torch targets: auto (the model's default), none or nf4."),
     token: Optional[str] = typer.Option(None, "--token", help="Hugging Face token (default: HF_TOKEN)."),
 ) -> None:
-    """Autoregressive vs DFlash (and prompt lookup) on the same target, prompt by prompt."""
+    """Autoregressive vs DFlash (and prompt lookup) on the same target, prompt by prompt; one table per model."""
     with user_errors():
         from .bench import plot, read_prompts, run_bench
         from .decode import Settings
         from .generation import load_models
         from .sampling import SamplingParams
 
-        resolved = _resolve(model, drafter, offline, token)
-        prompt_file = _prompt_file(prompts, offline, token) if prompts else resolved.prompts
-        if prompt_file is None:
-            raise DFlashError("Pass --prompts FILE.jsonl: this model has no built-in prompt set.")
-        if resolved.drafter is None:
-            raise DFlashError(f"'{model}' has no drafter: pass --drafter DIR or a Hub repo.")
-        models = load_models(resolved.target, resolved.drafter, resolved.backend, device, dtype)
-        settings = Settings(
-            max_new_tokens=max_new_tokens,
-            sampling=SamplingParams(temperature),
-            block_size=block_size,
-            stop_ids=frozenset() if ignore_eos else models.stop_ids,
-            seed=seed,
-        )
-        report = run_bench(models, read_prompts(prompt_file, models, limit), settings, lookup)
-        report["model"] = model
-        if plot_path is not None:
-            plot(report, plot_path)
+        reports = []
+        for model in names or ["tiny"]:
+            resolved = _resolve(model, drafter, offline, token)
+            prompt_file = _prompt_file(prompts, offline, token) if prompts else resolved.prompts
+            if prompt_file is None:
+                raise DFlashError(f"'{model}' has no built-in prompt set: pass --prompts FILE.jsonl or a dataset name.")
+            if resolved.drafter is None:
+                raise DFlashError(f"'{model}' has no drafter: pass --drafter DIR or a Hub repo.")
+            quantize_as = _quantize(quantize, resolved.quantize)
+            models = load_models(
+                resolved.target, resolved.drafter, resolved.backend, device, dtype, quantize=quantize_as
+            )
+            settings = Settings(
+                max_new_tokens=max_new_tokens,
+                sampling=SamplingParams(temperature),
+                block_size=block_size,
+                stop_ids=frozenset() if ignore_eos else models.stop_ids,
+                seed=seed,
+            )
+            report = run_bench(models, read_prompts(prompt_file, models, limit), settings, lookup)
+            report["model"] = model
+            if plot_path is not None:
+                suffix = f"-{Path(model).name}" if len(names or []) > 1 else ""
+                plot(report, plot_path.with_name(f"{plot_path.stem}{suffix}{plot_path.suffix}"))
+            if not as_json:
+                _print_bench(report)
+            reports.append(report)
         if as_json:
-            typer.echo(json.dumps(report))
-            return
-        _print_bench(report)
+            typer.echo(json.dumps(reports[0] if len(reports) == 1 else reports))
 
 
 def _prompt_file(prompts: str, offline: bool, token: str | None) -> Path:

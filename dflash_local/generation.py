@@ -37,11 +37,12 @@ def load_models(
     device: str = "auto",
     dtype: str = "auto",
     max_context: int = 4096,
+    quantize: str | None = None,
 ) -> LoadedModels:
     """Load and cross-check a target and (optionally) a drafter from local paths."""
     device = pick_device(device)
     torch_dtype = pick_dtype(dtype, device)
-    target = load_target(target_path, backend, torch_dtype, device, max_context)
+    target = load_target(target_path, backend, torch_dtype, device, max_context, quantize)
     drafter = None
     if drafter_path is not None:
         if not Path(drafter_path).exists():

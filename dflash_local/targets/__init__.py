@@ -18,6 +18,7 @@ def load_target(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     max_context: int = 4096,
+    quantize: str | None = None,
 ) -> Target:
     """Load a target model from a local path with the named (or inferred) backend."""
     path = Path(path)
@@ -28,7 +29,9 @@ def load_target(
     if backend == "torch":
         from .torch_llama import TorchLlamaTarget
 
-        return TorchLlamaTarget.load(path, dtype=dtype, device=device, max_context=max_context)
+        return TorchLlamaTarget.load(path, dtype=dtype, device=device, max_context=max_context, quantize=quantize)
+    if quantize is not None:
+        raise DFlashError("--quantize applies to the torch backend; a GGUF file is already quantized.")
     if backend == "llamacpp":
         try:
             from .llamacpp import LlamaCppTarget
