@@ -17,7 +17,7 @@ def read_config(folder: Path) -> dict[str, Any]:
     """Return the parsed config.json of a model folder."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise DFlashError(f"{folder} is not a folder.")
+        raise DFlashError(f"{folder} is neither a model folder (config.json + safetensors) nor a .gguf file.")
     path = folder / "config.json"
     if not path.is_file():
         raise DFlashError(f"{folder} has no config.json, so it is not a model folder.")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pexpect
 
@@ -72,3 +73,13 @@ def test_unknown_model_suggests_close_names():
     assert result.stderr.strip() == (
         "error: 'tinyy' is neither a known model, a Hub repo (owner/name) nor a path. Did you mean tiny?"
     )
+
+
+def test_a_path_that_is_not_a_model():
+    readme = Path(__file__).resolve().parent.parent / "README.md"
+    result = subprocess.run(
+        [sys.executable, "-m", "dflash_local", "chat", str(readme)], capture_output=True, text=True, env=ENV, timeout=60
+    )
+    assert result.returncode == 1
+    expected = f"error: {readme} is neither a model folder (config.json + safetensors) nor a .gguf file."
+    assert result.stderr.strip() == expected
