@@ -151,6 +151,9 @@ def remote_files(source: HubSource, token: str | None) -> tuple[str, list[Remote
         for s in info.siblings or []
         if source.wants(s.rfilename)
     ]
+    unsafe = [f.name for f in files if f.name.startswith("/") or ".." in Path(f.name).parts]
+    if unsafe:
+        raise DFlashError(f"{source.repo} lists a file outside the repo ({unsafe[0]}); refusing to download.")
     all_names = sorted(s.rfilename for s in info.siblings or [])
     for pattern in _required(source):
         if not any(fnmatch.fnmatch(f.name.lower(), pattern.lower()) for f in files):
