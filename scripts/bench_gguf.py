@@ -65,7 +65,7 @@ def main() -> None:
         f"{len(prompts)} held-out prompts, {args.max_new_tokens} new tokens, block {args.block_size}, "
         f"{args.threads} thread(s), {platform.processor() or platform.machine()} CPU\n"
     )
-    print("| target | drafter | AR tok/s (llama.cpp) | DFlash tok/s | speedup | tau | identical to AR |")
+    print("| target | drafter | AR tok/s (llama.cpp) | DFlash tok/s | speedup | tau | prompts identical to AR |")
     print("|---|---|---|---|---|---|---|")
     for kind in args.types.split(","):
         path = args.work / f"tiny-{kind}.gguf"
@@ -77,7 +77,7 @@ def main() -> None:
             drafter = load_drafter(TINY / "drafter", base.target, kind=drafter_kind)
             models = LoadedModels(base.target, drafter, base.tokenizer, base.stop_ids)
             tau, fast, got = measure(models, prompts, args, draft=True)
-            same = "yes" if got == expected else "NO"
+            same = f"{sum(a == b for a, b in zip(got, expected, strict=True))}/{len(expected)}"
             print(
                 f"| GGUF {kind.upper()} | {drafter_kind} | {slow:.0f} | {fast:.0f} | {fast / slow:.2f}x "
                 f"| {tau:.2f} | {same} |"

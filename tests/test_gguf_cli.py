@@ -21,7 +21,9 @@ def q4(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("gguf_cli") / "tiny-q4_k_m.gguf"
     result = dflash("convert", TINY / "target", "--out", out, "--type", "q4_k_m")
     assert result.returncode == 0, result.stderr
-    assert out.is_file() and "q4_k_m" in result.stdout
+    assert "q4_k_m" in result.stdout
+    types = {tensor.tensor_type.name for tensor in gguf.GGUFReader(str(out)).tensors}
+    assert {"Q4_K", "Q6_K"} <= types, types
     return out
 
 
@@ -34,9 +36,10 @@ def _generate(target: Path, *extra: str) -> dict:
 
 
 def test_generate_on_gguf_reports_tau_and_speed(q4):
+    """Q4_K_M: llama.cpp's K-quant CPU kernels are not batch-invariant, so ids are compared on Q8_0 in test_gguf."""
     fast = _generate(q4, "--drafter", str(TINY / "drafter"), "--block-size", "8")
-    slow = _generate(q4, "--no-draft")
-    assert fast["output_ids"] == slow["output_ids"] and len(fast["output_ids"]) == 24
+    slow = _generate(q4, "--no-draft", "--backend", "llamacpp")
+    assert len(fast["output_ids"]) == len(slow["output_ids"]) == 24
     assert fast["tau"] > 1.0 and fast["decode_tokens_per_s"] > 0 and slow["decode_tokens_per_s"] > 0
     assert max(fast["acceptance_lengths"]) <= 8
 
