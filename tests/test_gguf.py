@@ -75,7 +75,8 @@ def test_tapped_features_and_logits_match_torch(tiny_gguf, prompts, drafter):
     torch_target = TorchLlamaTarget.load(TINY / "target", max_context=2048)
     for target in (gguf_target, torch_target):
         target.set_feature_layers(drafter.target_layer_ids)
-    for prompt in prompts[:3]:
+    long_prompt = torch.randint(5, 4096, (700,), generator=torch.Generator().manual_seed(0)).tolist()
+    for prompt in prompts[:3] + [long_prompt]:  # 700 tokens: llama.cpp decodes the prefill in 512-token chunks
         ids = torch.tensor(prompt)
         outs = []
         for target in (gguf_target, torch_target):
