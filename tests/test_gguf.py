@@ -149,8 +149,11 @@ def test_converted_families_match_torch_and_stay_lossless(kind, request, tmp_pat
     assert ((got.logits - want.logits).abs().max() / want.logits.abs().max()) < 5e-3
     assert ((got.features - want.features).norm(dim=-1) / want.features.norm(dim=-1)).max() < 5e-3
     expected, _ = run(gguf_target, None, prompt.tolist(), Settings(max_new_tokens=24, draft=False))
-    ids, _ = run(gguf_target, drafter, prompt.tolist(), Settings(max_new_tokens=24, block_size=8))
-    assert ids == expected
+    ids, stats = run(gguf_target, drafter, prompt.tolist(), Settings(max_new_tokens=24, block_size=8))
+    native = NativeDrafter.load(drafter_folder, gguf_target, threads=1)
+    native_ids, native_stats = run(gguf_target, native, prompt.tolist(), Settings(max_new_tokens=24, block_size=8))
+    assert ids == native_ids == expected
+    assert stats.acceptance_lengths == native_stats.acceptance_lengths
 
 
 def test_drafter_choice(tiny_gguf):
