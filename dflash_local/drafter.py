@@ -12,6 +12,7 @@ from torch.nn import functional as F
 
 from kernels import block_attention, visibility_mask
 
+from .cuda_graphs import StepGraphs, graphs_wanted
 from .errors import DFlashError
 from .layers import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 from .targets.base import Target
@@ -127,14 +128,18 @@ class DraftAttention(nn.Module):
         past_k: torch.Tensor,
         past_v: torch.Tensor,
         mask: torch.Tensor | None = None,
+        context_len: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Block x [batch, steps, hidden] attends to [past K/V ; its own K/V]; mask defaults to the layer type's."""
+        """Block x [batch, steps, hidden] attends to [past K/V ; its own K/V]; mask defaults to the layer type's.
+
+        context_len (fixed shapes): past K/V is the whole cache, of which the first context_len positions count.
+        """
         batch, steps, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(batch, steps, self.num_heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         k, v = self.key_value(x, cos, sin)
         if mask is None:
-            out = block_attention(q, past_k, past_v, k, v, self.is_causal, self.sliding_window)
+            out = block_attention(q, past_k, past_v, k, v, self.is_causal, self.sliding_window, context_len)
         else:
             k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
             gqa = self.num_heads != self.num_kv_heads
@@ -152,8 +157,10 @@ class DraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos, sin, past_k: torch.Tensor, past_v: torch.Tensor, mask=None) -> torch.Tensor:
-        attended = self.self_attn(self.input_layernorm(x), cos, sin, past_k, past_v, mask)
+    def forward(
+        self, x: torch.Tensor, cos, sin, past_k: torch.Tensor, past_v: torch.Tensor, mask=None, context_len=None
+    ) -> torch.Tensor:
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, past_k, past_v, mask, context_len)
         normed, x = self.post_attention_layernorm.add_and_norm(attended, x)
         return x + self.mlp(normed)
 
@@ -193,6 +200,7 @@ class DFlashDrafter:
         self.cache_k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.cache_v = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.length = 0
+        self.graphs = StepGraphs() if graphs_wanted(self.device) else None
 
     @classmethod
     def load(
@@ -255,12 +263,31 @@ class DFlashDrafter:
     def propose(
         self, target: Target, new_features: torch.Tensor, tokens: list[int], start: int, size: int
     ) -> torch.Tensor:
-        """Cache the features of positions [length, start); draft [tokens[start], MASK x size-1] at start."""
+        """Cache the features of positions [length, start); draft [tokens[start], MASK x size-1] at start.
+
+        On CUDA, steps with at most `size` new positions replay a CUDA graph of `propose_fixed`.
+        """
         if self.length + new_features.shape[0] != start:
             raise ValueError(f"drafter cache holds {self.length} positions, got features up to {start}")
-        model = self.model
         block_ids = torch.full((size,), self.cfg.mask_token_id, dtype=torch.long, device=self.device)
         block_ids[0] = tokens[start]
+        num_new = new_features.shape[0]
+        if self.graphs is not None and num_new <= size:
+            features = torch.zeros(size, new_features.shape[1], dtype=self.dtype, device=self.device)
+            features[:num_new] = new_features
+            offsets = torch.arange(size, device=self.device)
+            context_len = torch.tensor([start], device=self.device)
+
+            def step(*inputs: torch.Tensor) -> tuple[torch.Tensor]:
+                return (self.propose_fixed(target, *inputs),)
+
+            key = (size, id(target))
+            (logits,) = self.graphs.run(
+                key, step, features, block_ids, self.length + offsets, start + offsets, context_len
+            )
+            self.length = start
+            return logits
+        model = self.model
         positions = torch.arange(self.length, start + size, device=self.device)
         cos, sin = (t[None, None] for t in rope_cos_sin(model.inv_freq, positions, self.dtype))
         num_ctx = new_features.shape[0]
@@ -273,4 +300,29 @@ class DFlashDrafter:
             past_k, past_v = self.cache_k[index, :, :, :start], self.cache_v[index, :, :, :start]
             x = layer(x, cos[..., num_ctx:, :], sin[..., num_ctx:, :], past_k, past_v)
         self.length = start
+        return model.logits(model.norm(x[0, 1:]), target.lm_head)
+
+    def propose_fixed(
+        self,
+        target: Target,
+        features: torch.Tensor,
+        block_ids: torch.Tensor,
+        context_positions: torch.Tensor,
+        block_positions: torch.Tensor,
+        context_len: torch.Tensor,
+    ) -> torch.Tensor:
+        """Fixed-shape drafter step (what CUDA graphs capture): cache the projected features at context_positions
+        (rows past the new ones land at or after context_len, where nothing reads them), then draft the block
+        against the whole cache, of which the first context_len positions count. Leaves `length` alone."""
+        model = self.model
+        cos_c, sin_c = (t[None, None] for t in rope_cos_sin(model.inv_freq, context_positions, self.dtype))
+        cos_b, sin_b = (t[None, None] for t in rope_cos_sin(model.inv_freq, block_positions, self.dtype))
+        context = model.project_context(features)[None]
+        x = target.embed(block_ids).to(self.dtype)[None] * self.cfg.input_embedding_scale
+        for index, layer in enumerate(model.layers):
+            k, v = layer.self_attn.key_value(context, cos_c, sin_c)
+            cache_k, cache_v = self.cache_k[index], self.cache_v[index]
+            cache_k.index_copy_(2, context_positions, k)
+            cache_v.index_copy_(2, context_positions, v)
+            x = layer(x, cos_b, sin_b, cache_k, cache_v, context_len=context_len)
         return model.logits(model.norm(x[0, 1:]), target.lm_head)

@@ -34,6 +34,6 @@ def greedy_accept_triton(draft: torch.Tensor, logits: torch.Tensor) -> torch.Ten
     rows, vocab = logits.shape
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     out = torch.full((rows + 1,), rows - 1, dtype=torch.int64, device=logits.device)
-    draft = draft.to(torch.int64).contiguous()
+    draft = draft.to(torch.int64).contiguous() if draft.numel() else out  # no drafts: a valid, never-read pointer
     _greedy_accept_kernel[(rows,)](logits, logits.stride(0), draft, out, vocab, rows - 1, TILE=VOCAB_TILE)
     return out

@@ -34,11 +34,13 @@ def _block_attention_kernel(
     q_ptr, pk_ptr, pv_ptr, k_ptr, v_ptr, o_ptr,
     sq_b, sq_h, sq_m, pk_b, pk_h, pk_n, pv_b, pv_h, pv_n,
     k_b, k_h, k_n, v_b, v_h, v_n, o_b, o_h, o_m,
-    num_kv_heads, context, scale,
-    BLOCK: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    num_kv_heads, context, context_ptr, scale,
+    CONTEXT_IN_MEMORY: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     ROWS: tl.constexpr, TILE: tl.constexpr, BLOCK_KEYS: tl.constexpr, DIM: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
 ):  # fmt: skip
+    if CONTEXT_IN_MEMORY:
+        context = tl.load(context_ptr).to(tl.int32)
     pid = tl.program_id(0)
     batch, kv_head = pid // num_kv_heads, pid % num_kv_heads
     pk_ptr += batch * pk_b + kv_head * pk_h
@@ -92,6 +94,7 @@ def block_attention_triton(
     v: torch.Tensor,
     causal: bool = False,
     window: int | None = None,
+    context_len: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton twin of block_attention_reference; reads the context K/V in place (any strides but the last)."""
     q, past_k, past_v, k, v = (_last_dim_contiguous(t) for t in (q, past_k, past_v, k, v))
@@ -104,8 +107,8 @@ def block_attention_triton(
         q.stride(0), q.stride(1), q.stride(2), past_k.stride(0), past_k.stride(1), past_k.stride(2),
         past_v.stride(0), past_v.stride(1), past_v.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        kv_heads, context, head_dim**-0.5,
-        BLOCK=block, GROUP=group, HEAD_DIM=head_dim,
+        kv_heads, context, q if context_len is None else context_len, head_dim**-0.5,
+        CONTEXT_IN_MEMORY=context_len is not None, BLOCK=block, GROUP=group, HEAD_DIM=head_dim,
         ROWS=max(16, triton.next_power_of_2(group * block)), TILE=CONTEXT_TILE,
         BLOCK_KEYS=max(16, triton.next_power_of_2(block)), DIM=max(16, triton.next_power_of_2(head_dim)),
         CAUSAL=causal, WINDOW=window or 0,

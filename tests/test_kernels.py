@@ -60,6 +60,18 @@ def test_block_attention_masks_match_reference(context: int, causal: bool, windo
     torch.testing.assert_close(got, block_attention_reference(*inputs, causal, window), atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, 5)])
+@pytest.mark.parametrize("context", [0, 1, 17, 70])
+def test_block_attention_fixed_shape_matches_reference(context: int, causal: bool, window: int | None) -> None:
+    q, cache_k, cache_v, k, v = _attention_inputs(context + 3, 1, 2, 4, 80, 8, 32)  # a cache of 80 slots
+    length = torch.tensor([context])  # only the first `context` slots hold context
+    got = block_attention_triton(q, cache_k, cache_v, k, v, causal, window, length)
+    want = block_attention_reference(q, cache_k, cache_v, k, v, causal, window, length)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    sliced = block_attention_reference(q, cache_k[:, :, :context], cache_v[:, :, :context], k, v, causal, window)
+    torch.testing.assert_close(got, sliced, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("shape", [(1, 64), (3, 5, 96), (2, 16, 4, 24), (0, 32)])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_matches_reference(shape: tuple[int, ...], with_residual: bool) -> None:

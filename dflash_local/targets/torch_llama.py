@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..cuda_graphs import StepGraphs, graphs_wanted
 from ..errors import DFlashError
 from ..layers import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 from ..quant import check_quantize, install_4bit, prequantized
@@ -17,6 +18,7 @@ from ..weights import load_weights, read_config
 from .base import TargetOutput
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3")
+GRAPH_MAX_STEPS = 32  # forwards of at most this many tokens (decode, verify) run as CUDA graphs on CUDA
 
 
 @dataclass(frozen=True)
@@ -93,10 +95,13 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         cache_k: torch.Tensor,
         cache_v: torch.Tensor,
-        start: int,
+        start: int | torch.Tensor,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        """x [batch, steps, hidden]; caches [batch, kv_heads, max_len, head_dim]; writes at start."""
+        """x [batch, steps, hidden]; caches [batch, kv_heads, max_len, head_dim]; writes at start.
+
+        A tensor `start` holds the steps' cache positions (fixed shapes): write there, attend to the whole cache.
+        """
         batch, steps, _ = x.shape
         q = self.q_proj(x).view(batch, steps, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(batch, steps, self.num_kv_heads, self.head_dim)
@@ -104,15 +109,18 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)
-        end = start + steps
-        cache_k[:, :, start:end] = apply_rope(k.transpose(1, 2), cos, sin)
-        cache_v[:, :, start:end] = v.transpose(1, 2)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        if isinstance(start, torch.Tensor):
+            cache_k.index_copy_(2, start, k)
+            cache_v.index_copy_(2, start, v.transpose(1, 2))
+            keys, values = cache_k, cache_v
+        else:
+            end = start + steps
+            cache_k[:, :, start:end] = k
+            cache_v[:, :, start:end] = v.transpose(1, 2)
+            keys, values = cache_k[:, :, :end], cache_v[:, :, :end]
         out = F.scaled_dot_product_attention(
-            q,
-            cache_k[:, :, :end],
-            cache_v[:, :, :end],
-            attn_mask=mask,
-            enable_gqa=self.num_heads != self.num_kv_heads,
+            q, keys, values, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads
         )
         return self.o_proj(out.transpose(1, 2).reshape(batch, steps, -1))
 
@@ -167,7 +175,7 @@ class LlamaModel(nn.Module):
         ids: torch.Tensor,
         positions: torch.Tensor,
         cache: tuple[torch.Tensor, torch.Tensor],
-        start: int,
+        start: int | torch.Tensor,
         mask: torch.Tensor | None,
         feature_layer_ids: list[int],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -204,6 +212,7 @@ class TorchLlamaTarget:
         self.cache = model.new_cache(1, self.max_context)
         self.length = 0
         self.feature_layer_ids: list[int] = []
+        self.graphs = StepGraphs() if graphs_wanted(self.device) else None
 
     @classmethod
     def load(
@@ -281,15 +290,33 @@ class TorchLlamaTarget:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, all_logits: bool = True, features: bool = True) -> TargetOutput:
-        """Append ids at the cache end; return logits (all positions or the last) and layer features."""
+        """Append ids at the cache end; return logits (all positions or the last) and layer features.
+
+        On CUDA, decode and verify steps (all logits, at most GRAPH_MAX_STEPS tokens) replay graphs of `forward_fixed`.
+        """
         steps, start = ids.shape[0], self.length
         if start + steps > self.max_context:
             raise DFlashError(f"The context is full ({self.max_context} tokens).")
         end = start + steps
         positions = torch.arange(start, end, device=self.device)
-        mask = None if steps == 1 else torch.arange(end, device=self.device)[None, :] <= positions[:, None]
         layer_ids = self.feature_layer_ids if features else []
+        if self.graphs is not None and all_logits and steps <= GRAPH_MAX_STEPS:
+            key = (steps, tuple(layer_ids))
+            logits, feats = self.graphs.run(key, lambda i, p: self.forward_fixed(i, p, layer_ids), ids, positions)
+            self.length = end
+            return TargetOutput(logits=logits, features=feats)
+        mask = None if steps == 1 else torch.arange(end, device=self.device)[None, :] <= positions[:, None]
         hidden, feats = self.model.run_layers(ids[None], positions[None], self.cache, start, mask, layer_ids)
         self.length = end
         hidden = hidden[0] if all_logits else hidden[0, -1:]
         return TargetOutput(logits=self.lm_head(hidden).float(), features=None if feats is None else feats[0])
+
+    def forward_fixed(
+        self, ids: torch.Tensor, positions: torch.Tensor, layer_ids: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Fixed-shape forward (what CUDA graphs capture): write K/V at positions, attend to the whole cache
+        under a position mask; return all logits and the features. Leaves `length` alone."""
+        keys = torch.arange(self.max_context, device=self.device)
+        mask = keys[None, :] <= positions[:, None]
+        hidden, feats = self.model.run_layers(ids[None], positions[None], self.cache, positions, mask, layer_ids)
+        return self.lm_head(hidden[0]).float(), None if feats is None else feats[0]

@@ -1,0 +1,63 @@
+"""CUDA graphs for fixed-shape steps: capture once per shape, then replay with new inputs copied into place.
+
+On by default for CUDA models; DFLASH_CUDA_GRAPHS=0 turns them off. Never used on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Hashable
+
+import torch
+
+GRAPHS_ENV = "DFLASH_CUDA_GRAPHS"
+Outputs = tuple[torch.Tensor | None, ...]
+
+
+def graphs_wanted(device: torch.device) -> bool:
+    """True for CUDA devices unless DFLASH_CUDA_GRAPHS=0."""
+    return device.type == "cuda" and os.environ.get(GRAPHS_ENV, "1") != "0"
+
+
+class CapturedStep:
+    """fn captured on static copies of its inputs; calling it copies new inputs in, replays, returns fn's outputs."""
+
+    def __init__(self, fn: Callable[..., Outputs], inputs: tuple[torch.Tensor, ...]) -> None:
+        self.inputs = tuple(t.clone() for t in inputs)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn(*self.inputs)  # warm-up outside the capture: Triton compiles, cuBLAS picks kernels
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.outputs = fn(*self.inputs)
+
+    def __call__(self, *inputs: torch.Tensor) -> Outputs:
+        for static, new in zip(self.inputs, inputs, strict=True):
+            static.copy_(new)
+        self.graph.replay()
+        return self.outputs
+
+
+class StepGraphs:
+    """Captured steps by key, captured on first use; a capture that CUDA refuses turns graphs off (eager from then)."""
+
+    def __init__(self) -> None:
+        self.steps: dict[Hashable, CapturedStep] = {}
+        self.enabled = True
+
+    def run(self, key: Hashable, fn: Callable[..., Outputs], *inputs: torch.Tensor) -> Outputs:
+        """fn(*inputs), replayed from a graph when possible; outputs are cloned, the graph reuses its buffers."""
+        step = self.steps.get(key)
+        if step is None and self.enabled:
+            try:
+                step = self.steps[key] = CapturedStep(fn, inputs)
+            except RuntimeError as exc:
+                torch.cuda.synchronize()
+                self.enabled = False
+                warnings.warn(f"CUDA graph capture failed, running eagerly ({exc}).", RuntimeWarning, stacklevel=2)
+        if step is None:
+            return fn(*inputs)
+        return tuple(None if out is None else out.clone() for out in step(*inputs))
