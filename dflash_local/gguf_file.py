@@ -36,7 +36,7 @@ class GGUFModel:
         info = found[0]
         array = gguf.quants.dequantize(info.data, info.tensor_type)
         shape = tuple(int(n) for n in reversed(info.shape))
-        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32).reshape(shape)).to(device, dtype)
+        return torch.from_numpy(np.array(array, dtype=np.float32).reshape(shape)).to(device, dtype)
 
 
 def _field(reader, key: str, path: Path, required: bool = True):
