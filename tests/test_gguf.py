@@ -69,25 +69,30 @@ def test_dflash_equals_llamacpp_greedy(kind, tiny_gguf, prompts, drafter):
     assert abs(sum(native_taus) - sum(taus)) / sum(taus) < 0.05, (native_taus, taus)
 
 
-def test_tapped_features_and_logits_match_torch(tiny_gguf, prompts, drafter):
-    """F16 weights and F16 KV cache against the fp32 torch backend: features within 0.2% (relative L2 per row)."""
+def test_tapped_features_and_logits_match_torch(tiny_gguf, prompts):
+    """F16 weights and F16 KV cache against the fp32 torch backend: features within 0.2% (relative L2 per row).
+
+    Layer 7 is the last: its feature is the final-normed hidden state (llama.cpp's output embeddings)."""
     gguf_target = LlamaCppTarget.load(tiny_gguf["f16"], max_context=2048, threads=1)
     torch_target = TorchLlamaTarget.load(TINY / "target", max_context=2048)
-    for target in (gguf_target, torch_target):
-        target.set_feature_layers(drafter.target_layer_ids)
     long_prompt = torch.randint(5, 4096, (700,), generator=torch.Generator().manual_seed(0)).tolist()
-    for prompt in prompts[:3] + [long_prompt]:  # 700 tokens: llama.cpp decodes the prefill in 512-token chunks
-        ids = torch.tensor(prompt)
-        outs = []
+    for layer_ids in ([1, 3, 5], [2, 7]):
         for target in (gguf_target, torch_target):
-            target.reset()
-            outs.append(target.forward(ids, all_logits=True, features=True))
-        got, want = outs
-        assert got.features.shape == want.features.shape == (len(prompt), 3 * 256)
-        for part in range(3):
-            a, b = got.features[:, part * 256 : (part + 1) * 256], want.features[:, part * 256 : (part + 1) * 256]
-            assert ((a - b).norm(dim=-1) / b.norm(dim=-1)).max() < 2e-3
-        assert ((got.logits - want.logits).abs().max() / want.logits.abs().max()) < 2e-3
+            target.set_feature_layers(layer_ids)
+        for prompt in prompts[:3] + [long_prompt]:  # 700 tokens: llama.cpp decodes the prefill in 512-token chunks
+            ids = torch.tensor(prompt)
+            for all_logits in (True, False):
+                outs = []
+                for target in (gguf_target, torch_target):
+                    target.reset()
+                    outs.append(target.forward(ids, all_logits=all_logits, features=True))
+                got, want = outs
+                assert got.logits.shape == want.logits.shape
+                assert got.features.shape == want.features.shape == (len(prompt), 256 * len(layer_ids))
+                for part in range(len(layer_ids)):
+                    a, b = (out.features[:, part * 256 : (part + 1) * 256] for out in (got, want))
+                    assert ((a - b).norm(dim=-1) / b.norm(dim=-1)).max() < 2e-3
+                assert ((got.logits - want.logits).abs().max() / want.logits.abs().max()) < 2e-3
 
 
 def test_rollback_leaves_the_state_of_a_fresh_run(tiny_gguf, prompts):
@@ -132,7 +137,8 @@ def _add_byte_bpe_tokenizer(folder: Path, vocab_size: int) -> None:
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_converted_families_match_torch_and_stay_lossless(kind, request, tmp_path, drafters):
-    """llama: llama3 RoPE scaling (rope_freqs), GQA, untied head; qwen3: q/k norms, wide heads, tied head."""
+    """llama: llama3 RoPE scaling (rope_freqs), GQA, untied head, last-layer features; qwen3: q/k norms, wide heads,
+    tied head."""
     import shutil
 
     folder = tmp_path / kind
@@ -140,7 +146,7 @@ def test_converted_families_match_torch_and_stay_lossless(kind, request, tmp_pat
     torch_target = TorchLlamaTarget.load(folder)
     _add_byte_bpe_tokenizer(folder, torch_target.vocab_size)
     gguf_target = LlamaCppTarget.load(convert(folder, tmp_path / f"{kind}.gguf", "f16", threads=1), threads=1)
-    drafter_folder = drafters[kind, 2]
+    drafter_folder = drafters[kind, {"llama": 3, "qwen3": 2}[kind]]  # llama's reads layers [0, 1, 3]: 3 is the last
     drafter = DFlashDrafter.load(drafter_folder, max_context=gguf_target.max_context)
     prompt = torch.randint(0, torch_target.vocab_size, (20,), generator=torch.Generator().manual_seed(3))
     for target in (gguf_target, torch_target):

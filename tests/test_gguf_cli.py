@@ -70,10 +70,6 @@ def bad(tmp_path_factory, q4) -> dict[str, Path]:
     config = json.loads((deep / "config.json").read_text())
     config["dflash_config"]["target_layer_ids"] = [1, 3, 9]
     (deep / "config.json").write_text(json.dumps(config))
-    last = root / "last_layer_drafter"
-    shutil.copytree(TINY / "drafter", last)
-    config["dflash_config"]["target_layer_ids"] = [1, 3, 7]
-    (last / "config.json").write_text(json.dumps(config))
     return {
         "gemma": _write_gguf(root / "gemma.gguf", "gemma", 2),
         "incomplete": _write_gguf(root / "incomplete.gguf", "llama", 2),
@@ -81,7 +77,6 @@ def bad(tmp_path_factory, q4) -> dict[str, Path]:
         "header": header_only,
         "not_gguf": TINY / "heldout_prompts.jsonl",
         "deep": deep,
-        "last": last,
         "good": q4,
     }
 
@@ -93,7 +88,6 @@ CASES = {
     "truncated header": ("header", [], "is not a complete, readable GGUF file"),
     "not a GGUF file": ("not_gguf", ["--backend", "llamacpp"], "is not a complete, readable GGUF file"),
     "layer ids past the end": ("good", ["--drafter", "deep"], "layers [1, 3, 9], but the target has only 8"),
-    "last layer untappable": ("good", ["--drafter", "last"], "reads features of target layers 0..6, not layer 7"),
 }
 
 

@@ -66,6 +66,7 @@ class LlamaCppTarget:
         params = llama_cpp.llama_context_default_params()
         params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = max_context, BATCH, BATCH, 1
         params.n_threads = params.n_threads_batch = threads
+        params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_NONE  # per-token output embeddings (last-layer features)
         ctx = llama_cpp.llama_init_from_model(model, params)
         if not ctx:
             llama_cpp.llama_model_free(model)
@@ -89,17 +90,18 @@ class LlamaCppTarget:
         return self.info.eos_ids
 
     def set_feature_layers(self, layer_ids: list[int]) -> None:
-        """Tap llama.cpp's input of layer id + 1 (= HF output of layer id) for each id."""
-        bad = [i for i in layer_ids if not 0 <= i < self.num_layers - 1]
+        """Tap llama.cpp's input of layer id + 1 (= HF output of layer id); the last layer's is the final-normed
+        hidden state, read as llama.cpp's output embeddings (which makes every position an output)."""
+        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
         if bad:
-            raise DFlashError(
-                f"The llama.cpp backend reads features of target layers 0..{self.num_layers - 2}, "
-                f"not layer {bad[0]} (the GGUF has {self.num_layers} layers)."
-            )
-        for layer in set(self.feature_layer_ids) - set(layer_ids):
+            raise DFlashError(f"The GGUF target has {self.num_layers} layers, so it has no layer {bad[0]} to read.")
+        last = self.num_layers - 1
+        old, new = set(self.feature_layer_ids) - {last}, set(layer_ids) - {last}
+        for layer in old - new:
             self._set_tap(self._ctx, layer + 1, False)
-        for layer in set(layer_ids) - set(self.feature_layer_ids):
+        for layer in new - old:
             self._set_tap(self._ctx, layer + 1, True)
+        llama_cpp.llama_set_embeddings(self._ctx, last in layer_ids)
         self.feature_layer_ids = list(layer_ids)
 
     def reset(self) -> None:
@@ -136,6 +138,12 @@ class LlamaCppTarget:
     def _rows(self, pointer, rows: int, width: int) -> np.ndarray:
         return np.ctypeslib.as_array(ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), shape=(rows, width)).copy()
 
+    def _features(self, layer: int, rows: int) -> np.ndarray:
+        """HF hidden_states[layer + 1] for the last decoded rows."""
+        if layer == self.num_layers - 1:
+            return self._rows(llama_cpp.llama_get_embeddings(self._ctx), rows, self.hidden_size)
+        return self._rows(self._get_tap(self._ctx, layer + 1), rows, self.hidden_size)
+
     def forward(self, ids: torch.Tensor, all_logits: bool = True, features: bool = True) -> TargetOutput:
         """Append ids at the cache end; return logits (all positions or the last) and the tapped features."""
         tokens = ids.tolist()
@@ -143,17 +151,16 @@ class LlamaCppTarget:
         if start + len(tokens) > self.max_context:
             raise DFlashError(f"The context is full ({self.max_context} tokens).")
         logits, feats = [], []
+        every_output = self.num_layers - 1 in self.feature_layer_ids
         for offset in range(0, len(tokens), BATCH):
             chunk = tokens[offset : offset + BATCH]
-            last_chunk = offset + BATCH >= len(tokens)
             self._decode(chunk, start + offset, all_logits)
-            if all_logits or last_chunk:
-                rows = len(chunk) if all_logits else 1
-                logits.append(self._rows(llama_cpp.llama_get_logits(self._ctx), rows, self.vocab_size))
+            if all_logits or offset + BATCH >= len(tokens):
+                rows = len(chunk) if all_logits or every_output else 1
+                chunk_logits = self._rows(llama_cpp.llama_get_logits(self._ctx), rows, self.vocab_size)
+                logits.append(chunk_logits if all_logits else chunk_logits[-1:])
             if features and self.feature_layer_ids:
-                width = self.hidden_size
-                taps = [self._rows(self._get_tap(self._ctx, i + 1), len(chunk), width) for i in self.feature_layer_ids]
-                feats.append(np.concatenate(taps, axis=1))
+                feats.append(np.concatenate([self._features(i, len(chunk)) for i in self.feature_layer_ids], axis=1))
             self.length = start + offset + len(chunk)
         out_logits = torch.from_numpy(np.concatenate(logits)).to(self.device)
         out_feats = None
