@@ -15,6 +15,7 @@ from kernels import block_attention, visibility_mask
 from .cuda_graphs import StepGraphs, graphs_wanted
 from .errors import DFlashError
 from .layers import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from .runtime import check_kernels
 from .targets.base import Target
 from .weights import load_weights, read_config
 
@@ -208,6 +209,7 @@ class DFlashDrafter:
     ) -> DFlashDrafter:
         """Build the drafter from a published-layout folder (config.json + model.safetensors)."""
         folder = Path(folder)
+        check_kernels(device)
         cfg = DrafterConfig.from_dict(read_config(folder), folder)
         with torch.device("meta"):
             model = DFlashModel(cfg)

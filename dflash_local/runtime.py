@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels import check_triton, kernel_mode
+
 from .errors import DFlashError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -38,3 +40,12 @@ def bf16_is_fast(device: str) -> bool:
     except OSError:
         return False
     return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def check_kernels(device: str | torch.device) -> None:
+    """Fail early, in one sentence, when DFLASH_KERNELS is invalid or asks for Triton where it cannot run."""
+    try:
+        if kernel_mode() == "triton":
+            check_triton(torch.device(device).type == "cuda")
+    except ValueError as exc:
+        raise DFlashError(str(exc)) from None

@@ -13,7 +13,7 @@ MODES = ("auto", "triton", "torch")
 
 
 def kernel_mode() -> str:
-    """The DFLASH_KERNELS setting: auto (default), triton or torch."""
+    """The DFLASH_KERNELS setting: auto (default), triton or torch; ValueError for anything else."""
     mode = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
     if mode not in MODES:
         raise ValueError(f"{KERNELS_ENV}={mode!r} is not one of {', '.join(MODES)}.")
@@ -25,6 +25,14 @@ def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def check_triton(on_cuda: bool) -> None:
+    """ValueError unless Triton kernels can run here: installed, and on CUDA or under the Triton interpreter."""
+    if not triton_installed():
+        raise ValueError(f"{KERNELS_ENV}=triton, but triton is not installed.")
+    if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"{KERNELS_ENV}=triton off CUDA needs TRITON_INTERPRET=1 (the Triton interpreter).")
+
+
 def use_triton(*tensors: torch.Tensor) -> bool:
     """True when this call should run the Triton kernel; autograd always takes the reference."""
     mode = kernel_mode()
@@ -33,8 +41,5 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     on_cuda = tensors[0].is_cuda
     if mode == "auto":
         return on_cuda and triton_installed()
-    if not triton_installed():
-        raise RuntimeError(f"{KERNELS_ENV}=triton, but triton is not installed.")
-    if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(f"{KERNELS_ENV}=triton on CPU tensors needs TRITON_INTERPRET=1 (the Triton interpreter).")
+    check_triton(on_cuda)
     return True

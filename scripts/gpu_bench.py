@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash_local.cuda_graphs import graphs_wanted
 from dflash_local.drafter import DFlashDrafter, DFlashModel, DrafterConfig, default_target_layer_ids
 from dflash_local.layers import rope_inv_freq
 from dflash_local.quant import install_4bit
@@ -30,6 +31,7 @@ from dflash_local.targets.torch_llama import LlamaModel, TargetConfig, TorchLlam
 from kernels import kernel_mode
 
 TAUS = (3, 5, 7)
+DEFAULT_CACHE = 4096  # the CLI's default context: CUDA-graphed steps attend over the whole cache
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,7 @@ def random_target(shape: Shape, quantize: str | None, dtype: torch.dtype, device
             install_4bit(model, weights, scope, dtype, device, "<random>")
     materialize_rest(model, dtype, device)
     model.inv_freq = rope_inv_freq(cfg.raw, cfg.head_dim).to(device)
-    return TorchLlamaTarget(model.eval(), max_context=shape.context + 4 * shape.block)
+    return TorchLlamaTarget(model.eval(), max_context=max(DEFAULT_CACHE, shape.context + 4 * shape.block))
 
 
 def materialize_rest(model: nn.Module, dtype: torch.dtype, device: str) -> None:
@@ -208,7 +210,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"speedup @ tau={tau}" for tau in TAUS
     )
     lines = [
-        f"device: {report['device']}, kernels: {report['kernels']}, context: {report['shape']['context']} tokens",
+        f"device: {report['device']}, kernels: {report['kernels']}, CUDA graphs: {report['cuda_graphs']}, "
+        f"context: {report['shape']['context']} tokens",
         "",
         head + " |",
         "|---" * (5 + len(TAUS)) + "|",
@@ -244,6 +247,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report = {
         "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
         "kernels": kernel_mode(),
+        "cuda_graphs": graphs_wanted(torch.device(device)),
         "torch": torch.__version__,
         "shape": asdict(shape),
         "rows": rows,

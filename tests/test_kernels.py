@@ -17,6 +17,7 @@ import torch  # noqa: E402
 
 from dflash_local.decode import Settings, run  # noqa: E402
 from dflash_local.drafter import DFlashDrafter  # noqa: E402
+from dflash_local.errors import DFlashError  # noqa: E402
 from dflash_local.targets.torch_llama import TorchLlamaTarget  # noqa: E402
 from kernels import KERNELS_ENV, use_triton  # noqa: E402
 from kernels.accept import greedy_accept_reference  # noqa: E402
@@ -113,6 +114,16 @@ def test_backend_choice(monkeypatch) -> None:
     monkeypatch.setenv(KERNELS_ENV, "cuda")
     with pytest.raises(ValueError, match="DFLASH_KERNELS"):
         use_triton(x)
+
+
+def test_bad_kernel_settings_fail_at_load_in_one_sentence(monkeypatch) -> None:
+    monkeypatch.setenv(KERNELS_ENV, "cuda")
+    with pytest.raises(DFlashError, match="DFLASH_KERNELS='cuda' is not one of auto, triton, torch"):
+        TorchLlamaTarget.load(BUNDLED / "target")
+    monkeypatch.setenv(KERNELS_ENV, "triton")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(DFlashError, match="off CUDA needs TRITON_INTERPRET=1"):
+        DFlashDrafter.load(BUNDLED / "drafter")
 
 
 def _greedy(target, drafter, prompt: list[int], tokens: int) -> tuple[list[int], list[int]]:

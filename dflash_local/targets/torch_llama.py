@@ -14,6 +14,7 @@ from ..cuda_graphs import StepGraphs, graphs_wanted
 from ..errors import DFlashError
 from ..layers import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 from ..quant import check_quantize, install_4bit, prequantized
+from ..runtime import check_kernels
 from ..weights import load_weights, read_config
 from .base import TargetOutput
 
@@ -228,6 +229,7 @@ class TorchLlamaTarget:
         quantize="nf4" makes the decoder layers' linears NF4 (bitsandbytes); a bnb-4bit checkpoint loads as 4-bit.
         """
         folder = Path(folder)
+        check_kernels(device)
         config = read_config(folder)
         cfg = TargetConfig.from_dict(config, folder)
         check_quantize(quantize)
