@@ -6,13 +6,16 @@ import torch
 import triton
 import triton.language as tl
 
-CONTEXT_TILE = 64
+CONTEXT_TILE = 64  # fp32 inputs multiply in full fp32 ("ieee"), not TF32: fp32 runs are the exact ones
 
 
 @triton.jit
-def _attend(q, k, v, m_i, l_i, acc, query_pos, key_pos, key_ok, scale, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+def _attend(
+    q, k, v, m_i, l_i, acc, query_pos, key_pos, key_ok, scale,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
     """One online-softmax update of (max, sum, accumulator) with a tile of keys."""
-    scores = tl.dot(q, tl.trans(k)) * scale
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
     visible = key_ok[None, :] & (query_pos[:, None] >= 0)
     if CAUSAL:
         visible = visible & (key_pos[None, :] <= query_pos[:, None])
@@ -25,7 +28,7 @@ def _attend(q, k, v, m_i, l_i, acc, query_pos, key_pos, key_ok, scale, CAUSAL: t
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp(scores - m_safe[:, None])
     alpha = tl.exp(m_i - m_safe)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i * alpha + tl.sum(p, axis=1), acc
 
 
@@ -37,7 +40,7 @@ def _block_attention_kernel(
     num_kv_heads, context, context_ptr, scale,
     CONTEXT_IN_MEMORY: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     ROWS: tl.constexpr, TILE: tl.constexpr, BLOCK_KEYS: tl.constexpr, DIM: tl.constexpr,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     if CONTEXT_IN_MEMORY:
         context = tl.load(context_ptr).to(tl.int32)
@@ -67,13 +70,13 @@ def _block_attention_kernel(
         kv_mask = key_ok[:, None] & dim_ok[None, :]
         k = tl.load(pk_ptr + keys[:, None] * pk_n + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(pv_ptr + keys[:, None] * pv_n + dims[None, :], mask=kv_mask, other=0.0)
-        m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, query_pos, keys, key_ok, scale, CAUSAL, WINDOW)
+        m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, query_pos, keys, key_ok, scale, CAUSAL, WINDOW, PRECISION)
     keys = tl.arange(0, BLOCK_KEYS)
     key_ok = keys < BLOCK
     kv_mask = key_ok[:, None] & dim_ok[None, :]
     k = tl.load(k_ptr + keys[:, None] * k_n + dims[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_ptr + keys[:, None] * v_n + dims[None, :], mask=kv_mask, other=0.0)
-    m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, query_pos, context + keys, key_ok, scale, CAUSAL, WINDOW)
+    m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, query_pos, context + keys, key_ok, scale, CAUSAL, WINDOW, PRECISION)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
         o_ptr + batch * o_b + head[:, None] * o_h + query[:, None] * o_m + dims[None, :],
@@ -111,6 +114,6 @@ def block_attention_triton(
         CONTEXT_IN_MEMORY=context_len is not None, BLOCK=block, GROUP=group, HEAD_DIM=head_dim,
         ROWS=max(16, triton.next_power_of_2(group * block)), TILE=CONTEXT_TILE,
         BLOCK_KEYS=max(16, triton.next_power_of_2(block)), DIM=max(16, triton.next_power_of_2(head_dim)),
-        CAUSAL=causal, WINDOW=window or 0,
+        CAUSAL=causal, WINDOW=window or 0, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     return out
