@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .decode import Settings, Stats, generate
+from .decode import Drafter, Settings, Stats, generate
 from .drafter import DFlashDrafter
 from .errors import DFlashError
 from .runtime import pick_device, pick_dtype
@@ -25,7 +26,7 @@ class LoadedModels:
     """A target, its optional drafter, tokenizer and end-of-sequence ids."""
 
     target: Target
-    drafter: DFlashDrafter | None
+    drafter: Drafter | None
     tokenizer: TextTokenizer | GGUFTokenizer | None
     stop_ids: frozenset[int]
 
@@ -47,7 +48,12 @@ def load_models(
     if drafter_path is not None:
         if not Path(drafter_path).exists():
             raise DFlashError(f"{drafter_path} does not exist.")
-        drafter = DFlashDrafter.load(drafter_path, torch_dtype, device, target.max_context)
+        if Path(target_path).suffix == ".gguf" or backend == "llamacpp":
+            from .native_drafter import load_drafter  # llama.cpp's own drafter where it is faster (CPU)
+
+            drafter = load_drafter(drafter_path, target, torch_dtype, device, os.environ.get("DFLASH_DRAFTER", "auto"))
+        else:
+            drafter = DFlashDrafter.load(drafter_path, torch_dtype, device, target.max_context)
         drafter.check_target(target)
     path = Path(target_path)
     if path.suffix == ".gguf":
