@@ -1,0 +1,150 @@
+"""One prepared check of the GPU path on a CUDA machine (a few minutes): kernels against their references on
+CUDA, engine output ids with Triton vs torch kernels and CUDA graphs on vs off, NF4 lossless, then gpu_bench.
+
+    .venv/bin/python scripts/gpu_check.py [--skip-bench] [--out gpu_check.json]
+
+Exits non-zero when a hard check fails. bf16 engine runs are reported, not required to match: on a GPU,
+verifying 16 tokens and decoding 1 round differently in bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_local.decode import Settings, run
+from dflash_local.drafter import DFlashDrafter
+from dflash_local.targets.torch_llama import TorchLlamaTarget
+from kernels.accept import greedy_accept_reference
+from kernels.accept_triton import greedy_accept_triton
+from kernels.attention import block_attention_reference
+from kernels.attention_triton import block_attention_triton
+from kernels.rmsnorm import rms_norm_reference
+from kernels.rmsnorm_triton import rms_norm_triton
+
+TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"
+TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}  # bf16: about two units in the last place
+MASKS = ((False, None), (True, None), (False, 5))
+PROMPTS = [[10, 57, 300, 41, 12, 9, 77, 8], list(range(20, 60)), [5, 6, 7]]
+
+
+def max_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest |got - want| / (1 + |want|): absolute near zero, relative for large values (bf16 rounds by ulps)."""
+    want = want.float()
+    return ((got.float() - want).abs() / (1 + want.abs())).max().item() if got.numel() else 0.0
+
+
+def check_kernels(device: str) -> dict[str, Any]:
+    """Largest error of each Triton kernel against its reference, over the test shapes, fp32 and bf16."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    errors: dict[str, float] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).removeprefix("torch.")
+
+        def randn(*shape: int, dtype=dtype) -> torch.Tensor:
+            return torch.randn(shape, generator=gen, device=device).to(dtype)
+
+        worst = 0.0
+        shapes = itertools.product((0, 1, 17, 300, 2000), (2, 8, 16), ((1, 64), (4, 128)))
+        for (context, block, (group, dim)), (causal, window) in itertools.product(shapes, MASKS):
+            q, k, v = randn(1, 8 * group, block, dim), randn(1, 8, block, dim), randn(1, 8, block, dim)
+            cache_k, cache_v = randn(1, 8, context + 9, dim), randn(1, 8, context + 9, dim)
+            args = (q, cache_k[:, :, :context], cache_v[:, :, :context], k, v, causal, window)
+            want = block_attention_reference(*args)
+            worst = max(worst, max_error(block_attention_triton(*args), want))
+            length = torch.tensor([context], device=device)
+            fixed = (q, cache_k, cache_v, k, v, causal, window, length)
+            worst = max(worst, max_error(block_attention_triton(*fixed), want))
+        errors[f"attention {name}"] = worst
+        worst = 0.0
+        for shape in ((1, 4096), (16, 4096), (16, 32, 128), (3, 5, 96)):
+            x, residual, weight = randn(*shape), randn(*shape), 1 + 0.1 * randn(shape[-1])
+            for res in (None, residual):
+                got, want = rms_norm_triton(x, weight, 1e-5, res), rms_norm_reference(x, weight, 1e-5, res)
+                worst = max(worst, max_error(got[0], want[0]), max_error(got[1], want[1]))
+        errors[f"rmsnorm {name}"] = worst
+    mismatches = 0
+    for rows, vocab in ((1, 50), (16, 128256), (8, 151936)):
+        logits = torch.randn(rows, vocab, generator=gen, device=device)
+        choice = logits.argmax(-1)
+        for cut in range(rows):
+            draft = choice[:-1].clone()
+            if cut < rows - 1:
+                draft[cut] = (draft[cut] + 1) % vocab
+            got, want = greedy_accept_triton(draft, logits), greedy_accept_reference(draft, logits)
+            mismatches += got.tolist() != want.tolist()
+    within = all(error <= TOLERANCE["float32" if "float32" in key else "bfloat16"] for key, error in errors.items())
+    return {"passed": within and mismatches == 0, "max_errors": errors, "greedy_accept_mismatches": mismatches}
+
+
+def generate_all(device: str, dtype: torch.dtype, kernels: str, graphs: bool, quantize: str | None, draft: bool):
+    """Greedy ids and acceptance lengths on the bundled pair, loaded afresh with the given settings."""
+    os.environ["DFLASH_KERNELS"], os.environ["DFLASH_CUDA_GRAPHS"] = kernels, "1" if graphs else "0"
+    target = TorchLlamaTarget.load(TINY / "target", dtype=dtype, device=device, max_context=512, quantize=quantize)
+    drafter = DFlashDrafter.load(TINY / "drafter", dtype=dtype, device=device, max_context=512) if draft else None
+    results = []
+    for prompt in PROMPTS:
+        ids, stats = run(target, drafter, prompt, Settings(max_new_tokens=64, draft=draft))
+        results.append((ids, stats.acceptance_lengths))
+    return results
+
+
+def check_engine(device: str, dtype: torch.dtype, quantize: str | None = None) -> dict[str, Any]:
+    """Same ids for every kernel/graph setting, and the same as autoregressive decoding."""
+    runs = {
+        f"{kernels}, graphs {'on' if graphs else 'off'}": generate_all(device, dtype, kernels, graphs, quantize, True)
+        for kernels, graphs in itertools.product(("torch", "triton"), (False, True))
+    }
+    autoregressive = [ids for ids, _ in generate_all(device, dtype, "triton", True, quantize, False)]
+    baseline = next(iter(runs.values()))
+    lengths = {name: [n for _, per_prompt in result for n in per_prompt] for name, result in runs.items()}
+    return {
+        "same_ids_all_settings": all(result == baseline for result in runs.values()),
+        "lossless": {name: [ids for ids, _ in result] == autoregressive for name, result in runs.items()},
+        "tau": {name: sum(values) / len(values) for name, values in lengths.items()},
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--skip-bench", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path("gpu_check.json"))
+    parser.add_argument("--device", default="cuda", help="cpu (with TRITON_INTERPRET=1) only checks the script runs")
+    args = parser.parse_args()
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device.", file=sys.stderr)
+        return 2
+    name = torch.cuda.get_device_name() if device == "cuda" else device
+    report: dict[str, Any] = {"device": name, "torch": torch.__version__}
+    report["kernels"] = check_kernels(device)
+    report["engine_fp32"] = check_engine(device, torch.float32)
+    report["engine_nf4_fp32_compute"] = check_engine(device, torch.float32, quantize="nf4")
+    report["engine_bf16 (informational)"] = check_engine(device, torch.bfloat16)
+    hard = [
+        report["kernels"]["passed"],
+        report["engine_fp32"]["same_ids_all_settings"],
+        all(report["engine_fp32"]["lossless"].values()),
+        all(report["engine_nf4_fp32_compute"]["lossless"].values()),
+    ]
+    report["passed"] = all(hard)
+    if not args.skip_bench:
+        os.environ["DFLASH_KERNELS"], os.environ["DFLASH_CUDA_GRAPHS"] = "auto", "1"
+        sys.path.insert(0, str(Path(__file__).parent))
+        import gpu_bench
+
+        report["bench"] = gpu_bench.main(["--device", device] + ([] if device == "cuda" else ["--small"]))
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps({key: value for key, value in report.items() if key != "bench"}, indent=2))
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
