@@ -121,6 +121,11 @@ class NativeDrafter:
         cfg = DrafterConfig.from_dict(read_config(folder), folder)
         if not isinstance(target, LlamaCppTarget):
             raise DFlashError("The native llama.cpp drafter needs a GGUF target (the llamacpp backend).")
+        if any(not 0 <= i < target.num_layers for i in cfg.target_layer_ids):
+            raise DFlashError(
+                f"The drafter reads target layers {cfg.target_layer_ids}, but the target has only "
+                f"{target.num_layers} layers."
+            )
         quiet_llama_logs()
         model_params = llama_cpp.llama_model_default_params()
         model_params.n_gpu_layers = -1 if target.device.type == "cuda" else 0
