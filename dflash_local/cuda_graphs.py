@@ -15,6 +15,17 @@ GRAPHS_ENV = "DFLASH_CUDA_GRAPHS"
 Outputs = tuple[torch.Tensor | None, ...]
 
 
+def cache_span(end: int, capacity: int, smallest: int = 256) -> int:
+    """How much of a cache a fixed-shape step attends to: the next power of two >= end, within the capacity.
+
+    One graph per span keeps attention cost within twice the used length, with few captures.
+    """
+    span = smallest
+    while span < end:
+        span *= 2
+    return min(span, capacity)
+
+
 def graphs_wanted(device: torch.device) -> bool:
     """True for CUDA devices unless DFLASH_CUDA_GRAPHS=0."""
     return device.type == "cuda" and os.environ.get(GRAPHS_ENV, "1") != "0"

@@ -12,7 +12,7 @@ from torch.nn import functional as F
 
 from kernels import block_attention, visibility_mask
 
-from .cuda_graphs import StepGraphs, graphs_wanted
+from .cuda_graphs import StepGraphs, cache_span, graphs_wanted
 from .errors import DFlashError
 from .layers import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 from .runtime import check_kernels
@@ -279,11 +279,12 @@ class DFlashDrafter:
             features[:num_new] = new_features
             offsets = torch.arange(size, device=self.device)
             context_len = torch.tensor([start], device=self.device)
+            span = cache_span(start, self.cache_k.shape[3])
 
             def step(*inputs: torch.Tensor) -> tuple[torch.Tensor]:
-                return (self.propose_fixed(target, *inputs),)
+                return (self.propose_fixed(target, *inputs, span),)
 
-            key = (size, id(target))
+            key = (size, id(target), span)
             (logits,) = self.graphs.run(
                 key, step, features, block_ids, self.length + offsets, start + offsets, context_len
             )
@@ -312,10 +313,11 @@ class DFlashDrafter:
         context_positions: torch.Tensor,
         block_positions: torch.Tensor,
         context_len: torch.Tensor,
+        span: int,
     ) -> torch.Tensor:
         """Fixed-shape drafter step (what CUDA graphs capture): cache the projected features at context_positions
         (rows past the new ones land at or after context_len, where nothing reads them), then draft the block
-        against the whole cache, of which the first context_len positions count. Leaves `length` alone."""
+        against the first span cache positions (span >= context_len), of which context_len count. Leaves `length`."""
         model = self.model
         cos_c, sin_c = (t[None, None] for t in rope_cos_sin(model.inv_freq, context_positions, self.dtype))
         cos_b, sin_b = (t[None, None] for t in rope_cos_sin(model.inv_freq, block_positions, self.dtype))
@@ -326,5 +328,5 @@ class DFlashDrafter:
             cache_k, cache_v = self.cache_k[index], self.cache_v[index]
             cache_k.index_copy_(2, context_positions, k)
             cache_v.index_copy_(2, context_positions, v)
-            x = layer(x, cos_b, sin_b, cache_k, cache_v, context_len=context_len)
+            x = layer(x, cos_b, sin_b, cache_k[:, :, :span], cache_v[:, :, :span], context_len=context_len)
         return model.logits(model.norm(x[0, 1:]), target.lm_head)

@@ -31,7 +31,7 @@ from dflash_local.targets.torch_llama import LlamaModel, TargetConfig, TorchLlam
 from kernels import kernel_mode
 
 TAUS = (3, 5, 7)
-DEFAULT_CACHE = 4096  # the CLI's default context: CUDA-graphed steps attend over the whole cache
+DEFAULT_CACHE = 4096  # the CLI's default context
 
 
 @dataclass(frozen=True)

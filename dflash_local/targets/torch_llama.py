@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..cuda_graphs import StepGraphs, graphs_wanted
+from ..cuda_graphs import StepGraphs, cache_span, graphs_wanted
 from ..errors import DFlashError
 from ..layers import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 from ..quant import check_quantize, install_4bit, prequantized
@@ -101,7 +101,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x [batch, steps, hidden]; caches [batch, kv_heads, max_len, head_dim]; writes at start.
 
-        A tensor `start` holds the steps' cache positions (fixed shapes): write there, attend to the whole cache.
+        A tensor `start` holds the steps' cache positions (fixed shapes): write there, then attend to the first
+        mask.shape[-1] cache positions.
         """
         batch, steps, _ = x.shape
         q = self.q_proj(x).view(batch, steps, self.num_heads, self.head_dim)
@@ -114,7 +115,8 @@ class Attention(nn.Module):
         if isinstance(start, torch.Tensor):
             cache_k.index_copy_(2, start, k)
             cache_v.index_copy_(2, start, v.transpose(1, 2))
-            keys, values = cache_k, cache_v
+            span = mask.shape[-1]
+            keys, values = cache_k[:, :, :span], cache_v[:, :, :span]
         else:
             end = start + steps
             cache_k[:, :, start:end] = k
@@ -303,8 +305,12 @@ class TorchLlamaTarget:
         positions = torch.arange(start, end, device=self.device)
         layer_ids = self.feature_layer_ids if features else []
         if self.graphs is not None and all_logits and steps <= GRAPH_MAX_STEPS:
-            key = (steps, tuple(layer_ids))
-            logits, feats = self.graphs.run(key, lambda i, p: self.forward_fixed(i, p, layer_ids), ids, positions)
+            span = cache_span(end, self.max_context)
+
+            def step(step_ids: torch.Tensor, step_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+                return self.forward_fixed(step_ids, step_positions, layer_ids, span)
+
+            logits, feats = self.graphs.run((steps, tuple(layer_ids), span), step, ids, positions)
             self.length = end
             return TargetOutput(logits=logits, features=feats)
         mask = None if steps == 1 else torch.arange(end, device=self.device)[None, :] <= positions[:, None]
@@ -314,11 +320,11 @@ class TorchLlamaTarget:
         return TargetOutput(logits=self.lm_head(hidden).float(), features=None if feats is None else feats[0])
 
     def forward_fixed(
-        self, ids: torch.Tensor, positions: torch.Tensor, layer_ids: list[int]
+        self, ids: torch.Tensor, positions: torch.Tensor, layer_ids: list[int], span: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Fixed-shape forward (what CUDA graphs capture): write K/V at positions, attend to the whole cache
-        under a position mask; return all logits and the features. Leaves `length` alone."""
-        keys = torch.arange(self.max_context, device=self.device)
+        """Fixed-shape forward (what CUDA graphs capture): write K/V at positions (all below span), attend to the
+        first span cache positions under a position mask; return all logits and the features. Leaves `length`."""
+        keys = torch.arange(span, device=self.device)
         mask = keys[None, :] <= positions[:, None]
         hidden, feats = self.model.run_layers(ids[None], positions[None], self.cache, positions, mask, layer_ids)
         return self.lm_head(hidden[0]).float(), None if feats is None else feats[0]
