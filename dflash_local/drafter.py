@@ -15,6 +15,7 @@ from kernels import block_attention, visibility_mask
 from .cuda_graphs import StepGraphs, cache_span, graphs_wanted
 from .errors import DFlashError
 from .layers import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from .quant import DRAFTER_QUANT_TYPES, check_quantize, quantize_linears
 from .runtime import check_kernels
 from .targets.base import Target
 from .weights import load_weights, read_config
@@ -205,15 +206,24 @@ class DFlashDrafter:
 
     @classmethod
     def load(
-        cls, folder: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", max_context: int = 4096
+        cls,
+        folder: str | Path,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        max_context: int = 4096,
+        quantize: str | None = None,
     ) -> DFlashDrafter:
-        """Build the drafter from a published-layout folder (config.json + model.safetensors)."""
+        """Build the drafter from a published-layout folder (config.json + model.safetensors).
+
+        quantize="int8" or "nf4" makes its layers' linears 8- or 4-bit (bitsandbytes); drafts may change, output not.
+        """
         folder = Path(folder)
         check_kernels(device)
+        check_quantize(quantize, DRAFTER_QUANT_TYPES)
         cfg = DrafterConfig.from_dict(read_config(folder), folder)
         with torch.device("meta"):
             model = DFlashModel(cfg)
-        tensors = load_weights(folder, dtype, device)
+        tensors = load_weights(folder, dtype, "cpu" if quantize else device)
         expected = model.state_dict()
         for name, param in expected.items():
             tensor = tensors.get(name)
@@ -225,7 +235,10 @@ class DFlashDrafter:
                     f"the config implies {tuple(param.shape)}."
                 )
         model.load_state_dict({name: tensors[name] for name in expected}, assign=True)
-        model.inv_freq = rope_inv_freq(cfg.raw, cfg.head_dim).to(device)
+        model.inv_freq = rope_inv_freq(cfg.raw, cfg.head_dim).to("cpu" if quantize else device)
+        if quantize:
+            quantize_linears(model, "layers", quantize, dtype)
+            model.to(device)
         return cls(model.eval(), max_context)
 
     @property

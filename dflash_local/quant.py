@@ -1,4 +1,5 @@
-"""4-bit (NF4) linear layers through bitsandbytes: quantize on load, or load pre-quantized bnb-4bit checkpoints.
+"""Quantized linear layers through bitsandbytes: NF4 targets (quantized on load, or pre-quantized bnb-4bit
+checkpoints) and NF4 or int8 drafters.
 
 Pre-quantized checkpoints use the Hugging Face layout: per quantized linear, `weight` (packed uint8) plus
 `weight.absmax`, `weight.quant_map`, optional `weight.nested_*`, and `weight.quant_state.bitsandbytes__nf4`.
@@ -6,6 +7,7 @@ Pre-quantized checkpoints use the Hugging Face layout: per quantized linear, `we
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -14,6 +16,7 @@ from torch import nn
 from .errors import DFlashError
 
 QUANT_TYPES = ("nf4",)
+DRAFTER_QUANT_TYPES = ("int8", "nf4")
 STATE_PREFIX = "quant_state.bitsandbytes__"
 
 
@@ -22,14 +25,14 @@ def bitsandbytes():
     try:
         import bitsandbytes as bnb
     except ImportError:
-        raise DFlashError("4-bit targets need bitsandbytes: pip install 'dflash-local[gpu]'.") from None
+        raise DFlashError("Quantized models need bitsandbytes: pip install 'dflash-local[gpu]'.") from None
     return bnb
 
 
-def check_quantize(quantize: str | None) -> None:
-    """Raise a DFlashError unless quantize is None or a supported 4-bit type."""
-    if quantize is not None and quantize not in QUANT_TYPES:
-        raise DFlashError(f"Unknown quantization '{quantize}' (supported: {', '.join(QUANT_TYPES)}).")
+def check_quantize(quantize: str | None, supported: tuple[str, ...] = QUANT_TYPES) -> None:
+    """Raise a DFlashError unless quantize is None or one of the supported types."""
+    if quantize is not None and quantize not in supported:
+        raise DFlashError(f"Unknown quantization '{quantize}' (supported: {', '.join(supported)}).")
 
 
 def prequantized(config: dict[str, Any]) -> bool:
@@ -119,3 +122,46 @@ def install_4bit(
         setattr(parent_of[owner_name], attr, new)
         swapped.append(full)
     return swapped
+
+
+class _Fp16CastNotice(logging.Filter):
+    """Drops bitsandbytes' per-call log line saying int8 matmuls round bf16/fp32 inputs to fp16."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "inputs will be cast" not in record.getMessage()
+
+
+def linear_int8(layer: nn.Linear) -> nn.Module:
+    """A bitsandbytes int8 linear (row-wise absmax, no outlier columns) quantized from layer's CPU weight."""
+    bnb = bitsandbytes()
+    logger = logging.getLogger("bitsandbytes.autograd._functions")
+    if not any(isinstance(f, _Fp16CastNotice) for f in logger.filters):
+        logger.addFilter(_Fp16CastNotice())
+    out_features, in_features = layer.weight.shape
+    with torch.device("meta"):
+        new = bnb.nn.Linear8bitLt(
+            in_features, out_features, bias=layer.bias is not None, has_fp16_weights=False, threshold=0.0
+        )
+    new.weight = bnb.nn.Int8Params(layer.weight.data, requires_grad=False, has_fp16_weights=False).to("cpu")
+    if layer.bias is not None:
+        new.bias = nn.Parameter(layer.bias.data, requires_grad=False)
+    return new
+
+
+def quantize_linears(model: nn.Module, scope: str, kind: str, compute_dtype: torch.dtype) -> None:
+    """Swap each nn.Linear under model.<scope> (weights on the CPU) for a bitsandbytes int8 or NF4 one, on the CPU.
+
+    Move the model to its device afterwards: bitsandbytes carries the quantized weights and their statistics.
+    """
+    check_quantize(kind, DRAFTER_QUANT_TYPES)
+    parent_of = dict(model.named_modules())
+    for name, layer in list(model.get_submodule(scope).named_modules()):
+        if not isinstance(layer, nn.Linear):
+            continue
+        if kind == "int8":
+            new = linear_int8(layer)
+        else:
+            bias = None if layer.bias is None else layer.bias.data
+            new = linear_4bit(layer, layer.weight.data, bias, {}, compute_dtype, "cpu")
+        owner_name, _, attr = f"{scope}.{name}".rpartition(".")
+        setattr(parent_of[owner_name], attr, new)

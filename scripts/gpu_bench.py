@@ -11,6 +11,7 @@ then projects the speedup at tau = 3, 5, 7 as tau * decode / (draft + verify + a
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -24,7 +25,7 @@ from torch import nn
 from dflash_local.cuda_graphs import graphs_wanted
 from dflash_local.drafter import DFlashDrafter, DFlashModel, DrafterConfig, default_target_layer_ids
 from dflash_local.layers import rope_inv_freq
-from dflash_local.quant import install_4bit
+from dflash_local.quant import install_4bit, quantize_linears
 from dflash_local.runtime import pick_device
 from dflash_local.sampling import accept_greedy
 from dflash_local.targets.torch_llama import LlamaModel, TargetConfig, TorchLlamaTarget
@@ -130,14 +131,19 @@ def materialize_rest(model: nn.Module, dtype: torch.dtype, device: str) -> None:
                 setattr(module, name, nn.Parameter(value, requires_grad=False))
 
 
-def random_drafter(shape: Shape, dtype: torch.dtype, device: str, max_context: int) -> DFlashDrafter:
-    """A random-weight drafter of the published layout."""
+def random_drafter(
+    shape: Shape, dtype: torch.dtype, device: str, max_context: int, quantize: str | None
+) -> DFlashDrafter:
+    """A random-weight drafter of the published layout; quantized (int8, nf4) on the CPU, then moved."""
     config = drafter_config(shape)
     cfg = DrafterConfig.from_dict(config, Path("<random>"))
     with torch.device("meta"):
         model = DFlashModel(cfg)
-    materialize_rest(model, dtype, device)
-    model.inv_freq = rope_inv_freq(config, cfg.head_dim).to(device)
+    materialize_rest(model, dtype, "cpu" if quantize else device)
+    model.inv_freq = rope_inv_freq(config, cfg.head_dim).to("cpu" if quantize else device)
+    if quantize:
+        quantize_linears(model, "layers", quantize, dtype)
+        model.to(device)
     return DFlashDrafter(model.eval(), max_context)
 
 
@@ -157,10 +163,12 @@ def milliseconds(fn, device: str, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure(shape: Shape, quantize: str | None, dtype: torch.dtype, device: str, repeats: int) -> dict[str, Any]:
+def measure(
+    shape: Shape, quantize: str | None, drafter_quantize: str | None, dtype: torch.dtype, device: str, repeats: int
+) -> dict[str, Any]:
     """Per-step latencies (ms) and projected speedups for one target precision."""
     target = random_target(shape, quantize, dtype, device)
-    drafter = random_drafter(shape, dtype, device, target.max_context)
+    drafter = random_drafter(shape, dtype, device, target.max_context, drafter_quantize)
     drafter.check_target(target)
     target.set_feature_layers(drafter.target_layer_ids)
     context, block = shape.context, shape.block
@@ -187,10 +195,10 @@ def measure(shape: Shape, quantize: str | None, dtype: torch.dtype, device: str,
     def accept() -> None:
         accept_greedy(ids[context + 1 : context + block], verified)
 
+    precision = str(dtype).removeprefix("torch.")
     row = {
-        "target": f"{quantize} (compute {str(dtype).removeprefix('torch.')})"
-        if quantize
-        else str(dtype).removeprefix("torch."),
+        "target": f"{quantize} (compute {precision})" if quantize else precision,
+        "drafter": drafter_quantize or precision,
         "decode_1_ms": milliseconds(decode_one, device, repeats),
         f"verify_{block}_ms": milliseconds(verify_block, device, repeats),
         "drafter_step_ms": milliseconds(draft_step, device, repeats),
@@ -206,7 +214,7 @@ def measure(shape: Shape, quantize: str | None, dtype: torch.dtype, device: str,
 def markdown(report: dict[str, Any]) -> str:
     """The report as a markdown table, one row per target precision."""
     block = report["shape"]["block"]
-    head = f"| target | decode-1 ms | verify-{block} ms | drafter step ms | accept ms | " + " | ".join(
+    head = f"| target | drafter | decode-1 ms | verify-{block} ms | drafter step ms | accept ms | " + " | ".join(
         f"speedup @ tau={tau}" for tau in TAUS
     )
     lines = [
@@ -214,10 +222,11 @@ def markdown(report: dict[str, Any]) -> str:
         f"context: {report['shape']['context']} tokens",
         "",
         head + " |",
-        "|---" * (5 + len(TAUS)) + "|",
+        "|---" * (6 + len(TAUS)) + "|",
     ]
     for row in report["rows"]:
-        cells = [row["target"], row["decode_1_ms"], row[f"verify_{block}_ms"], row["drafter_step_ms"], row["accept_ms"]]
+        cells = [row["target"], row["drafter"], row["decode_1_ms"], row[f"verify_{block}_ms"]]
+        cells += [row["drafter_step_ms"], row["accept_ms"]]
         cells += [row["projected_speedup"][str(tau)] for tau in TAUS]
         lines.append("| " + " | ".join(c if isinstance(c, str) else f"{c:.3f}" for c in cells) + " |")
     return "\n".join(lines) + "\n"
@@ -228,6 +237,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--small", action="store_true", help="tiny shapes (runs anywhere, numbers mean nothing)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--targets", default="nf4,bf16", help="comma list of nf4, bf16, fp32")
+    parser.add_argument("--drafters", default="plain", help="comma list of plain (target dtype), int8, nf4")
     parser.add_argument("--context", type=int, help="tokens already in the cache (default 1024, 64 with --small)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json", type=Path, default=Path("gpu_bench.json"))
@@ -238,10 +248,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.context:
         shape = Shape(**{**asdict(shape), "context": args.context})
     rows = []
-    for name in args.targets.split(","):
+    for name, drafter in itertools.product(args.targets.split(","), args.drafters.split(",")):
         quantize = "nf4" if name == "nf4" else None
         dtype = torch.float32 if name == "fp32" or not device.startswith("cuda") else torch.bfloat16
-        rows.append(measure(shape, quantize, dtype, device, args.repeats))
+        rows.append(measure(shape, quantize, None if drafter == "plain" else drafter, dtype, device, args.repeats))
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
     report = {

@@ -118,3 +118,23 @@ def test_malformed_quant_state_is_one_clear_error(tmp_path: Path, llama_target: 
     save_file(tensors, str(folder / "model.safetensors"))
     with pytest.raises(DFlashError, match=r"model\.layers\.1\.mlp\.up_proj\.weight cannot be loaded"):
         TorchLlamaTarget.load(folder)
+
+
+@pytest.mark.parametrize("kind,layer_type", [("int8", bnb.nn.Linear8bitLt), ("nf4", bnb.nn.Linear4bit)])
+def test_quantized_drafter_keeps_output_lossless(kind: str, layer_type: type) -> None:
+    target = TorchLlamaTarget.load(BUNDLED / "target", max_context=256)
+    drafter = DFlashDrafter.load(BUNDLED / "drafter", max_context=256, quantize=kind)
+    linears = [m for name, m in drafter.model.layers.named_modules() if name.endswith("_proj")]
+    assert len(linears) == 7 * drafter.cfg.num_layers and all(isinstance(m, layer_type) for m in linears)
+    lengths = []
+    for prompt in PROMPTS:
+        autoregressive, _ = run(target, None, prompt, Settings(max_new_tokens=40, draft=False))
+        drafted, stats = run(target, drafter, prompt, Settings(max_new_tokens=40))
+        assert drafted == autoregressive
+        lengths += stats.acceptance_lengths
+    assert max(lengths) > 1  # the quantized drafter still gets drafts accepted
+
+
+def test_unknown_drafter_quantization_is_refused() -> None:
+    with pytest.raises(DFlashError, match="Unknown quantization 'fp8' \\(supported: int8, nf4\\)"):
+        DFlashDrafter.load(BUNDLED / "drafter", quantize="fp8")
