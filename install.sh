@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-command setup: ./install.sh [--dev]
 # Creates .venv, installs the right torch (CUDA build where nvidia-smi works, else the CPU
-# build torch==2.13.0), then dflash-local itself; --dev adds the test tools and the oracle.
+# build torch==2.13.0), then dflash-local itself with GGUF support (llama-cpp-python, built with
+# CUDA where nvidia-smi works; the build takes several minutes); --dev adds the test tools and the oracle.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -32,11 +33,20 @@ fi
 # shellcheck disable=SC2086
 "${pip[@]}" ${TORCH_SPEC:-torch==2.13.0}
 
+# llama-cpp-python (GGUF targets) builds libllama from source: with CUDA where nvidia-smi works.
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
+  export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_CUDA=on}"
+  echo "==> llama-cpp-python will be built with CUDA (CMAKE_ARGS=$CMAKE_ARGS)"
+fi
 if [ "$dev" = 1 ]; then
   echo "==> installing dflash-local with test dependencies"
   "${pip[@]}" -e ".[dev]"
 else
-  echo "==> installing dflash-local"
-  "${pip[@]}" -e .
+  echo "==> installing dflash-local (with GGUF support: llama-cpp-python, gguf)"
+  "${pip[@]}" -e ".[gguf]"
+fi
+if [ "$dev" = 0 ] && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
+  echo "==> adding the GPU path: Triton kernels, bitsandbytes NF4 targets"
+  "${pip[@]}" -e ".[gpu]"
 fi
 echo "==> done: run .venv/bin/dflash --help"
