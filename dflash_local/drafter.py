@@ -190,6 +190,25 @@ class DFlashModel(nn.Module):
         return torch.tanh(logits / cap) * cap if cap else logits
 
 
+def check_fits(cfg: DrafterConfig, target: Target) -> None:
+    """Raise a DFlashError unless a drafter of this config can read the target's features and vocabulary."""
+    if cfg.hidden_size != target.hidden_size:
+        raise DFlashError(
+            f"The drafter's hidden size {cfg.hidden_size} does not match the target's {target.hidden_size}."
+        )
+    if any(not 0 <= i < target.num_layers for i in cfg.target_layer_ids):
+        raise DFlashError(
+            f"The drafter reads target layers {cfg.target_layer_ids}, "
+            f"but the target has only {target.num_layers} layers."
+        )
+    if cfg.vocab_size is not None and cfg.vocab_size != target.vocab_size:
+        raise DFlashError(
+            f"The drafter's vocabulary ({cfg.vocab_size} tokens) does not match the target's ({target.vocab_size})."
+        )
+    if not 0 <= cfg.mask_token_id < target.vocab_size:
+        raise DFlashError(f"The drafter's mask token id {cfg.mask_token_id} is outside the target's vocabulary.")
+
+
 class DFlashDrafter:
     """A loaded DFlash drafter with its context KV cache; proposes a block of tokens in one forward."""
 
@@ -251,23 +270,7 @@ class DFlashDrafter:
 
     def check_target(self, target: Target) -> None:
         """Raise a DFlashError if this drafter cannot work with the target."""
-        cfg = self.cfg
-        if cfg.hidden_size != target.hidden_size:
-            raise DFlashError(
-                f"The drafter's hidden size {cfg.hidden_size} does not match the target's {target.hidden_size}."
-            )
-        bad = [i for i in cfg.target_layer_ids if not 0 <= i < target.num_layers]
-        if bad:
-            raise DFlashError(
-                f"The drafter reads target layers {cfg.target_layer_ids}, but the target has only "
-                f"{target.num_layers} layers."
-            )
-        if cfg.vocab_size is not None and cfg.vocab_size != target.vocab_size:
-            raise DFlashError(
-                f"The drafter's vocabulary ({cfg.vocab_size} tokens) does not match the target's ({target.vocab_size})."
-            )
-        if not 0 <= cfg.mask_token_id < target.vocab_size:
-            raise DFlashError(f"The drafter's mask token id {cfg.mask_token_id} is outside the target's vocabulary.")
+        check_fits(self.cfg, target)
         if self.cache_k.shape[3] < target.max_context:
             raise DFlashError("The drafter's cache is shorter than the target's context.")
 

@@ -137,12 +137,9 @@ def _add_tokenizer(writer, folder: Path, cfg: TargetConfig) -> None:
         writer.add_chat_template(tok_config["chat_template"])
 
 
-def _write_f32(cfg: TargetConfig, folder: Path, out: Path) -> None:
-    """Write every tensor in F32 (norms and RoPE factors stay F32 through quantization)."""
-    tensors = _tensors(cfg, folder)
-    writer = gguf.GGUFWriter(str(out), cfg.model_type)
-    writer.add_name(folder.name)
-    writer.add_context_length(cfg.max_position_embeddings)
+def add_shape(writer: gguf.GGUFWriter, cfg, context_length: int) -> None:
+    """The transformer hyperparameters llama.cpp reads, from a target or drafter config (same field names)."""
+    writer.add_context_length(context_length)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_block_count(cfg.num_layers)
     writer.add_feed_forward_length(cfg.intermediate_size)
@@ -153,6 +150,14 @@ def _write_f32(cfg: TargetConfig, folder: Path, out: Path) -> None:
     writer.add_rope_dimension_count(cfg.head_dim)
     writer.add_rope_freq_base(float(rope_parameters(cfg.raw)["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+
+
+def _write_f32(cfg: TargetConfig, folder: Path, out: Path) -> None:
+    """Write every tensor in F32 (norms and RoPE factors stay F32 through quantization)."""
+    tensors = _tensors(cfg, folder)
+    writer = gguf.GGUFWriter(str(out), cfg.model_type)
+    writer.add_name(folder.name)
+    add_shape(writer, cfg, cfg.max_position_embeddings)
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_file_type(0)
     _add_tokenizer(writer, folder, cfg)

@@ -18,10 +18,9 @@ import llama_cpp
 import numpy as np
 import torch
 
-from .drafter import DFlashDrafter, DrafterConfig
+from .drafter import DFlashDrafter, DrafterConfig, check_fits
 from .errors import DFlashError
-from .gguf_convert import LAYER_TENSORS, rope_factors
-from .layers import rope_parameters
+from .gguf_convert import LAYER_TENSORS, add_shape, rope_factors
 from .targets.llama_taps import first_llama_error, quiet_llama_logs
 from .targets.llamacpp import BATCH, LlamaCppTarget
 from .weights import load_weights, read_config
@@ -64,17 +63,7 @@ def write_drafter_gguf(folder: Path, cfg: DrafterConfig, target: LlamaCppTarget,
         raise DFlashError(f"{folder}: the native drafter handles only non-causal, full-attention drafters.")
     weights = load_weights(folder, torch.float32, "cpu")
     writer = gguf.GGUFWriter(str(out), "dflash")
-    writer.add_context_length(int(cfg.raw.get("max_position_embeddings", 4096)))
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_heads)
-    writer.add_head_count_kv(cfg.num_kv_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_rope_dimension_count(cfg.head_dim)
-    writer.add_rope_freq_base(float(rope_parameters(cfg.raw)["rope_theta"]))
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    add_shape(writer, cfg, int(cfg.raw.get("max_position_embeddings", 4096)))
     writer.add_uint32("dflash.block_size", cfg.block_size)
     writer.add_array("dflash.target_layers", [i + 1 for i in cfg.target_layer_ids])
     if cfg.input_embedding_scale != 1.0:
@@ -121,11 +110,7 @@ class NativeDrafter:
         cfg = DrafterConfig.from_dict(read_config(folder), folder)
         if not isinstance(target, LlamaCppTarget):
             raise DFlashError("The native llama.cpp drafter needs a GGUF target (the llamacpp backend).")
-        if any(not 0 <= i < target.num_layers for i in cfg.target_layer_ids):
-            raise DFlashError(
-                f"The drafter reads target layers {cfg.target_layer_ids}, but the target has only "
-                f"{target.num_layers} layers."
-            )
+        check_fits(cfg, target)
         quiet_llama_logs()
         model_params = llama_cpp.llama_model_default_params()
         model_params.n_gpu_layers = -1 if target.device.type == "cuda" else 0
@@ -156,20 +141,10 @@ class NativeDrafter:
 
     def check_target(self, target) -> None:
         """Raise a DFlashError unless target is the GGUF target this drafter was loaded beside and fits it."""
-        cfg = self.cfg
         if target is not self.target:
             raise DFlashError("The native llama.cpp drafter serves only the GGUF target it was loaded with.")
-        if cfg.hidden_size != target.hidden_size:
-            raise DFlashError(
-                f"The drafter's hidden size {cfg.hidden_size} does not match the target's {target.hidden_size}."
-            )
-        if cfg.vocab_size is not None and cfg.vocab_size != target.vocab_size:
-            raise DFlashError(
-                f"The drafter's vocabulary ({cfg.vocab_size} tokens) does not match the target's ({target.vocab_size})."
-            )
-        if not 0 <= cfg.mask_token_id < target.vocab_size:
-            raise DFlashError(f"The drafter's mask token id {cfg.mask_token_id} is outside the target's vocabulary.")
-        target.set_feature_layers(cfg.target_layer_ids)
+        check_fits(self.cfg, target)
+        target.set_feature_layers(self.cfg.target_layer_ids)
 
     def reset(self) -> None:
         llama_cpp.llama_memory_clear(self._memory, True)
