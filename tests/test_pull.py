@@ -33,6 +33,12 @@ backend = "torch"
 target = { repo = "test/tiny" }
 drafter = { repo = "test/tiny-drafter" }
 memory_gb = 0.1
+
+[tiny-gguf-hub]
+summary = "the bundled target as a Q8_0 GGUF in a multi-quant repo, and its drafter"
+backend = "llamacpp"
+target = { repo = "test/tiny-gguf", files = ["tiny-Q8_0.gguf"] }
+drafter = { repo = "test/tiny-drafter" }
 """
 
 
@@ -87,9 +93,9 @@ def hub(tmp_path, monkeypatch):
         yield server
 
 
-def dflash(hub: FakeHub, *args: str, **env: str) -> subprocess.CompletedProcess:
+def dflash(hub: FakeHub, *args: str, input: str | None = None, **env: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "dflash_local", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300, env={**hub.env, **env})
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env={**hub.env, **env}, input=input)
 
 
 def snapshot(tmp_path: Path, repo: str) -> Path:
@@ -278,3 +284,15 @@ def test_bench_prompt_sets_from_hub_datasets(hub):
     chat = dflash(hub, *args, "--prompts", "mt-bench")
     assert [row["prompt"] for row in json.loads(chat.stdout)["prompts"]] == ["Write a haiku."]
     assert_one_error(dflash(hub, *args, "--prompts", "humaneval", HF_ENDPOINT="http://127.0.0.1:9"), "Cannot reach")
+
+
+def test_a_gguf_catalog_entry_pulls_one_quantization_and_chats(hub, tmp_path):
+    pytest.importorskip("llama_cpp")
+    from dflash_local.gguf_convert import convert
+
+    q8 = convert(MODELS / "target", tmp_path / "tiny-Q8_0.gguf", "q8_0", threads=1).read_bytes()
+    hub.repos["test/tiny-gguf"] = {"tiny-Q8_0.gguf": q8, "tiny-F16.gguf": b"not needed" * 100}
+    result = dflash(hub, "chat", "tiny-gguf-hub", "--max-new-tokens", "16", input="Write a loop.\n")
+    assert result.returncode == 0, result.stderr
+    assert "tok/s" in result.stdout and "tau" in result.stdout
+    assert [p.name for p in snapshot(tmp_path, "test/tiny-gguf").iterdir()] == ["tiny-Q8_0.gguf"]
