@@ -58,6 +58,13 @@ def _quantize(option: str, default: str | None) -> str | None:
     return default if option == "auto" else (None if option == "none" else option)
 
 
+def _drafter_quantize(option: str) -> str | None:
+    """--drafter-quantize as the loader wants it: None, 'int8' or 'nf4'."""
+    if option not in ("none", "int8", "nf4"):
+        raise DFlashError(f"--drafter-quantize must be none, int8 or nf4, got '{option}'.")
+    return None if option == "none" else option
+
+
 def _parse_ids(text: str) -> list[int]:
     try:
         return [int(part) for part in text.replace(" ", "").split(",") if part]
@@ -86,6 +93,7 @@ def generate(
     max_context: int = typer.Option(4096, "--max-context", help="KV cache length in tokens."),
     offline: bool = typer.Option(False, "--offline", help="Use only models already pulled."),
     quantize: str = typer.Option("auto", "--quantize", help="Torch targets: auto (the model's default), none or nf4."),
+    drafter_quantize: str = typer.Option("none", "--drafter-quantize", help="Drafter linears: none, int8 or nf4."),
     token: Optional[str] = typer.Option(None, "--token", help="Hugging Face token (default: HF_TOKEN)."),
 ) -> None:
     """Generate one continuation of a prompt, with DFlash drafting or without."""
@@ -101,7 +109,16 @@ def generate(
             backend = resolved.backend
         drafter_path = None if no_draft else resolved.drafter
         quantize = _quantize(quantize, resolved.quantize)
-        models = load_models(resolved.target, drafter_path, backend, device, dtype, max_context, quantize)
+        models = load_models(
+            resolved.target,
+            drafter_path,
+            backend,
+            device,
+            dtype,
+            max_context,
+            quantize,
+            _drafter_quantize(drafter_quantize),
+        )
         request = GenerationRequest(
             prompt=prompt,
             prompt_ids=_parse_ids(prompt_ids) if prompt_ids is not None else None,
@@ -146,6 +163,7 @@ def chat(
     max_context: int = typer.Option(2048, "--max-context"),
     offline: bool = typer.Option(False, "--offline", help="Use only models already pulled."),
     quantize: str = typer.Option("auto", "--quantize", help="Torch targets: auto (the model's default), none or nf4."),
+    drafter_quantize: str = typer.Option("none", "--drafter-quantize", help="Drafter linears: none, int8 or nf4."),
     token: Optional[str] = typer.Option(None, "--token", help="Hugging Face token (default: HF_TOKEN)."),
 ) -> None:
     """Chat with a model: streaming answers, live tokens/s and acceptance, /help for commands."""
@@ -157,7 +175,16 @@ def chat(
 
         resolved = _resolve(model, drafter, offline, token)
         quantize = _quantize(quantize, resolved.quantize)
-        models = load_models(resolved.target, resolved.drafter, resolved.backend, device, dtype, max_context, quantize)
+        models = load_models(
+            resolved.target,
+            resolved.drafter,
+            resolved.backend,
+            device,
+            dtype,
+            max_context,
+            quantize,
+            _drafter_quantize(drafter_quantize),
+        )
         settings = Settings(
             max_new_tokens=max_new_tokens,
             sampling=SamplingParams(temperature, top_p, top_k),
@@ -190,6 +217,7 @@ def bench(
     dtype: str = typer.Option("auto", "--dtype"),
     offline: bool = typer.Option(False, "--offline", help="Use only models already pulled."),
     quantize: str = typer.Option("auto", "--quantize", help="Torch targets: auto (the model's default), none or nf4."),
+    drafter_quantize: str = typer.Option("none", "--drafter-quantize", help="Drafter linears: none, int8 or nf4."),
     token: Optional[str] = typer.Option(None, "--token", help="Hugging Face token (default: HF_TOKEN)."),
 ) -> None:
     """Autoregressive vs DFlash (and prompt lookup) on the same target, prompt by prompt; one table per model."""
@@ -209,7 +237,13 @@ def bench(
                 raise DFlashError(f"'{model}' has no drafter: pass --drafter DIR or a Hub repo.")
             quantize_as = _quantize(quantize, resolved.quantize)
             models = load_models(
-                resolved.target, resolved.drafter, resolved.backend, device, dtype, quantize=quantize_as
+                resolved.target,
+                resolved.drafter,
+                resolved.backend,
+                device,
+                dtype,
+                quantize=quantize_as,
+                drafter_quantize=_drafter_quantize(drafter_quantize),
             )
             settings = Settings(
                 max_new_tokens=max_new_tokens,

@@ -39,6 +39,7 @@ def load_models(
     dtype: str = "auto",
     max_context: int = 4096,
     quantize: str | None = None,
+    drafter_quantize: str | None = None,
 ) -> LoadedModels:
     """Load and cross-check a target and (optionally) a drafter from local paths."""
     device = pick_device(device)
@@ -51,9 +52,10 @@ def load_models(
         if Path(target_path).suffix == ".gguf" or backend == "llamacpp":
             from .native_drafter import load_drafter  # llama.cpp's own drafter where it is faster (CPU)
 
-            drafter = load_drafter(drafter_path, target, torch_dtype, device, os.environ.get("DFLASH_DRAFTER", "auto"))
+            kind = os.environ.get("DFLASH_DRAFTER", "auto")
+            drafter = load_drafter(drafter_path, target, torch_dtype, device, kind, drafter_quantize)
         else:
-            drafter = DFlashDrafter.load(drafter_path, torch_dtype, device, target.max_context)
+            drafter = DFlashDrafter.load(drafter_path, torch_dtype, device, target.max_context, drafter_quantize)
         drafter.check_target(target)
     path = Path(target_path)
     if path.suffix == ".gguf":

@@ -198,16 +198,24 @@ class NativeDrafter:
 
 
 def load_drafter(
-    folder: str | Path, target, dtype: torch.dtype = torch.float32, device: str = "cpu", kind: str = "auto"
+    folder: str | Path,
+    target,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    kind: str = "auto",
+    quantize: str | None = None,
 ) -> DFlashDrafter | NativeDrafter:
     """The torch drafter or llama.cpp's native one; auto takes the one measured faster for the device.
 
     Measured on CPU (scripts/bench_gguf.py): native for GGUF targets. CUDA is unmeasured, so auto keeps torch there.
     """
     if kind == "auto":
-        kind = "native" if isinstance(target, LlamaCppTarget) and target.device.type == "cpu" else "torch"
+        native_fits = isinstance(target, LlamaCppTarget) and target.device.type == "cpu" and quantize is None
+        kind = "native" if native_fits else "torch"
+    if kind == "native" and quantize is not None:
+        raise DFlashError("The native llama.cpp drafter cannot be quantized; use DFLASH_DRAFTER=torch.")
     if kind == "native":
         return NativeDrafter.load(folder, target)
     if kind == "torch":
-        return DFlashDrafter.load(folder, dtype, device, target.max_context)
+        return DFlashDrafter.load(folder, dtype, device, target.max_context, quantize)
     raise DFlashError(f"Unknown drafter kind '{kind}' (use auto, torch or native).")

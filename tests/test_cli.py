@@ -164,3 +164,16 @@ def test_bad_input_is_one_clear_sentence(case, bad_files, llama_target):
 def test_empty_text_prompt(texted_target):
     result = dflash("generate", "--target", texted_target, "--no-draft", "--prompt", "")
     assert result.returncode == 1 and result.stderr.strip() == "error: The prompt is empty."
+
+
+def test_quantized_drafter_from_the_command_line_is_lossless():
+    pytest.importorskip("bitsandbytes")
+    base = ("generate", "--target", "tiny", "--prompt", "def main():", "--max-new-tokens", "24", "--json")
+    plain = json.loads(dflash(*base, "--no-draft").stdout)
+    for kind in ("int8", "nf4"):
+        result = dflash(*base, "--drafter-quantize", kind)
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout)["output_ids"] == plain["output_ids"]
+    assert dflash(*base, "--drafter-quantize", "int4").stderr.strip() == (
+        "error: --drafter-quantize must be none, int8 or nf4, got 'int4'."
+    )
