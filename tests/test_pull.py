@@ -228,7 +228,7 @@ def test_gated_repo_needs_a_token(hub, tmp_path):
 
 def test_unknown_repo_name_and_alias(hub):
     assert_one_error(dflash(hub, "pull", "test/nope"), "No model repo 'test/nope'")
-    assert_one_error(dflash(hub, "pull", "tiny-hbu"), "Did you mean tiny-hub, tiny?")
+    assert_one_error(dflash(hub, "pull", "tiny-hbu"), "Did you mean tiny-hub,")
 
 
 def test_one_quantization_out_of_a_gguf_repo(hub, tmp_path):
