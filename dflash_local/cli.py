@@ -346,7 +346,7 @@ def pull(
     """Download a model (target + drafter) into the Hugging Face cache: resumable, verified, only needed files."""
     with user_errors():
         from .downloads import Downloader
-        from .hub import cached_folder, human_size, local_size
+        from .hub import HubUnreachable, cached_folder, human_size, local_size
 
         sources, bundled = _hub_sources(name)
         if bundled:
@@ -362,7 +362,12 @@ def pull(
                     )
                 typer.echo(f"{source.repo}: pulled, {human_size(local_size(source) or 0)} in {cached_folder(source)}")
             else:
-                downloader.pull(source)
+                try:
+                    downloader.pull(source)
+                except HubUnreachable:
+                    if cached_folder(source) is None:
+                        raise
+                    typer.echo(f"{source.repo}: the Hub is unreachable, so no update check; the pulled copy is whole.")
         typer.echo(f"{name} is ready: dflash chat {name}")
 
 

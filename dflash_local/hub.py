@@ -28,6 +28,10 @@ DRAFTER_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json")
 DISK_MARGIN = 1.02  # keep 2% headroom over the bytes still to download
 
 
+class HubUnreachable(DFlashError):
+    """The Hub (HF_ENDPOINT) could not be reached."""
+
+
 @dataclass(frozen=True)
 class HubSource:
     """A Hub repo and the file patterns to take from it (never the whole repo, never code)."""
@@ -300,7 +304,7 @@ def hub_errors(repo: str, token: str | None) -> Iterator[None]:
     except hub.RemoteEntryNotFoundError as exc:
         raise DFlashError(f"A file is missing from {repo} on the Hub ({exc.response.url}).") from None
     except (hub.OfflineModeIsEnabled, hub.LocalEntryNotFoundError, httpx.TransportError):
-        raise DFlashError(
+        raise HubUnreachable(
             f"Cannot reach the Hugging Face Hub at {endpoint()}: check the network (or HF_ENDPOINT), "
             "or use --offline with models already pulled."
         ) from None

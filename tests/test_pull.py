@@ -135,6 +135,9 @@ def test_pull_fetches_only_needed_files_verifies_and_second_pull_downloads_nothi
     assert second.returncode == 0, second.stderr
     assert "0 downloaded (0 B), 6 already in the cache" in second.stderr
     assert len(hub.downloads()) == 8  # nothing fetched again
+    unreachable = dflash(hub, "pull", "tiny-hub", HF_ENDPOINT="http://127.0.0.1:9")
+    assert unreachable.returncode == 0, unreachable.stderr
+    assert "test/tiny: the Hub is unreachable, so no update check; the pulled copy is whole." in unreachable.stdout
 
     result = generate(hub, "--offline")
     assert result.returncode == 0, result.stderr
