@@ -355,12 +355,8 @@ def pull(
         downloader = Downloader(token, offline)
         for source in sources:
             if offline:
-                if cached_folder(source) is None:
-                    raise DFlashError(
-                        f"{source.repo} is not downloaded (or not completely) and --offline is set: "
-                        f"run `dflash pull {name}` while online."
-                    )
-                typer.echo(f"{source.repo}: pulled, {human_size(local_size(source) or 0)} in {cached_folder(source)}")
+                folder = cached_folder(source) or downloader(source)  # refuses: nothing is fetched offline
+                typer.echo(f"{source.repo}: pulled, {human_size(local_size(source) or 0)} in {folder}")
             else:
                 try:
                     downloader.pull(source)

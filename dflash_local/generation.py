@@ -44,12 +44,14 @@ def load_models(
     """Load and cross-check a target and (optionally) a drafter from local paths."""
     device = pick_device(device)
     torch_dtype = pick_dtype(dtype, device)
-    target = load_target(target_path, backend, torch_dtype, device, max_context, quantize)
+    path = Path(target_path)
+    gguf = path.suffix == ".gguf"
+    target = load_target(path, backend, torch_dtype, device, max_context, quantize)
     drafter = None
     if drafter_path is not None:
         if not Path(drafter_path).exists():
             raise DFlashError(f"{drafter_path} does not exist.")
-        if Path(target_path).suffix == ".gguf" or backend == "llamacpp":
+        if gguf or backend == "llamacpp":
             from .native_drafter import load_drafter  # llama.cpp's own drafter where it is faster (CPU)
 
             kind = os.environ.get("DFLASH_DRAFTER", "auto")
@@ -57,8 +59,7 @@ def load_models(
         else:
             drafter = DFlashDrafter.load(drafter_path, torch_dtype, device, target.max_context, drafter_quantize)
         drafter.check_target(target)
-    path = Path(target_path)
-    if path.suffix == ".gguf":
+    if gguf:
         from .gguf_tokenizer import GGUFTokenizer
 
         return LoadedModels(target, drafter, GGUFTokenizer.load(path), target.stop_ids)

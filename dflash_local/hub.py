@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .atomic import write_text_atomic
 from .errors import DFlashError
 
 MODEL_FILES = (
@@ -107,11 +108,8 @@ def _read_manifest(source: HubSource) -> dict:
 
 def _write_manifest(source: HubSource, commit: str, files: dict[str, int]) -> None:
     """Record which files (name -> size) of source are whole in the cache, written atomically."""
-    path = _manifest_path(source)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"repo": source.repo, "revision": source.revision, "commit": commit, "files": files}))
-    os.replace(tmp, path)
+    manifest = {"repo": source.repo, "revision": source.revision, "commit": commit, "files": files}
+    write_text_atomic(_manifest_path(source), json.dumps(manifest))
 
 
 def pulled_files(source: HubSource) -> dict[str, int]:

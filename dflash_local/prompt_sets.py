@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .atomic import write_text_atomic
 from .errors import DFlashError
 from .hub import cache_dir, endpoint, hub_errors, state_dir
 
@@ -43,15 +43,13 @@ def prompt_file(name: str, token: str | None = None, offline: bool = False) -> P
         with hub_errors(spec.repo, token):
             path = hf_hub_download(spec.repo, spec.filename, **where)
     rows = _rows(Path(path), spec.field)
+    lines = []
+    for value in rows:
+        text = value[0] if isinstance(value, list) else value  # mt-bench: the first turn
+        record = {"messages": [{"role": "user", "content": text}]} if spec.chat else {"prompt": text}
+        lines.append(json.dumps(record) + "\n")
     out = state_dir() / "prompts" / f"{name}.jsonl"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    with open(tmp, "w") as handle:
-        for value in rows:
-            text = value[0] if isinstance(value, list) else value  # mt-bench: the first turn
-            record = {"messages": [{"role": "user", "content": text}]} if spec.chat else {"prompt": text}
-            handle.write(json.dumps(record) + "\n")
-    os.replace(tmp, out)
+    write_text_atomic(out, "".join(lines))
     return out
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ..atomic import write_text_atomic
 from ..drafter import DFlashModel, DrafterConfig, default_target_layer_ids
 from ..errors import DFlashError
 from ..runtime import bf16_is_fast
@@ -101,8 +102,7 @@ def save_drafter(model: DFlashModel, config: dict, folder: Path) -> None:
     tensors = {name: t.detach().to(torch.bfloat16).contiguous() for name, t in model.state_dict().items()}
     save_file(tensors, str(folder / "model.safetensors.partial"))
     os.replace(folder / "model.safetensors.partial", folder / "model.safetensors")
-    (folder / "config.json.partial").write_text(json.dumps(config, indent=2) + "\n")
-    os.replace(folder / "config.json.partial", folder / "config.json")
+    write_text_atomic(folder / "config.json", json.dumps(config, indent=2) + "\n")
 
 
 class Sequences:
