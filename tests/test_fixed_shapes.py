@@ -1,8 +1,11 @@
-"""The fixed-shape steps that CUDA graphs capture (target forward, drafter step) match the eager ones on CPU."""
+"""The fixed-shape steps that CUDA graphs capture (target forward, drafter step) match the eager ones on CPU, and the
+capture/replay routing runs end to end on CPU with a stand-in for torch.cuda.CUDAGraph (real capture is CUDA-only)."""
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"  # read when a kernel is defined, so before kernels import their Triton twins
 
@@ -10,10 +13,15 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from tiny_models import make_drafter  # noqa: E402
 
-from dflash_local.cuda_graphs import cache_span  # noqa: E402
+from dflash_local import cuda_graphs  # noqa: E402
+from dflash_local.cuda_graphs import StepGraphs, cache_span  # noqa: E402
+from dflash_local.decode import Settings, run  # noqa: E402
 from dflash_local.drafter import DFlashDrafter  # noqa: E402
 from dflash_local.targets.torch_llama import TorchLlamaTarget  # noqa: E402
+from dflash_local.tokenizer import TextTokenizer  # noqa: E402
 from kernels import KERNELS_ENV  # noqa: E402
+
+TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"
 
 
 def test_cache_span_is_a_power_of_two_within_capacity() -> None:
@@ -25,7 +33,6 @@ def test_cache_span_is_a_power_of_two_within_capacity() -> None:
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_target_forward_fixed_matches_eager(kind: str, span: int, llama_target, qwen3_target) -> None:
     target = TorchLlamaTarget.load(llama_target if kind == "llama" else qwen3_target, max_context=64)
-    assert target.graphs is None  # CUDA graphs are never used on CPU
     target.set_feature_layers([0, 2])
     prompt, block, after = torch.arange(3, 13), torch.tensor([7, 1, 30, 2, 9]), torch.tensor([4])
     target.forward(prompt)
@@ -63,7 +70,6 @@ def test_drafter_propose_fixed_matches_eager(
     target = TorchLlamaTarget.load(llama_target, max_context=64)
     folder = drafters["llama", 2] if which == "full" else sliding_drafter
     eager, fixed = (DFlashDrafter.load(folder, max_context=64) for _ in range(2))
-    assert eager.graphs is None
     assert eager.model.layers[0].self_attn.sliding_window == (4 if which == "sliding" else None)
     target.set_feature_layers(eager.target_layer_ids)
     tokens = [5, 9, 11, 2, 7, 30, 8, 1, 4, 6, 3]
@@ -78,3 +84,66 @@ def test_drafter_propose_fixed_matches_eager(
     got = fixed.propose_fixed(target, padded, block_ids, 6 + offsets, 9 + offsets, torch.tensor([9]), span)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fixed.cache_k[:, :, :, :9], eager.cache_k[:, :, :, :9], atol=1e-6, rtol=1e-6)
+
+
+class CpuReplay:
+    """CPU stand-in for CapturedStep: static input buffers and output tensors that each replay overwrites in place,
+    as a CUDA graph's do; counts captures and replays."""
+
+    captures: list = []
+
+    def __init__(self, fn, inputs: tuple[torch.Tensor, ...]) -> None:
+        self.fn, self.inputs = fn, tuple(t.clone() for t in inputs)
+        self.outputs = fn(*self.inputs)  # the warm-up run a real capture makes
+        self.replays = 0
+        CpuReplay.captures.append(self)
+
+    def __call__(self, *inputs: torch.Tensor):
+        for static, new in zip(self.inputs, inputs, strict=True):
+            static.copy_(new)
+        for out, new in zip(self.outputs, self.fn(*self.inputs), strict=True):
+            if out is not None:
+                out.copy_(new)
+        self.replays += 1
+        return self.outputs
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_graph_routing_replays_to_the_eager_ids(monkeypatch, block_size: int) -> None:
+    """The bundled pair's target and drafter steps routed through StepGraphs (captured once per shape, replayed after)
+    decode the same ids and acceptance lengths as eager runs; replayed outputs are copies of the reused buffers."""
+    monkeypatch.setattr(cuda_graphs, "CapturedStep", CpuReplay)
+    CpuReplay.captures = []
+    first = json.loads((TINY / "heldout_prompts.jsonl").read_text().splitlines()[0])["prompt"]
+    prompt = TextTokenizer.load(TINY / "target").encode(first)
+    settings = Settings(max_new_tokens=48, block_size=block_size)
+    results = []
+    for graphed in (False, True):
+        target = TorchLlamaTarget.load(TINY / "target", max_context=512)
+        drafter = DFlashDrafter.load(TINY / "drafter", max_context=512)
+        if graphed:
+            target.graphs, drafter.graphs = StepGraphs(), StepGraphs()
+        results.append(run(target, drafter, prompt, settings))
+    (eager_ids, eager_stats), (graph_ids, graph_stats) = results
+    assert graph_ids == eager_ids
+    assert graph_stats.acceptance_lengths == eager_stats.acceptance_lengths
+    assert len(set(eager_stats.acceptance_lengths)) > 2  # verify blocks of several accepted lengths were replayed
+    assert sum(step.replays for step in CpuReplay.captures) > len(CpuReplay.captures)  # graphs were reused
+    assert 0 < len(target.graphs.steps) < len(graph_stats.acceptance_lengths)  # one capture per shape, not per step
+    assert drafter.graphs.steps
+
+
+def test_failed_capture_falls_back_to_eager(monkeypatch) -> None:
+    """A capture CUDA refuses turns graphs off with a warning; the step still runs eagerly."""
+
+    def refuse(fn, inputs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(cuda_graphs, "CapturedStep", refuse)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    graphs = StepGraphs()
+    with pytest.warns(RuntimeWarning, match="running eagerly"):
+        (out,) = graphs.run("k", lambda x: (x * 2,), torch.tensor([1.0, 2.0]))
+    assert out.tolist() == [2.0, 4.0]
+    assert not graphs.enabled and graphs.steps == {}
+    assert graphs.run("k", lambda x: (x + 1,), torch.tensor([1.0]))[0].tolist() == [2.0]
