@@ -5,10 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 
 from .errors import DFlashError
-from .hub import HubSource, PullReport, human_size, pull
+from .hub import HubSource, ProgressFactory, PullReport, human_size, pull
 
 
 class Downloader:
@@ -51,25 +59,23 @@ class Downloader:
         return report
 
 
-def _bar_factory(progress: Progress):
-    """A tqdm-shaped class per file that huggingface_hub drives and rich draws."""
+def _bar_factory(progress: Progress) -> ProgressFactory:
+    """Per file, a tqdm-shaped class that hub.download drives and rich draws; a retry resumes the file's one bar."""
 
     def factory(name: str) -> type:
-        class Bar:
-            def __init__(self, *, total: int | None = None, initial: int = 0, **_: object) -> None:
-                self.task = progress.add_task(name, total=total, completed=initial)
+        task: list[TaskID] = []
 
-            def update(self, n: int = 1) -> None:
-                progress.advance(self.task, n)
+        class Bar:
+            def __init__(self, *, total: int | None = None, initial: int = 0) -> None:
+                if not task:
+                    task.append(progress.add_task(name, total=total))
+                progress.update(task[0], total=total, completed=initial)
+
+            def update(self, n: int) -> None:
+                progress.advance(task[0], n)
 
             def close(self) -> None:
                 progress.refresh()
-
-            def __enter__(self) -> Bar:
-                return self
-
-            def __exit__(self, *_: object) -> None:
-                self.close()
 
         return Bar
 

@@ -5,13 +5,19 @@ from __future__ import annotations
 import errno
 import fnmatch
 import hashlib
+import importlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from types import ModuleType
+from typing import BinaryIO, Protocol, TypeVar
+from urllib.parse import urlsplit
 
 from .atomic import write_text_atomic
 from .errors import DFlashError
@@ -27,6 +33,10 @@ MODEL_FILES = (
 )
 DRAFTER_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json")
 DISK_MARGIN = 1.02  # keep 2% headroom over the bytes still to download
+ATTEMPTS = 5  # tries in a row (counted from the last one that brought new bytes) before a pull gives up
+FIRST_DELAY = 0.2  # seconds before the first retry, doubling before each next one
+RETRY_STATUSES = (408, 429, 500, 502, 503, 504)
+T = TypeVar("T")
 
 
 class HubUnreachable(DFlashError):
@@ -142,11 +152,18 @@ def _required(source: HubSource) -> tuple[str, ...]:
 
 def remote_files(source: HubSource, token: str | None) -> tuple[str, list[RemoteFile]]:
     """The commit the revision points at and the repo files source wants, with sizes and hashes."""
-    from huggingface_hub import HfApi
+    from huggingface_hub import HfApi, constants
 
+    api = HfApi(endpoint=endpoint())
     with hub_errors(source.repo, token):
-        info = HfApi(endpoint=endpoint()).model_info(
-            source.repo, revision=source.revision, files_metadata=True, token=token
+        info = with_retries(
+            lambda: api.model_info(
+                source.repo,
+                revision=source.revision,
+                files_metadata=True,
+                token=token,
+                timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT,
+            )
         )
     files = [
         RemoteFile(s.rfilename, s.size or 0, s.lfs.sha256 if s.lfs else None, None if s.lfs else s.blob_id)
@@ -209,7 +226,15 @@ def check_disk_space(needed: int, folder: Path) -> None:
         )
 
 
-ProgressFactory = Callable[[str], type]
+class ProgressBar(Protocol):
+    """What a download drives: a tqdm-shaped bar, made with total= and initial= byte counts."""
+
+    def update(self, n: int) -> object: ...
+
+    def close(self) -> object: ...
+
+
+ProgressFactory = Callable[[str], Callable[..., ProgressBar]]
 
 
 def pull(source: HubSource, token: str | None = None, progress: ProgressFactory | None = None) -> PullReport:
@@ -224,9 +249,13 @@ def pull(source: HubSource, token: str | None = None, progress: ProgressFactory 
         if path.exists():
             _forget(path)
             report.refetched.append(remote.name)
+        bar = progress(remote.name) if progress else None
         for attempt in range(2):
-            with hub_errors(source.repo, token):
-                download(source.repo, remote.name, commit, token, progress(remote.name) if progress else None)
+            with hub_errors(source.repo, token), _giving_up(f"{source.repo}/{remote.name}"):
+                with_retries(
+                    partial(download, source.repo, remote.name, commit, token, bar),
+                    partial(_partial_bytes, source.repo),
+                )
             if file_is_whole(path, remote):
                 break
             _forget(path)
@@ -242,14 +271,73 @@ def pull(source: HubSource, token: str | None = None, progress: ProgressFactory 
     return report
 
 
-def download(repo: str, name: str, commit: str, token: str | None, bar: type | None = None) -> Path:
-    """Fetch one file into the Hub cache layout (blobs/ + snapshots/ link), resuming a partial `.part` blob."""
+def http_client() -> ModuleType:
+    """The package of the HTTP client huggingface_hub runs on (httpx2 for 2.x), for its error classes.
+
+    Taken from huggingface_hub's own session, so dflash never names (or depends on) a transport package itself.
+    """
+    from huggingface_hub import get_session
+
+    return importlib.import_module(type(get_session()).__module__.partition(".")[0])
+
+
+def _transient(exc: BaseException) -> bool:
+    """Whether a failure may pass by itself: a network error, a timeout, or a 408/429/5xx answer."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if isinstance(exc, HfHubHTTPError):
+        return exc.response is not None and exc.response.status_code in RETRY_STATUSES
+    return isinstance(exc, http_client().TransportError)
+
+
+def with_retries(action: Callable[[], T], progress: Callable[[], int] = lambda: 0) -> T:
+    """Run action, retrying transient failures after 0.2 s, 0.4 s, ...; give up after ATTEMPTS in a row.
+
+    A failed try after which progress() grew (bytes kept in a `.part` file) starts the count and the delay again.
+    """
+    failures, delay = 0, FIRST_DELAY
+    while True:
+        before = progress()
+        try:
+            return action()
+        except Exception as exc:
+            if not _transient(exc):
+                raise
+            if progress() > before:
+                failures, delay = 0, FIRST_DELAY
+            failures += 1
+            if failures >= ATTEMPTS:
+                raise
+        time.sleep(delay)
+        delay *= 2
+
+
+@contextmanager
+def _giving_up(what: str) -> Iterator[None]:
+    """Turn a download's last transient failure into one sentence that says the next pull resumes."""
+    try:
+        yield
+    except Exception as exc:
+        if not _transient(exc):
+            raise
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        timed_out = isinstance(exc, http_client().TimeoutException)
+        reason = f"the server answered {status}" if status else "timed out" if timed_out else "the connection failed"
+        raise HubUnreachable(
+            f"{what}: the download failed {ATTEMPTS} times in a row ({reason}); "
+            "pull again and it resumes where it stopped."
+        ) from None
+
+
+def download(
+    repo: str, name: str, commit: str, token: str | None, bar: Callable[..., ProgressBar] | None = None
+) -> Path:
+    """Fetch one file into the Hub cache layout (blobs/ + snapshots/ link), resuming a part `.part` blob."""
     from filelock import FileLock
-    from huggingface_hub import file_download, get_hf_file_metadata, hf_hub_url
-    from huggingface_hub.utils import build_hf_headers
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
 
     url = hf_hub_url(repo, name, revision=commit, endpoint=endpoint())
-    meta = get_hf_file_metadata(url, token=token, endpoint=endpoint())
+    meta = get_hf_file_metadata(url, token=token, timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT, endpoint=endpoint())
     folder = repo_folder(repo)
     blob = folder / "blobs" / meta.etag
     blob.parent.mkdir(parents=True, exist_ok=True)
@@ -257,22 +345,9 @@ def download(repo: str, name: str, commit: str, token: str | None, bar: type | N
     lock.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(lock)):
         if not blob.exists():
-            partial = blob.with_name(blob.name + ".part")
-            resume = partial.stat().st_size if partial.exists() else 0
-            if meta.size is not None and resume > meta.size:
-                partial.unlink()
-                resume = 0
-            with open(partial, "ab") as handle:
-                file_download.http_get(
-                    meta.location,
-                    handle,
-                    resume_size=resume,
-                    headers=build_hf_headers(token=token),
-                    expected_size=meta.size,
-                    displayed_filename=name,
-                    tqdm_class=bar,
-                )
-            os.replace(partial, blob)
+            part = blob.with_name(blob.name + ".part")
+            _fetch(meta.location, part, meta.size, _file_headers(url, meta.location, token), bar)
+            os.replace(part, blob)
     pointer = folder / "snapshots" / commit / name
     pointer.parent.mkdir(parents=True, exist_ok=True)
     pointer.unlink(missing_ok=True)
@@ -280,10 +355,58 @@ def download(repo: str, name: str, commit: str, token: str | None, bar: type | N
     return pointer
 
 
+def _file_headers(url: str, location: str, token: str | None) -> dict[str, str]:
+    """Headers for a file GET: uncompressed bytes (so ranges line up), and the token only for the Hub's own host."""
+    from huggingface_hub.utils import build_hf_headers
+
+    headers = build_hf_headers(token=token)
+    headers["Accept-Encoding"] = "identity"
+    if urlsplit(location)[:2] != urlsplit(url)[:2]:  # a CDN the Hub redirected to: signed URL, no token
+        headers.pop("authorization", None)
+    return headers
+
+
+def _fetch(
+    url: str, part: Path, size: int | None, headers: dict[str, str], bar: Callable[..., ProgressBar] | None
+) -> None:
+    """Stream url onto the end of part, asking (with a Range header) only for the bytes it lacks."""
+    from huggingface_hub import constants, get_session
+    from huggingface_hub.utils import hf_raise_for_status
+
+    have = part.stat().st_size if part.exists() else 0
+    if size is not None and have > size:
+        part.unlink()
+        have = 0
+    if size is not None and have == size:
+        return
+    if have:
+        headers = {**headers, "Range": f"bytes={have}-"}
+    timeout = constants.HF_HUB_DOWNLOAD_TIMEOUT
+    with get_session().stream("GET", url, headers=headers, timeout=timeout, follow_redirects=True) as response:
+        if response.status_code >= 400:
+            response.read()
+            hf_raise_for_status(response)
+        if response.status_code != 206:
+            have = 0  # the server ignored the range and sends the whole file
+        with open(part, "ab" if have else "wb") as handle:
+            _append(response.iter_bytes(), handle, bar(total=size, initial=have) if bar else None)
+
+
+def _append(chunks: Iterable[bytes], handle: BinaryIO, bar: ProgressBar | None) -> None:
+    """Write chunks to handle as they arrive, advancing the progress bar."""
+    try:
+        for chunk in chunks:
+            handle.write(chunk)
+            if bar:
+                bar.update(len(chunk))
+    finally:
+        if bar:
+            bar.close()
+
+
 @contextmanager
 def hub_errors(repo: str, token: str | None) -> Iterator[None]:
     """Turn huggingface_hub and network failures into one sentence a person can act on."""
-    import httpx
     from huggingface_hub import errors as hub
 
     try:
@@ -301,7 +424,7 @@ def hub_errors(repo: str, token: str | None) -> Iterator[None]:
         raise DFlashError(f"{repo} has no such revision.") from None
     except hub.RemoteEntryNotFoundError as exc:
         raise DFlashError(f"A file is missing from {repo} on the Hub ({exc.response.url}).") from None
-    except (hub.OfflineModeIsEnabled, hub.LocalEntryNotFoundError, httpx.TransportError):
+    except (hub.OfflineModeIsEnabled, hub.LocalEntryNotFoundError, http_client().TransportError):
         raise HubUnreachable(
             f"Cannot reach the Hugging Face Hub at {endpoint()}: check the network (or HF_ENDPOINT), "
             "or use --offline with models already pulled."

@@ -1,10 +1,15 @@
-"""A loopback stand-in for the Hugging Face Hub: the endpoints huggingface_hub calls to list and download files."""
+"""A loopback stand-in for the Hugging Face Hub: the endpoints huggingface_hub calls to list and download files.
+
+Tests can script the faults of a real network (`Fault`: error answers, dropped connections, stalls, corrupted
+bytes) and send LFS files through a second server on another port, the way the Hub redirects them to its CDN.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import re
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,6 +27,22 @@ class Request:
     method: str
     path: str
     range: str | None
+    authorization: str | None = None
+    host: str = "hub"  # "hub", or "cdn" for the server LFS files are redirected to
+
+
+@dataclass
+class Fault:
+    """A misbehaviour for the next `times` requests whose method and path match (path: a regex, searched)."""
+
+    kind: str  # "status": answer `status`; "drop": send `after` body bytes, then cut the connection;
+    # "stall": send `after` body bytes, then go silent for `seconds`; "corrupt": flip one byte of the body
+    path: str
+    method: str = "GET"
+    times: int = 1
+    status: int = 503
+    after: int = 0
+    seconds: float = 4.0
 
 
 @dataclass
@@ -33,46 +54,59 @@ class FakeHub:
     token: str = "hf_test_token"
     delay_per_chunk: float = 0.0
     log: list[Request] = field(default_factory=list)
+    faults: list[Fault] = field(default_factory=list)
+    cdn: bool = False  # True: LFS files answer 302 to the CDN server (another port), as the real Hub does
 
     def __post_init__(self) -> None:
-        hub = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                hub._serve(self, body=True)
-
-            def do_HEAD(self) -> None:
-                hub._serve(self, body=False)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = _server(self, "hub")
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.cdn_server = _server(self, "cdn")
+        self.cdn_url = f"http://127.0.0.1:{self.cdn_server.server_address[1]}"
+        self._lock = threading.Lock()
 
     def __enter__(self) -> FakeHub:
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        for server in (self.server, self.cdn_server):
+            threading.Thread(target=server.serve_forever, daemon=True).start()
         return self
 
     def __exit__(self, *_: object) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        for server in (self.server, self.cdn_server):
+            server.shutdown()
+            server.server_close()
 
     def downloads(self) -> list[Request]:
-        """File GETs (not API calls, not HEADs)."""
-        return [r for r in self.log if r.method == "GET" and "/resolve/" in r.path]
+        """File GETs, from the Hub or its CDN (not API calls, not HEADs)."""
+        return [r for r in self.log if r.method == "GET" and ("/resolve/" in r.path or r.host == "cdn")]
 
-    def _serve(self, handler: BaseHTTPRequestHandler, body: bool) -> None:
+    def _fault(self, method: str, path: str) -> Fault | None:
+        """The first scripted fault that applies to this request, used up by one."""
+        with self._lock:
+            for fault in self.faults:
+                if fault.times > 0 and fault.method == method and re.search(fault.path, path):
+                    fault.times -= 1
+                    return fault
+        return None
+
+    def _serve(self, handler: BaseHTTPRequestHandler, host: str) -> None:
         path = unquote(urlparse(handler.path).path)
-        self.log.append(Request(handler.command, path, handler.headers.get("Range")))
+        headers = handler.headers
+        self.log.append(Request(handler.command, path, headers.get("Range"), headers.get("Authorization"), host))
+        fault = self._fault(handler.command, path)
+        if fault and fault.kind == "status":
+            return _reply(handler, fault.status, {}, b'{"error": "scripted failure"}')
+        if host == "cdn":
+            found = [d for files in self.repos.values() for n, d in files.items() if f"/cdn/{_etag(n, d)}" == path]
+            if not found:
+                return _reply(handler, 404, {}, b"no such blob")
+            return self._send_file(handler, found[0], path.rsplit("/", 1)[1], fault)
         api = re.fullmatch(r"/api/(?:models|datasets)/([^/]+/[^/]+)(?:/revision/[^/]+)?", path)
         resolve = re.fullmatch(r"/(?:datasets/)?([^/]+/[^/]+)/resolve/[^/]+/(.+)", path)
         repo = (api or resolve).group(1) if (api or resolve) else None
         if repo not in self.repos:
             return _reply(handler, 404, {"X-Error-Code": "RepoNotFound"}, b'{"error": "Repository not found"}')
-        if repo in self.gated and handler.headers.get("Authorization") != f"Bearer {self.token}":
-            headers = {"X-Error-Code": "GatedRepo", "X-Error-Message": "Access to model is restricted."}
-            return _reply(handler, 401, headers, b'{"error": "gated"}')
+        if repo in self.gated and headers.get("Authorization") != f"Bearer {self.token}":
+            denied = {"X-Error-Code": "GatedRepo", "X-Error-Message": "Access to model is restricted."}
+            return _reply(handler, 401, denied, b'{"error": "gated"}')
         files = self.repos[repo]
         if api:
             info = {"id": repo, "modelId": repo, "sha": COMMIT, "siblings": [_sibling(n, d) for n, d in files.items()]}
@@ -80,9 +114,13 @@ class FakeHub:
         name = resolve.group(2)
         if name not in files:
             return _reply(handler, 404, {"X-Error-Code": "EntryNotFound"}, b'{"error": "Entry not found"}')
-        self._send_file(handler, files[name], _etag(name, files[name]), body)
+        etag = _etag(name, files[name])
+        if self.cdn and name.endswith(LFS_SUFFIXES):
+            linked = {"X-Linked-Etag": f'"{etag}"', "X-Linked-Size": str(len(files[name])), "X-Repo-Commit": COMMIT}
+            return _reply(handler, 302, {**linked, "Location": f"{self.cdn_url}/cdn/{etag}?signed=1"}, b"")
+        self._send_file(handler, files[name], etag, fault)
 
-    def _send_file(self, handler: BaseHTTPRequestHandler, data: bytes, etag: str, body: bool) -> None:
+    def _send_file(self, handler: BaseHTTPRequestHandler, data: bytes, etag: str, fault: Fault | None) -> None:
         start = 0
         requested = handler.headers.get("Range")
         if requested and (match := re.fullmatch(r"bytes=(\d+)-", requested)):
@@ -95,16 +133,41 @@ class FakeHub:
         if start:
             handler.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
         handler.end_headers()
-        if not body:
+        if handler.command == "HEAD":
             return
+        body = data[start:]
+        if fault and fault.kind == "corrupt":
+            body = body[:-1] + bytes([body[-1] ^ 0xFF])
+        cut = fault.after if fault and fault.kind in ("drop", "stall") else len(body)
         try:
-            for offset in range(start, len(data), CHUNK):
-                handler.wfile.write(data[offset : offset + CHUNK])
+            for offset in range(0, cut, CHUNK):
+                handler.wfile.write(body[offset : min(offset + CHUNK, cut)])
                 handler.wfile.flush()
                 if self.delay_per_chunk:
                     time.sleep(self.delay_per_chunk)
-        except (BrokenPipeError, ConnectionResetError):
+            if fault and fault.kind == "stall":
+                time.sleep(fault.seconds)
+            if fault and fault.kind in ("drop", "stall"):
+                handler.connection.shutdown(socket.SHUT_RDWR)
+                handler.close_connection = True
+        except OSError:  # the client hung up first
             pass
+
+
+def _server(hub: FakeHub, host: str) -> ThreadingHTTPServer:
+    """An HTTP server on a free port of 127.0.0.1 that hands every request to hub, marked with host."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            hub._serve(self, host)
+
+        def do_HEAD(self) -> None:
+            hub._serve(self, host)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    return ThreadingHTTPServer(("127.0.0.1", 0), Handler)
 
 
 def _reply(handler: BaseHTTPRequestHandler, status: int, headers: dict[str, str], body: bytes) -> None:

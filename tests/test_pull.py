@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from hub_server import FakeHub, repo_of
+from hub_server import FakeHub, Fault, repo_of
 
 from dflash_local.hub import human_size
 
@@ -96,6 +97,25 @@ def hub(tmp_path, monkeypatch):
 def dflash(hub: FakeHub, *args: str, input: str | None = None, **env: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "dflash_local", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=300, env={**hub.env, **env}, input=input)
+
+
+TARGET_WEIGHTS = r"^/test/tiny/resolve/[^/]+/model\.safetensors$"
+
+
+def weight_ranges(hub: FakeHub) -> list[int]:
+    """The byte offset each GET of the target's weights asked to start from (0: no Range header)."""
+    gets = [r for r in hub.downloads() if re.search(TARGET_WEIGHTS, r.path)]
+    return [int(r.range.removeprefix("bytes=").rstrip("-")) if r.range else 0 for r in gets]
+
+
+def part_files(tmp_path: Path, repo: str) -> list[Path]:
+    return list((tmp_path / "hf" / "hub" / f"models--{repo.replace('/', '--')}" / "blobs").glob("*.part"))
+
+
+def manifests(tmp_path: Path) -> list[str]:
+    """Repos a completed, verified pull recorded."""
+    pulled = tmp_path / "dflash" / "pulled"
+    return sorted(p.name for p in pulled.glob("*.json")) if pulled.is_dir() else []
 
 
 def snapshot(tmp_path: Path, repo: str) -> Path:
@@ -258,23 +278,111 @@ def test_not_enough_disk_space_stops_before_downloading(hub, monkeypatch):
     assert hub.downloads() == []
 
 
-def test_disk_full_mid_download_leaves_nothing_that_loads(hub, monkeypatch):
-    from huggingface_hub import file_download
-
+def test_disk_full_mid_download_leaves_nothing_that_loads_and_keeps_the_part(hub, monkeypatch):
     from dflash_local import hub as hub_module
     from dflash_local.errors import DFlashError
 
-    def fill_disk(url, handle, **kwargs):
+    def fill_disk(chunks, handle, bar):
         handle.write(b"x" * 1000)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(file_download, "http_get", fill_disk)
+    monkeypatch.setattr(hub_module, "_append", fill_disk)
     source = hub_module.HubSource("test/tiny")
     with pytest.raises(DFlashError, match=r"The disk holding .* is full: free some space and pull again"):
         hub_module.pull(source)
     assert hub_module.cached_folder(source) is None
     snapshots = hub_module.repo_folder("test/tiny") / "snapshots"
     assert not snapshots.exists() or not any(snapshots.rglob("*.safetensors"))
+    parts = list((hub_module.repo_folder("test/tiny") / "blobs").glob("*.part"))
+    assert [p.stat().st_size for p in parts] == [1000]  # kept: the next pull resumes from it
+
+
+def test_dropped_and_stalled_connections_resume_from_the_part_file(hub, tmp_path):
+    # five failed tries in a row, but each brings new bytes: the pull goes on and the sixth GET finishes the file
+    hub.faults = [
+        Fault("drop", TARGET_WEIGHTS, after=1_500_000, times=4),
+        Fault("stall", TARGET_WEIGHTS, after=1_500_000),
+    ]
+    result = dflash(hub, "pull", "tiny-hub", HF_HUB_DOWNLOAD_TIMEOUT="1")
+    assert result.returncode == 0, result.stderr
+    offsets = weight_ranges(hub)
+    assert len(offsets) == 6 and offsets[0] == 0
+    assert all(0 < later - earlier <= 1_500_000 for earlier, later in zip(offsets[:-1], offsets[1:], strict=True))
+    weights = snapshot(tmp_path, "test/tiny") / "model.safetensors"
+    assert weights.read_bytes() == (MODELS / "target" / "model.safetensors").read_bytes()
+    assert part_files(tmp_path, "test/tiny") == []
+    assert manifests(tmp_path) == ["test--tiny-drafter@main.json", "test--tiny@main.json"]
+
+
+def test_server_errors_on_every_endpoint_are_retried(hub, tmp_path):
+    hub.faults = [
+        Fault("status", r"^/api/models/test/tiny/revision/", times=2, status=503),
+        Fault("status", r"^/test/tiny/resolve/[^/]+/config\.json$", method="HEAD", times=2, status=500),
+        Fault("status", TARGET_WEIGHTS, times=3, status=503),
+    ]
+    result = dflash(hub, "pull", "test/tiny")
+    assert result.returncode == 0, result.stderr
+    assert [f.times for f in hub.faults] == [0, 0, 0]
+    assert len([r for r in hub.log if r.path.startswith("/api/models/test/tiny/")]) == 3
+    assert len([r for r in hub.log if r.method == "HEAD" and r.path.endswith("/config.json")]) == 3
+    assert weight_ranges(hub) == [0, 0, 0, 0]
+    for name in TARGET_FILES:
+        assert (snapshot(tmp_path, "test/tiny") / name).read_bytes() == (MODELS / "target" / name).read_bytes()
+
+
+def test_lfs_files_come_from_a_cdn_that_never_sees_the_token(hub, tmp_path):
+    hub.cdn = True
+    hub.faults = [Fault("drop", r"^/cdn/", after=1_000_000)]
+    result = dflash(hub, "pull", "test/gated-drafter", "--token", hub.token)
+    assert result.returncode == 0, result.stderr
+    cdn = [r for r in hub.log if r.host == "cdn"]
+    assert [(r.method, r.range) for r in cdn] == [("GET", None), ("GET", "bytes=1000000-")]
+    assert [r.authorization for r in cdn] == [None, None]
+    hub_calls = [r for r in hub.log if r.host == "hub"]
+    assert hub_calls and all(r.authorization == f"Bearer {hub.token}" for r in hub_calls)
+    weights = snapshot(tmp_path, "test/gated-drafter") / "model.safetensors"
+    assert weights.read_bytes() == (MODELS / "drafter" / "model.safetensors").read_bytes()
+
+
+def test_a_pull_that_keeps_failing_stops_keeps_the_part_and_marks_nothing_downloaded(hub, tmp_path):
+    hub.faults = [Fault("drop", TARGET_WEIGHTS, after=2_000_000), Fault("status", TARGET_WEIGHTS, times=99)]
+    failed = dflash(hub, "pull", "tiny-hub")
+    assert_one_error(
+        failed,
+        "test/tiny/model.safetensors: the download failed 5 times in a row (the server answered 503)",
+        "pull again and it resumes where it stopped.",
+    )
+    assert weight_ranges(hub)[0] == 0 and len(weight_ranges(hub)) == 5  # the drop brought bytes, so 4 more tries
+    [part] = part_files(tmp_path, "test/tiny")
+    kept = part.stat().st_size
+    assert 0 < kept <= 2_000_000
+    assert manifests(tmp_path) == []
+    assert_one_error(dflash(hub, "chat", "tiny-hub", "--offline"), "test/tiny is not downloaded", "--offline")
+
+    hub.faults.clear()
+    resumed = dflash(hub, "pull", "tiny-hub")
+    assert resumed.returncode == 0, resumed.stderr
+    assert weight_ranges(hub)[-1] == kept
+    assert generate(hub, "--offline").returncode == 0
+
+
+@pytest.mark.parametrize(("kind", "reason"), [("stall", "timed out"), ("drop", "the connection failed")])
+def test_a_connection_that_keeps_failing_is_named_in_the_error(hub, tmp_path, kind, reason):
+    hub.faults = [Fault(kind, TARGET_WEIGHTS, times=99)]  # every GET: headers, then silence or a cut, no bytes
+    failed = dflash(hub, "pull", "test/tiny", HF_HUB_DOWNLOAD_TIMEOUT="1")
+    assert_one_error(failed, f"test/tiny/model.safetensors: the download failed 5 times in a row ({reason});")
+    assert weight_ranges(hub) == [0, 0, 0, 0, 0]
+    assert manifests(tmp_path) == []
+
+
+def test_bytes_that_fail_verification_never_mark_the_model_downloaded(hub, tmp_path):
+    hub.faults = [Fault("corrupt", TARGET_WEIGHTS, times=2)]
+    failed = dflash(hub, "pull", "tiny-hub")
+    assert_one_error(failed, "test/tiny/model.safetensors failed verification twice (size or sha256 differ).")
+    assert manifests(tmp_path) == []
+    assert_one_error(dflash(hub, "chat", "tiny-hub", "--offline"), "test/tiny is not downloaded", "--offline")
+    assert dflash(hub, "pull", "tiny-hub").returncode == 0
+    assert manifests(tmp_path) == ["test--tiny-drafter@main.json", "test--tiny@main.json"]
 
 
 def test_bench_prompt_sets_from_hub_datasets(hub):
@@ -297,5 +405,5 @@ def test_a_gguf_catalog_entry_pulls_one_quantization_and_chats(hub, tmp_path):
     hub.repos["test/tiny-gguf"] = {"tiny-Q8_0.gguf": q8, "tiny-F16.gguf": b"not needed" * 100}
     result = dflash(hub, "chat", "tiny-gguf-hub", "--max-new-tokens", "16", input="Write a loop.\n")
     assert result.returncode == 0, result.stderr
-    assert "tok/s" in result.stdout and "tau" in result.stdout
+    assert "tok/s" in result.stderr and "tau" in result.stderr  # on a pipe, the status line goes to stderr
     assert [p.name for p in snapshot(tmp_path, "test/tiny-gguf").iterdir()] == ["tiny-Q8_0.gguf"]
