@@ -1,7 +1,11 @@
-"""Session fixtures: tiny random-weight targets and drafters written to disk once per test run."""
+"""Session fixtures: tiny random-weight targets and drafters written to disk once per test run.
+
+Also: a skip because something `./install.sh --dev` installs is missing is a failure, never a silent skip.
+"""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -47,3 +51,42 @@ def _one_thread():
     import torch
 
     torch.set_num_threads(1)
+
+
+# Top-level modules that `./install.sh --dev` installs: a test that skips for want of one of them fails instead.
+DEV_INSTALLED = {"llama_cpp", "gguf", "bitsandbytes", "triton", "scipy", "pexpect", "matplotlib"}
+IMPORT_SKIP = re.compile(r"could not import '([\w.]+)'")
+
+
+def _missing_dev_module(report: pytest.CollectReport | pytest.TestReport) -> str | None:
+    """The dev-installed module whose importorskip turned this report into a skip, if any."""
+    if not report.skipped or not isinstance(report.longrepr, tuple):
+        return None
+    found = IMPORT_SKIP.search(str(report.longrepr[2]))
+    return found.group(1) if found and found.group(1).split(".")[0] in DEV_INSTALLED else None
+
+
+def _fail(report: pytest.CollectReport | pytest.TestReport, module: str) -> None:
+    report.outcome = "failed"
+    report.longrepr = (
+        f"{report.nodeid}: skipped because '{module}' cannot be imported, but ./install.sh --dev installs it: "
+        f"the dev install is broken ({report.longrepr[2]})"
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):
+    """A module-level importorskip of a dev-installed package fails collection."""
+    outcome = yield
+    report = outcome.get_result()
+    if module := _missing_dev_module(report):
+        _fail(report, module)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """An importorskip of a dev-installed package inside a test or fixture fails the test."""
+    outcome = yield
+    report = outcome.get_result()
+    if module := _missing_dev_module(report):
+        _fail(report, module)

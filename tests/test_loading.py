@@ -6,6 +6,7 @@ import json
 import shutil
 
 import torch
+from reference import reference_layer_ids, reference_save_sharded
 
 from dflash_local.drafter import default_target_layer_ids
 from dflash_local.targets.torch_llama import TorchLlamaTarget
@@ -18,10 +19,7 @@ def _logits(folder) -> torch.Tensor:
 
 
 def test_sharded_checkpoint(tmp_path, llama_target):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(llama_target)
-    model.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    reference_save_sharded(llama_target, tmp_path / "sharded", max_shard_size="40KB")
     assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
     assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
     torch.testing.assert_close(_logits(tmp_path / "sharded"), _logits(llama_target), atol=0, rtol=0)
@@ -47,11 +45,9 @@ def test_tied_head_shares_embeddings(qwen3_target):
 
 
 def test_default_layer_ids_match_reference():
-    from dflash.model import build_target_layer_ids
-
     for layers in (8, 28, 36):
         for depth in (1, 2, 5):
-            assert default_target_layer_ids(layers, depth) == build_target_layer_ids(layers, depth)
+            assert default_target_layer_ids(layers, depth) == reference_layer_ids(layers, depth)
 
 
 def test_rollback_recomputes_identically(llama_target):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import reference_generate
+from reference import reference_draft_logits, reference_forward, reference_generate
 
 from dflash_local.decode import Settings, run
 from dflash_local.drafter import DFlashDrafter
@@ -15,21 +15,16 @@ PROMPTS = ([5], [3, 9, 27, 14, 2], [7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9, 0, 4, 5,
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_target_logits_and_features_match_transformers(kind, llama_target, qwen3_target):
-    from transformers import AutoModelForCausalLM
-
     folder = llama_target if kind == "llama" else qwen3_target
-    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     ours = TorchLlamaTarget.load(folder)
     ours.set_feature_layers([0, 2, 3])
     ids = torch.arange(1, 26) % 40
-    with torch.no_grad():
-        expected = reference(ids[None], output_hidden_states=True)
+    expected_logits, hidden = reference_forward(folder, ids.tolist())
     first, second = ours.forward(ids[:11]), ours.forward(ids[11:])
     logits = torch.cat([first.logits, second.logits])
     features = torch.cat([first.features, second.features])
-    hidden = expected.hidden_states
-    torch.testing.assert_close(logits, expected.logits[0], atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(features, torch.cat([hidden[1], hidden[3], hidden[4]], -1)[0], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(logits, expected_logits, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(features, torch.cat([hidden[1], hidden[3], hidden[4]], -1), atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -50,34 +45,14 @@ def test_generation_matches_reference(kind, depth, llama_target, qwen3_target, d
 
 
 def test_draft_step_logits_match_reference(qwen3_target, drafters):
-    from dflash.model import DFlashDraftModel, extract_context_feature
-    from transformers import AutoModelForCausalLM, DynamicCache
-
     drafter_dir = drafters["qwen3", 2]
-    ref_target = AutoModelForCausalLM.from_pretrained(qwen3_target, dtype=torch.float32).eval()
-    ref_drafter = DFlashDraftModel.from_pretrained(drafter_dir, dtype=torch.float32).eval()
     target, drafter = TorchLlamaTarget.load(qwen3_target), DFlashDrafter.load(drafter_dir)
     target.set_feature_layers(drafter.target_layer_ids)
     ids = torch.tensor([3, 9, 27, 14, 2, 8, 8, 30, 1, 5])
-    with torch.no_grad():
-        hidden = extract_context_feature(
-            ref_target(ids[None], output_hidden_states=True).hidden_states, ref_drafter.target_layer_ids
-        )
-    cache = DynamicCache(config=ref_drafter.config)
-    mask = ref_drafter.mask_token_id
-    features = target.forward(ids).features
     # Two steps: 6 context positions then 4 more, so the second step reads the drafter's cache.
-    for begin, end in ((0, 6), (6, 10)):
-        block = torch.tensor([[int(ids[end - 1]) if end < 10 else 7] + [mask] * 7])
-        with torch.no_grad():
-            out = ref_drafter(
-                target_hidden=hidden[:, begin:end],
-                noise_embedding=ref_target.model.embed_tokens(block),
-                position_ids=torch.arange(begin, end + 8)[None],
-                past_key_values=cache,
-                use_cache=True,
-            )[:, 1:]
-            expected = ref_drafter.compute_logits(out, ref_target.lm_head)[0]
-        cache.crop(end)
-        logits = drafter.propose(target, features[begin:end], [0] * end + [int(block[0, 0])], end, 8)
-        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-4)
+    steps = [(begin, end, int(ids[end - 1]) if end < 10 else 7) for begin, end in ((0, 6), (6, 10))]
+    expected = reference_draft_logits(qwen3_target, drafter_dir, ids.tolist(), steps, 8)
+    features = target.forward(ids).features
+    for (begin, end, first), want in zip(steps, expected, strict=True):
+        logits = drafter.propose(target, features[begin:end], [0] * end + [first], end, 8)
+        torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-4)

@@ -1,21 +1,13 @@
-"""Tiny random-weight targets (transformers) and drafters (reference `dflash`) saved to disk for tests."""
+"""Tiny random-weight targets (transformers) and drafters (reference `dflash`) saved to disk for tests.
+
+The oracle process (tests/oracle.py in .venv-oracle) builds them; the tests' own venv has no transformers.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-
-def _randomize(model: torch.nn.Module, seed: int, std: float) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.2 * noise)
-            else:
-                param.copy_(std * noise)
+from reference import oracle
 
 
 def make_target(
@@ -32,34 +24,20 @@ def make_target(
     eos_token_id: int | None = None,
 ) -> Path:
     """Save a random-weight LlamaForCausalLM or Qwen3ForCausalLM with save_pretrained."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
-    common = dict(
+    oracle().call(
+        "make_target",
+        folder=str(folder),
+        kind=kind,
         vocab_size=vocab_size,
         hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=1024,
-        tie_word_embeddings=tied,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        seed=seed,
+        std=std,
+        tied=tied,
         eos_token_id=eos_token_id,
-        bos_token_id=None,
     )
-    if kind == "llama":
-        rope = {
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        }
-        model = LlamaForCausalLM(LlamaConfig(rope_scaling=rope, **common))
-    else:
-        model = Qwen3ForCausalLM(Qwen3Config(head_dim=2 * hidden_size // num_heads, **common))
-    _randomize(model, seed, std)
-    model.save_pretrained(folder)
     return folder
 
 
@@ -74,29 +52,17 @@ def make_drafter(
     **extra,
 ) -> Path:
     """Save a random-weight reference `dflash.model.DFlashDraftModel` shaped for the target."""
-    from dflash.model import DFlashDraftModel
-    from transformers import AutoConfig, Qwen3Config
-
-    target = AutoConfig.from_pretrained(target_folder)
-    dflash_config = {"mask_token_id": target.vocab_size - 1}
-    if target_layer_ids is not None:
-        dflash_config["target_layer_ids"] = target_layer_ids
-    config = Qwen3Config(
-        vocab_size=target.vocab_size,
-        hidden_size=target.hidden_size,
-        intermediate_size=2 * target.hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+    oracle().call(
+        "make_drafter",
+        folder=str(folder),
+        target_folder=str(target_folder),
+        num_layers=num_layers,
+        target_layer_ids=target_layer_ids,
         block_size=block_size,
-        num_target_layers=target.num_hidden_layers,
-        dflash_config=dflash_config,
-        **extra,
+        seed=seed,
+        std=std,
+        extra=extra,
     )
-    model = DFlashDraftModel(config)
-    _randomize(model, seed, std)
-    model.save_pretrained(folder)
     return folder
 
 
