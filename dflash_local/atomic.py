@@ -1,8 +1,9 @@
-"""Writing a file so that a reader never sees it half-written."""
+"""Writing a file so that a reader never sees it half-written, and checking a folder can be written at all."""
 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 
@@ -12,3 +13,14 @@ def write_text_atomic(path: Path, text: str) -> None:
     partial = path.with_name(path.name + ".partial")
     partial.write_text(text)
     os.replace(partial, path)
+
+
+def unwritable_reason(folder: Path) -> str | None:
+    """Why new files cannot be made in folder (created if missing), or None when they can."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None

@@ -5,17 +5,12 @@ from __future__ import annotations
 import difflib
 import os
 import re
-import sys
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import DFlashError
 from .hub import DRAFTER_FILES, MODEL_FILES, HubSource, cached_folder
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 REPO_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?$")
@@ -69,37 +64,112 @@ def load_catalog() -> dict[str, ModelEntry]:
     for path in catalog_paths():
         try:
             data = tomllib.loads(path.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
             raise DFlashError(f"The model catalog {path} cannot be read ({exc}).") from None
-        entries.update({name: _entry(name, table, path.parent) for name, table in data.items()})
+        entries.update({name: _entry(name, table, path) for name, table in data.items()})
     return entries
 
 
-def _entry(name: str, table: dict, base: Path) -> ModelEntry:
-    try:
-        return ModelEntry(
-            name=name,
-            summary=table.get("summary", ""),
-            backend=table.get("backend", "auto"),
-            target=_source(table["target"], base, MODEL_FILES),
-            drafter=_source(table["drafter"], base, DRAFTER_FILES) if "drafter" in table else None,
-            prompts=_source(table["prompts"], base, ()) if "prompts" in table else None,
-            quantize=table.get("quantize"),
-            chat_template=table.get("chat_template", ""),
-            hardware=table.get("hardware", ""),
-            memory_gb=float(table.get("memory_gb", 0.0)),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise DFlashError(f"Catalog entry '{name}' is malformed ({exc}).") from None
+ENTRY_KEYS = (
+    "summary",
+    "backend",
+    "target",
+    "drafter",
+    "prompts",
+    "quantize",
+    "chat_template",
+    "hardware",
+    "memory_gb",
+)
+SOURCE_KEYS = ("repo", "files", "revision")
+CATALOG_BACKENDS = ("auto", "torch", "llamacpp")
 
 
-def _source(value: str | dict, base: Path, default_files: tuple[str, ...]) -> Source:
+def _show(value: object) -> str:
+    """A TOML value about as the user wrote it, for error messages."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def _entry(name: str, table: object, path: Path) -> ModelEntry:
+    """One catalog table as a ModelEntry, or one sentence naming the file, the entry and what is wrong."""
+    where = f"{path}: entry '{name}'"
+    if not isinstance(table, dict):
+        raise DFlashError(f"{where} must be a table ([{name}] with a target), got {_show(table)}.")
+    unknown = sorted(set(table) - set(ENTRY_KEYS))
+    if unknown:
+        raise DFlashError(f"{where} has an unknown key '{unknown[0]}' (known: {', '.join(ENTRY_KEYS)}).")
+    if "target" not in table:
+        raise DFlashError(f"{where} has no target.")
+    for key in ("summary", "chat_template", "hardware"):
+        if not isinstance(table.get(key, ""), str):
+            raise DFlashError(f"{where}: {key} must be a string, got {_show(table[key])}.")
+    backend = table.get("backend", "auto")
+    if backend not in CATALOG_BACKENDS:
+        raise DFlashError(f"{where}: backend must be {', '.join(CATALOG_BACKENDS)}, got {_show(backend)}.")
+    quantize = table.get("quantize")
+    if quantize not in (None, "nf4"):
+        raise DFlashError(f"{where}: quantize must be 'nf4' or left out, got {_show(quantize)}.")
+    memory = table.get("memory_gb", 0.0)
+    if isinstance(memory, bool) or not isinstance(memory, (int, float)) or memory < 0:
+        raise DFlashError(f"{where}: memory_gb must be a number of GB (0 or more), got {_show(memory)}.")
+    base = path.parent
+    return ModelEntry(
+        name=name,
+        summary=table.get("summary", ""),
+        backend=backend,
+        target=_source(table["target"], base, MODEL_FILES, f"{where}: target"),
+        drafter=_source(table["drafter"], base, DRAFTER_FILES, f"{where}: drafter") if "drafter" in table else None,
+        prompts=_bundled(table["prompts"], base, f"{where}: prompts") if "prompts" in table else None,
+        quantize=quantize,
+        chat_template=table.get("chat_template", ""),
+        hardware=table.get("hardware", ""),
+        memory_gb=float(memory),
+    )
+
+
+def _bundled(value: object, base: Path, where: str) -> Path:
     if isinstance(value, str) and value.startswith("bundled:"):
         return base / value.removeprefix("bundled:")
-    if isinstance(value, dict):
-        files = tuple(value.get("files", default_files))
-        return HubSource(value["repo"], files, value.get("revision", "main"))
-    raise ValueError(f"unknown source {value!r}")
+    raise DFlashError(f'{where} must be "bundled:PATH", got {_show(value)}.')
+
+
+def _source(value: object, base: Path, default_files: tuple[str, ...], where: str) -> Source:
+    """A "bundled:PATH" string or a { repo, files, revision } table, checked."""
+    if not isinstance(value, dict):
+        if isinstance(value, str) and value.startswith("bundled:"):
+            return _bundled(value, base, where)
+        raise DFlashError(f'{where} must be "bundled:PATH" or {{ repo = "owner/name" }}, got {_show(value)}.')
+    unknown = sorted(set(value) - set(SOURCE_KEYS))
+    if unknown:
+        raise DFlashError(f"{where} has an unknown key '{unknown[0]}' (known: {', '.join(SOURCE_KEYS)}).")
+    if "repo" not in value:
+        raise DFlashError(f"{where} has no repo.")
+    repo = value["repo"]
+    if not isinstance(repo, str) or not is_repo_name(repo):
+        raise DFlashError(f"{where}: repo must be a valid Hub repo name (owner/name), got {_show(repo)}.")
+    files = value.get("files", list(default_files))
+    if not isinstance(files, list) or not files or not all(isinstance(f, str) and f for f in files):
+        raise DFlashError(f"{where}: files must be a non-empty list of file names or patterns, got {_show(files)}.")
+    revision = value.get("revision", "main")
+    if not isinstance(revision, str) or not revision:
+        raise DFlashError(f"{where}: revision must be a branch, tag or commit name, got {_show(revision)}.")
+    return HubSource(repo, tuple(files), revision)
+
+
+def is_repo_name(name: str) -> bool:
+    """Whether name is a Hub repo id of the form owner/name, by huggingface_hub's own rules."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if name.count("/") != 1:
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
 
 
 def repo_source(name: str, default_files: tuple[str, ...] = MODEL_FILES) -> HubSource:
@@ -113,7 +183,7 @@ def lookup(name: str) -> ModelEntry | HubSource:
     catalog = load_catalog()
     if name in catalog:
         return catalog[name]
-    if REPO_NAME.match(name) and not Path(name).exists():
+    if REPO_NAME.match(name) and is_repo_name(name.partition(":")[0]) and not Path(name).exists():
         return repo_source(name)
     close = difflib.get_close_matches(name, list(catalog), n=3, cutoff=0.5)
     hint = f" Did you mean {', '.join(close)}?" if close else f" Known models: {', '.join(catalog)}."
@@ -159,6 +229,6 @@ def _drafter_path(drafter: str, fetch) -> Path:
     path = Path(drafter).expanduser()
     if path.exists():
         return path
-    if REPO_NAME.match(drafter):
+    if REPO_NAME.match(drafter) and is_repo_name(drafter.partition(":")[0]):
         return local_path(repo_source(drafter, DRAFTER_FILES), fetch)
     raise DFlashError(f"--drafter {drafter} is neither a folder nor a Hub repo (owner/name).")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,16 +22,22 @@ app = typer.Typer(
 )
 
 
-@app.callback()
-def root(
-    version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True),
-) -> None:
-    """Lossless block-diffusion speculative decoding (DFlash) on your own machine."""
-    if version:
+def _print_version(wanted: bool) -> None:
+    """--version: print the version and exit while parsing, before click asks for a command."""
+    if wanted:
         from . import __version__
 
         typer.echo(f"dflash-local {__version__}")
         raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: bool = typer.Option(
+        False, "--version", help="Print the version and exit.", is_eager=True, callback=_print_version
+    ),
+) -> None:
+    """Lossless block-diffusion speculative decoding (DFlash) on your own machine."""
 
 
 @contextmanager
@@ -43,12 +50,64 @@ def user_errors() -> Iterator[None]:
         raise typer.Exit(1) from None
 
 
+def _check_storage(hub_cache: bool = True) -> None:
+    """Before anything is downloaded: the Hub cache and dflash's own folder must take files (one sentence if not)."""
+    from .atomic import unwritable_reason
+    from .hub import cache_dir, state_dir
+
+    folders = [("The dflash folder", state_dir(), ("DFLASH_HOME",))]
+    if hub_cache:
+        folders.insert(0, ("The Hugging Face cache", cache_dir(), ("HF_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME")))
+    for what, folder, variables in folders:
+        reason = unwritable_reason(folder)
+        if reason is not None:
+            variable = next((v for v in variables if os.environ.get(v)), None)
+            source = f" (from {variable}={os.environ[variable]})" if variable else ""
+            fix = f"point {variable} at a writable folder" if variable else f"make it writable or set {variables[0]}"
+            raise DFlashError(f"{what} {folder}{source} is not writable ({reason}): {fix}.")
+
+
 def _resolve(model: str, drafter: str | None, offline: bool, token: str | None):
     """Local paths for what the user named, pulling from the Hub (with progress) unless offline."""
     from .catalog import resolve
     from .downloads import Downloader
 
-    return resolve(model, drafter, Downloader(token, offline))
+    downloader = Downloader(token, offline)
+
+    def fetch(source):
+        if not offline:
+            _check_storage()
+        return downloader(source)
+
+    return resolve(model, drafter, fetch)
+
+
+def _check_numbers(
+    max_new_tokens: int, block_size: int | None, max_context: int | None = None, seed: int | None = None
+) -> None:
+    """The numeric options of generate/chat/bench, checked before anything loads."""
+    if max_new_tokens < 1:
+        raise DFlashError(f"--max-new-tokens must be at least 1, got {max_new_tokens}.")
+    if block_size is not None and block_size < 2:
+        raise DFlashError(f"--block-size must be at least 2 (up to the drafter's trained size), got {block_size}.")
+    if max_context is not None and max_context < 1:
+        raise DFlashError(f"--max-context must be at least 1 token, got {max_context}.")
+    if seed is not None and not 0 <= seed < 2**64:
+        raise DFlashError(f"--seed must be a whole number from 0 to {2**64 - 1}, got {seed}.")
+
+
+def _prompt_text(prompt: str) -> str:
+    """--prompt as given, unless the shell passed bytes that are not UTF-8 (Python keeps them as surrogates)."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        char = ord(exc.object[exc.start])
+        what = f"the byte 0x{char - 0xDC00:02x}" if 0xDC80 <= char <= 0xDCFF else f"the code point U+{char:04X}"
+        raise DFlashError(
+            f"--prompt is not valid UTF-8 text ({what} at position {exc.start}): "
+            "pass UTF-8, or token ids with --prompt-ids."
+        ) from None
+    return prompt
 
 
 def _quantize(option: str, default: str | None) -> str | None:
@@ -65,24 +124,33 @@ def _drafter_quantize(option: str) -> str | None:
     return None if option == "none" else option
 
 
-def _parse_ids(text: str) -> list[int]:
-    try:
-        return [int(part) for part in text.replace(" ", "").split(",") if part]
-    except ValueError:
-        raise DFlashError(f"--prompt-ids must be comma-separated integers, got '{text}'.") from None
+def _parse_ids(text: str, option: str) -> list[int]:
+    """Comma-separated integers; blank text is no ids, an empty or non-integer element is an error."""
+    if not text.strip():
+        return []
+    ids = []
+    for number, part in enumerate(text.split(","), 1):
+        try:
+            ids.append(int(part))
+        except ValueError:
+            what = f"element {number} is empty" if not part.strip() else f"'{part.strip()}' is not an integer"
+            raise DFlashError(f"{option} must be comma-separated integers, got '{text}' ({what}).") from None
+    return ids
 
 
 @app.command()
 def generate(
     target: str = typer.Option(..., "--target", help="A model name, a Hub repo, an HF-layout folder or a .gguf file."),
     drafter: Optional[str] = typer.Option(None, "--drafter", help="DFlash drafter: a folder or a Hub repo."),
-    prompt: Optional[str] = typer.Option(None, "--prompt", help="Prompt text (needs the target's tokenizer)."),
+    prompt: Optional[str] = typer.Option(
+        None, "--prompt", help="Prompt text, UTF-8 (other bytes are an error); needs the target's tokenizer."
+    ),
     prompt_ids: Optional[str] = typer.Option(None, "--prompt-ids", help="Prompt as token ids: 1,2,3."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
     temperature: float = typer.Option(0.0, "--temperature"),
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k"),
-    seed: Optional[int] = typer.Option(None, "--seed"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="0 to 2**64 - 1: the same seed, the same samples."),
     block_size: Optional[int] = typer.Option(None, "--block-size", help="2..the drafter's trained block size."),
     no_draft: bool = typer.Option(False, "--no-draft", help="Plain autoregressive decoding (the baseline)."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Do not stop at end-of-sequence tokens."),
@@ -98,10 +166,18 @@ def generate(
 ) -> None:
     """Generate one continuation of a prompt, with DFlash drafting or without."""
     with user_errors():
-        from .generation import GenerationRequest, load_models, run_request
-
         if (prompt is None) == (prompt_ids is None):
             raise DFlashError("Give exactly one of --prompt or --prompt-ids.")
+        _check_numbers(max_new_tokens, block_size, max_context, seed)
+        ids = _parse_ids(prompt_ids, "--prompt-ids") if prompt_ids is not None else None
+        if ids == [] or prompt == "":
+            raise DFlashError("The prompt is empty.")
+        text = _prompt_text(prompt) if prompt is not None else None
+
+        from .generation import GenerationRequest, load_models, run_request
+        from .sampling import SamplingParams
+
+        SamplingParams(temperature, top_p, top_k)  # checks them before anything loads
         resolved = _resolve(target, drafter, offline, token)
         if not no_draft and resolved.drafter is None:
             raise DFlashError("Pass --drafter DIR, or --no-draft for plain autoregressive decoding.")
@@ -120,8 +196,8 @@ def generate(
             _drafter_quantize(drafter_quantize),
         )
         request = GenerationRequest(
-            prompt=prompt,
-            prompt_ids=_parse_ids(prompt_ids) if prompt_ids is not None else None,
+            prompt=text,
+            prompt_ids=ids,
             max_new_tokens=max_new_tokens,
             temperature=temperature,
             top_p=top_p,
@@ -168,11 +244,14 @@ def chat(
 ) -> None:
     """Chat with a model: streaming answers, live tokens/s and acceptance, /help for commands."""
     with user_errors():
+        _check_numbers(max_new_tokens, block_size, max_context)
+
         from .chat import run_chat
         from .decode import Settings
-        from .generation import load_models
+        from .generation import OUT_OF_MEMORY, load_models, out_of_memory
         from .sampling import SamplingParams
 
+        sampling = SamplingParams(temperature, top_p, top_k)
         resolved = _resolve(model, drafter, offline, token)
         quantize = _quantize(quantize, resolved.quantize)
         models = load_models(
@@ -187,12 +266,15 @@ def chat(
         )
         settings = Settings(
             max_new_tokens=max_new_tokens,
-            sampling=SamplingParams(temperature, top_p, top_k),
+            sampling=sampling,
             block_size=block_size,
             draft=not no_draft and models.drafter is not None,
             stop_ids=frozenset() if ignore_eos else models.stop_ids,
         )
-        run_chat(models, settings)
+        try:
+            run_chat(models, settings)
+        except OUT_OF_MEMORY:
+            raise out_of_memory("Answering in this conversation", models.target.device.type) from None
 
 
 @app.command()
@@ -222,11 +304,16 @@ def bench(
 ) -> None:
     """Autoregressive vs DFlash (and prompt lookup) on the same target, prompt by prompt; one table per model."""
     with user_errors():
+        _check_numbers(max_new_tokens, block_size, seed=seed)
+        if limit is not None and limit < 1:
+            raise DFlashError(f"--limit must be at least 1, got {limit}.")
+
         from .bench import plot, read_prompts, run_bench
         from .decode import Settings
-        from .generation import load_models
+        from .generation import OUT_OF_MEMORY, load_models, out_of_memory
         from .sampling import SamplingParams
 
+        sampling = SamplingParams(temperature)
         reports = []
         for model in names or ["tiny"]:
             resolved = _resolve(model, drafter, offline, token)
@@ -247,12 +334,15 @@ def bench(
             )
             settings = Settings(
                 max_new_tokens=max_new_tokens,
-                sampling=SamplingParams(temperature),
+                sampling=sampling,
                 block_size=block_size,
                 stop_ids=frozenset() if ignore_eos else models.stop_ids,
                 seed=seed,
             )
-            report = run_bench(models, read_prompts(prompt_file, models, limit), settings, lookup)
+            try:
+                report = run_bench(models, read_prompts(prompt_file, models, limit), settings, lookup)
+            except OUT_OF_MEMORY:
+                raise out_of_memory(f"A benchmark run of {model}", models.target.device.type) from None
             report["model"] = model
             if plot_path is not None:
                 suffix = f"-{Path(model).name}" if len(names or []) > 1 else ""
@@ -269,6 +359,7 @@ def _prompt_file(prompts: str, offline: bool, token: str | None) -> Path:
     from .prompt_sets import PROMPT_SETS, prompt_file
 
     if prompts in PROMPT_SETS and not Path(prompts).exists():
+        _check_storage(hub_cache=not offline)
         return prompt_file(prompts, token, offline)
     return Path(prompts)
 
@@ -352,6 +443,8 @@ def pull(
         if bundled:
             typer.echo(f"{name} is bundled with dflash-local: nothing to download.")
             return
+        if not offline:
+            _check_storage()
         downloader = Downloader(token, offline)
         for source in sources:
             if offline:
@@ -419,26 +512,22 @@ def rm(name: str = typer.Argument(..., help="A model name or Hub repo pulled bef
 
 @app.command()
 def doctor(
-    model: Optional[str] = typer.Argument(None, help="A model name: also check whether it fits this machine."),
+    model: Optional[str] = typer.Argument(
+        None, help="A model name, Hub repo, folder or .gguf file: also whether it is downloaded and fits (no download)."
+    ),
 ) -> None:
-    """What this machine offers: torch, CUDA/GPU and VRAM, Triton, bitsandbytes, llama.cpp, disk."""
+    """What this machine offers: torch, CUDA/GPU and VRAM, Triton, bitsandbytes, llama.cpp, huggingface_hub, disk."""
     with user_errors():
         from rich.console import Console
         from rich.markup import escape
         from rich.table import Table
 
-        from .catalog import load_catalog
-        from .doctor import run_checks
+        from .doctor import model_checks, run_checks
 
-        memory = None
-        if model is not None:
-            catalog = load_catalog()
-            if model not in catalog:
-                raise DFlashError(f"'{model}' is not in the catalog (see dflash models).")
-            memory = catalog[model].memory_gb
+        about_model = model_checks(model) if model is not None else []
         table = Table(show_header=False, box=None)
         marks = {True: "[green]ok[/green]", False: "[red]!![/red]", None: "[dim]--[/dim]"}
-        for check in run_checks(memory, model):
+        for check in run_checks() + about_model:
             table.add_row(marks[check.ok], check.name, escape(check.found))
         Console().print(table)
 
@@ -488,7 +577,7 @@ def train(
             prompt_tokens=prompt_tokens,
             max_prompts=max_prompts,
             mask_token_id=mask_token_id,
-            target_layer_ids=_parse_ids(target_layer_ids) if target_layer_ids else None,
+            target_layer_ids=_parse_ids(target_layer_ids, "--target-layer-ids") if target_layer_ids else None,
             resume=resume,
             device=pick_device(device),
             distill=DistillSettings(new_tokens=new_tokens, sampled_fraction=sampled_fraction, seed=seed),

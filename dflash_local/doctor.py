@@ -6,8 +6,11 @@ import importlib.metadata
 import os
 import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
-from .hub import cache_dir, human_size
+from .hub import HubSource, cache_dir, human_size
+
+ESTIMATE_CONTEXT = 4096  # tokens of KV cache in a local model's memory estimate
 
 
 @dataclass(frozen=True)
@@ -37,8 +40,8 @@ def memory_budget() -> tuple[str, float]:
     return "CPU RAM", pages / 1e9
 
 
-def run_checks(memory_gb: float | None = None, model: str | None = None) -> list[Check]:
-    """Everything doctor reports; memory_gb/model add a does-it-fit line."""
+def run_checks() -> list[Check]:
+    """What this machine offers: torch, CUDA, Triton, bitsandbytes, llama.cpp, huggingface_hub, the cache's disk."""
     import torch
 
     from .runtime import bf16_is_fast
@@ -60,14 +63,88 @@ def run_checks(memory_gb: float | None = None, model: str | None = None) -> list
     bnb = _version("bitsandbytes")
     checks.append(Check("bitsandbytes", bnb or "not installed (no NF4 targets)", None if not bnb else True))
     checks.append(_llama_cpp_check())
+    checks.append(_hub_check())
     free = shutil.disk_usage(cache_dir() if cache_dir().exists() else cache_dir().anchor).free
     checks.append(Check("model cache", f"{cache_dir()} ({human_size(free)} free)", None))
-    if memory_gb is not None:
-        where, budget = memory_budget()
-        fits = memory_gb <= budget
-        verdict = "fits" if fits else "does NOT fit"
-        checks.append(Check(f"{model}", f"needs ~{memory_gb:.1f} GB, {where} has {budget:.1f} GB: {verdict}", fits))
     return checks
+
+
+class _NotPulled(Exception):
+    """Raised instead of downloading: doctor only looks."""
+
+    def __init__(self, source: HubSource) -> None:
+        super().__init__(source.repo)
+        self.source = source
+
+
+def _refuse(source: HubSource) -> Path:
+    raise _NotPulled(source)
+
+
+def model_checks(name: str) -> list[Check]:
+    """Whether a model (name, Hub repo, folder or .gguf file, resolved as every verb does) is here and fits."""
+    from .catalog import ModelEntry, lookup, resolve
+
+    entry = None
+    if not Path(name).expanduser().exists():
+        found = lookup(name)
+        entry = found if isinstance(found, ModelEntry) else None
+    try:
+        resolved = resolve(name, None, _refuse)
+    except _NotPulled as missing:
+        where = Check(name, f"{missing.source.repo} is not downloaded (dflash pull {name})", None)
+        if entry is None:
+            return [where, Check(f"{name} fits?", "unknown until it is downloaded", None)]
+        return [where, fit_check(name, entry.memory_gb, "the catalog's estimate")]
+    on_disk = "bundled" if entry is not None and entry.bundled else f"on disk: {resolved.target}"
+    checks = [Check(name, on_disk + ("" if resolved.drafter else "; no drafter (pass --drafter)"))]
+    if entry is not None:
+        return [*checks, fit_check(name, entry.memory_gb, "the catalog's estimate")]
+    need, basis = estimate_gb(resolved.target, resolved.drafter)
+    return [*checks, fit_check(name, need, basis)]
+
+
+def fit_check(name: str, need_gb: float, basis: str) -> Check:
+    """Does a model needing need_gb fit where models run here (the first GPU, else RAM)?"""
+    where, budget = memory_budget()
+    fits = need_gb <= budget
+    verdict = "fits" if fits else "does NOT fit"
+    return Check(f"{name} fits?", f"needs ~{need_gb:.1f} GB ({basis}), {where} has {budget:.1f} GB: {verdict}", fits)
+
+
+def estimate_gb(target: Path, drafter: Path | None) -> tuple[float, str]:
+    """GB a local model needs, roughly, and how that was estimated: weight files, plus a 16-bit 4096-token KV
+    cache when the target's config.json tells its shape."""
+    total = sum(_weight_bytes(path) for path in (target, drafter) if path is not None)
+    if target.suffix == ".gguf":
+        return total / 1e9, "weight files; its KV cache comes on top"
+    from .targets.torch_llama import TargetConfig
+    from .weights import read_config
+
+    cfg = TargetConfig.from_dict(read_config(target), target)
+    total += 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * ESTIMATE_CONTEXT * 2
+    return total / 1e9, f"weight files + a {ESTIMATE_CONTEXT}-token KV cache"
+
+
+def _weight_bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.glob("*.safetensors"))
+
+
+def _hub_check() -> Check:
+    """huggingface_hub and its HTTP stack import and build a session (pull needs both)."""
+    version = _version("huggingface_hub")
+    if version is None:
+        return Check("huggingface_hub", "not installed: dflash pull cannot download", False)
+    try:
+        import huggingface_hub
+
+        session = huggingface_hub.get_session()
+    except Exception as exc:  # a broken install raises anything from ImportError to AttributeError
+        return Check("huggingface_hub", f"{version}, fails to load: {exc}", False)
+    client = type(session).__module__.split(".")[0]
+    return Check("huggingface_hub", f"{version}, HTTP client {client} {_version(client) or ''}".rstrip())
 
 
 def _llama_cpp_check() -> Check:

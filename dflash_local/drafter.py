@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,11 +15,11 @@ from kernels import block_attention, visibility_mask
 
 from .cuda_graphs import StepGraphs, cache_span, graphs_wanted
 from .errors import DFlashError
-from .layers import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from .layers import MLP, RMSNorm, apply_rope, check_rope, rope_cos_sin, rope_inv_freq
 from .quant import DRAFTER_QUANT_TYPES, check_quantize, quantize_linears
 from .runtime import check_kernels
 from .targets.base import Target
-from .weights import load_weights, read_config
+from .weights import check_attention_shape, check_int, check_number, check_optional, load_weights, need, read_config
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -27,6 +28,51 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
         return [num_target_layers // 2]
     span = num_target_layers - 4
     return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+def check_drafter_config(config: dict[str, Any], path: Path) -> None:
+    """Raise one sentence naming the file and field for any value of the wrong type or range in a drafter config."""
+    dflash = config.get("dflash_config")
+    if dflash is not None and not isinstance(dflash, dict):
+        raise DFlashError(f"{path}: dflash_config must be an object, got {json.dumps(dflash)}.")
+    dflash = dflash or {}
+
+    def field(name: str, default: Any = None) -> tuple[str, Any]:
+        """Where a DFlash field is read from (dflash_config first, as from_dict reads it) and its value."""
+        return (f"dflash_config.{name}", dflash[name]) if name in dflash else (name, config.get(name, default))
+
+    check_attention_shape(config, path)
+    if config.get("vocab_size") is not None:
+        check_int(config["vocab_size"], "vocab_size", path)
+    name, value = field("block_size", 16)
+    check_int(value, name, path, minimum=2)
+    name, value = field("mask_token_id")
+    if value is not None:
+        check_int(value, name, path, minimum=0)
+    name, layer_ids = field("target_layer_ids")
+    if layer_ids is None:
+        check_int(need(config, "num_target_layers", path), "num_target_layers", path)
+    elif not isinstance(layer_ids, list) or not layer_ids:
+        raise DFlashError(f"{path}: {name} must be a non-empty list of layer numbers, got {json.dumps(layer_ids)}.")
+    for layer_id in layer_ids or []:
+        check_int(layer_id, name, path, minimum=0)
+    for key in ("input_embedding_scale", "output_multiplier"):
+        name, value = field(key, 1.0)
+        check_number(value, name, path)
+    name, value = field("final_logit_softcapping")
+    if value is not None:
+        check_number(value, name, path, positive=False)
+    layer_types = config.get("layer_types")
+    layers = config["num_hidden_layers"]
+    if layer_types is not None and (
+        not isinstance(layer_types, list)
+        or len(layer_types) < layers
+        or not all(isinstance(kind, str) for kind in layer_types)
+    ):
+        raise DFlashError(f"{path}: layer_types must list one attention type per layer ({layers}).")
+    check_optional(config, "sliding_window", path, int)
+    check_optional(config, "is_causal", path, bool)
+    check_rope(config, path)
 
 
 @dataclass(frozen=True)
@@ -55,6 +101,7 @@ class DrafterConfig:
 
     @classmethod
     def from_dict(cls, config: dict[str, Any], source: Path) -> DrafterConfig:
+        check_drafter_config(config, Path(source) / "config.json")
         dflash = config.get("dflash_config") or {}
 
         def field(name: str, default: Any = None) -> Any:

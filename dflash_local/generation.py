@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import torch
 
 from .decode import Drafter, Settings, Stats, generate
 from .drafter import DFlashDrafter
@@ -31,6 +34,27 @@ class LoadedModels:
     stop_ids: frozenset[int]
 
 
+OUT_OF_MEMORY = (torch.OutOfMemoryError, MemoryError)
+
+
+def out_of_memory(what: str, device: str) -> DFlashError:
+    """The one sentence for running out of (GPU) memory: what did not fit, and what to try."""
+    if device.startswith("cuda"):
+        where, advice = "GPU memory", "a smaller --max-context, --quantize nf4, a smaller model or --device cpu"
+    else:
+        where, advice = "memory", "a smaller --max-context or a smaller model"
+    return DFlashError(f"{what} does not fit in {where}: try {advice}.")
+
+
+@contextmanager
+def memory_guard(what: str, device: str) -> Iterator[None]:
+    """Turn running out of memory inside the block into out_of_memory(what, device)."""
+    try:
+        yield
+    except OUT_OF_MEMORY:
+        raise out_of_memory(what, device) from None
+
+
 def load_models(
     target_path: Path,
     drafter_path: Path | None,
@@ -42,22 +66,26 @@ def load_models(
     drafter_quantize: str | None = None,
 ) -> LoadedModels:
     """Load and cross-check a target and (optionally) a drafter from local paths."""
+    if max_context < 1:
+        raise DFlashError(f"The context (--max-context) must be at least 1 token, got {max_context}.")
     device = pick_device(device)
     torch_dtype = pick_dtype(dtype, device)
     path = Path(target_path)
     gguf = path.suffix == ".gguf"
-    target = load_target(path, backend, torch_dtype, device, max_context, quantize)
+    with memory_guard(f"The target {path} with a {max_context}-token KV cache", device):
+        target = load_target(path, backend, torch_dtype, device, max_context, quantize)
     drafter = None
     if drafter_path is not None:
         if not Path(drafter_path).exists():
             raise DFlashError(f"{drafter_path} does not exist.")
-        if gguf or backend == "llamacpp":
-            from .native_drafter import load_drafter  # llama.cpp's own drafter where it is faster (CPU)
+        with memory_guard(f"The drafter {drafter_path} with a {target.max_context}-token cache", device):
+            if gguf or backend == "llamacpp":
+                from .native_drafter import load_drafter  # llama.cpp's own drafter where it is faster (CPU)
 
-            kind = os.environ.get("DFLASH_DRAFTER", "auto")
-            drafter = load_drafter(drafter_path, target, torch_dtype, device, kind, drafter_quantize)
-        else:
-            drafter = DFlashDrafter.load(drafter_path, torch_dtype, device, target.max_context, drafter_quantize)
+                kind = os.environ.get("DFLASH_DRAFTER", "auto")
+                drafter = load_drafter(drafter_path, target, torch_dtype, device, kind, drafter_quantize)
+            else:
+                drafter = DFlashDrafter.load(drafter_path, torch_dtype, device, target.max_context, drafter_quantize)
         drafter.check_target(target)
     if gguf:
         from .gguf_tokenizer import GGUFTokenizer
@@ -107,11 +135,15 @@ def run_request(models: LoadedModels, request: GenerationRequest, on_text: Calla
     detokenizer = Detokenizer(models.tokenizer) if models.tokenizer else None
     stats = Stats()
     output_ids: list[int] = []
-    for step in generate(models.target, models.drafter, ids, settings):
-        output_ids.extend(step.token_ids)
-        stats.add(step)
-        if detokenizer and on_text:
-            on_text(detokenizer.add(step.token_ids))
+    try:
+        for step in generate(models.target, models.drafter, ids, settings):
+            output_ids.extend(step.token_ids)
+            stats.add(step)
+            if detokenizer and on_text:
+                on_text(detokenizer.add(step.token_ids))
+    except OUT_OF_MEMORY:
+        context = len(ids) + len(output_ids)
+        raise out_of_memory(f"A decoding step at {context} tokens of context", models.target.device.type) from None
     result = {"prompt_ids": ids, "output_ids": output_ids, **stats.to_dict()}
     if models.tokenizer:
         result["text"] = models.tokenizer.decode(output_ids)

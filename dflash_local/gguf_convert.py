@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import ctypes
 import json
-import tempfile
+import os
+import shutil
 from pathlib import Path
 
 import gguf
@@ -12,6 +13,7 @@ import llama_cpp
 import numpy as np
 import torch
 
+from .atomic import unwritable_reason
 from .errors import DFlashError
 from .layers import rope_inv_freq, rope_parameters
 from .targets.llama_taps import quiet_llama_logs
@@ -180,19 +182,56 @@ def _quantize(src: Path, out: Path, kind: str, threads: int) -> None:
         raise DFlashError(f"llama.cpp could not quantize the model to {kind} (status {status}).")
 
 
+STAGING = ".dflash-convert-"  # <out>.dflash-convert-<pid>: a convert's working folder beside its output
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def remove_stale_staging(folder: Path) -> list[Path]:
+    """Delete working folders that killed `dflash convert` runs left in folder (their pid is gone); return them."""
+    stale = []
+    for path in folder.glob(f"*{STAGING}*"):
+        pid = path.name.rpartition(STAGING)[2]
+        if path.is_dir() and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            stale.append(path)
+    return stale
+
+
 def convert(source: Path, out: Path, kind: str = "f16", threads: int = 0) -> Path:
-    """Convert an HF-layout Llama/Qwen3 folder to a GGUF file of the given type; return its path."""
+    """Convert an HF-layout Llama/Qwen3 folder to a GGUF file of the given type; return its path.
+
+    The F32 intermediate lives in `<out>.dflash-convert-<pid>/`, removed on exit, or by the next convert into the
+    same folder when this process was killed.
+    """
     source, out = Path(source), Path(out)
     if kind not in FILE_TYPES:
         raise DFlashError(f"Unknown GGUF type '{kind}' (use {', '.join(FILE_TYPES)}).")
     if out.suffix != ".gguf":
         raise DFlashError(f"The output file name must end in .gguf, not '{out.name}'.")
+    if out.is_dir():
+        raise DFlashError(f"--out {out} is an existing folder; name the GGUF file to write, e.g. {out / 'model.gguf'}.")
+    reason = unwritable_reason(out.parent)
+    if reason is not None:
+        raise DFlashError(f"Cannot write {out}: its folder {out.parent} is not writable ({reason}).")
     cfg = TargetConfig.from_dict(read_config(source), source)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as work:
-        staged = Path(work) / "f32.gguf"
+    remove_stale_staging(out.parent)
+    work = out.with_name(f"{out.name}{STAGING}{os.getpid()}")
+    work.mkdir(exist_ok=True)  # one left by an earlier process with our pid is stale too
+    try:
+        staged = work / "f32.gguf"
         _write_f32(cfg, source, staged)
-        partial = Path(work) / out.name
+        partial = work / out.name
         _quantize(staged, partial, kind, threads)
         partial.replace(out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return out

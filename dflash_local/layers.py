@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,6 +14,7 @@ from torch.nn import functional as F
 from kernels import rms_norm
 
 from .errors import DFlashError
+from .weights import check_number
 
 
 class RMSNorm(nn.Module):
@@ -53,6 +56,39 @@ def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
     if "type" in params and params.get("rope_type", "default") == "default":
         params["rope_type"] = params["type"]
     return params
+
+
+ROPE_FIELDS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+def check_rope(config: dict[str, Any], path: Path) -> None:
+    """Raise one sentence naming the file and field unless the RoPE fields (4.x or 5.x layout) can be used."""
+    for key in ("rope_scaling", "rope_parameters"):
+        if config.get(key) is not None and not isinstance(config[key], dict):
+            raise DFlashError(f"{path}: {key} must be an object or null, got {json.dumps(config[key])}.")
+    where = "rope_parameters" if isinstance(config.get("rope_parameters"), dict) else "rope_scaling"
+    params = rope_parameters(config)
+    theta_where = f"{where}.rope_theta" if "rope_theta" in (config.get(where) or {}) else "rope_theta"
+    check_number(params["rope_theta"], theta_where, path)
+    kind = params["rope_type"]
+    if not isinstance(kind, str) or kind not in ROPE_FIELDS:
+        raise DFlashError(
+            f"{path}: RoPE type {json.dumps(kind)} is not supported (supported: default, linear, llama3)."
+        )
+    for field in ROPE_FIELDS[kind]:
+        if field not in params:
+            raise DFlashError(f"{path}: {where} lacks {field}, which {kind} RoPE needs.")
+        check_number(params[field], f"{where}.{field}", path)
+    if kind == "llama3" and params["high_freq_factor"] <= params["low_freq_factor"]:
+        raise DFlashError(f"{path}: {where}.high_freq_factor must be larger than low_freq_factor.")
+    partial = params.get("partial_rotary_factor", 1.0)
+    check_number(partial, f"{where}.partial_rotary_factor", path)
+    if partial > 1:
+        raise DFlashError(f"{path}: {where}.partial_rotary_factor must be at most 1, got {partial}.")
 
 
 def rope_inv_freq(config: dict[str, Any], head_dim: int) -> torch.Tensor:

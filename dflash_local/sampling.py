@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -20,12 +21,13 @@ class SamplingParams:
     top_k: int = 0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise DFlashError("The temperature must be 0 or more.")
-        if not 0 < self.top_p <= 1:
-            raise DFlashError("top-p must be in (0, 1].")
-        if self.top_k < 0:
-            raise DFlashError("top-k must be 0 (off) or more.")
+        temperature = self.temperature
+        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+            raise DFlashError(f"The temperature must be a finite number, 0 or more, got {self.temperature}.")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise DFlashError(f"top-p must be in (0, 1], got {self.top_p}.")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise DFlashError(f"top-k must be a whole number, 0 (off) or more, got {self.top_k}.")
 
     @property
     def greedy(self) -> bool:

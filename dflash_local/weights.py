@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,66 @@ def read_config(folder: Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise DFlashError(f"{path} does not hold a JSON object.")
     return config
+
+
+def _shown(value: Any) -> str:
+    """A config value as JSON, for error messages."""
+    return json.dumps(value)
+
+
+def need(config: dict[str, Any], key: str, path: Path) -> Any:
+    """config[key], or one sentence saying the file lacks it."""
+    if key not in config:
+        raise DFlashError(f"{path} lacks the field {key}.")
+    return config[key]
+
+
+def check_int(value: Any, name: str, path: Path, minimum: int = 1) -> None:
+    """Raise one sentence naming the file and field unless value is an integer of at least minimum."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        what = "a positive integer" if minimum == 1 else f"an integer of at least {minimum}"
+        raise DFlashError(f"{path}: {name} must be {what}, got {_shown(value)}.")
+
+
+def check_number(value: Any, name: str, path: Path, positive: bool = True) -> None:
+    """Raise one sentence naming the file and field unless value is a finite (positive) number."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if not ok or (positive and value <= 0):
+        raise DFlashError(f"{path}: {name} must be a {'positive ' if positive else ''}number, got {_shown(value)}.")
+
+
+def check_optional(config: dict[str, Any], key: str, path: Path, kind: type) -> None:
+    """A field that may be absent or null, else must be true/false (bool) or a positive integer (int)."""
+    value = config.get(key)
+    if value is None:
+        return
+    if kind is bool and not isinstance(value, bool):
+        raise DFlashError(f"{path}: {key} must be true or false, got {_shown(value)}.")
+    if kind is int:
+        check_int(value, key, path)
+
+
+def check_attention_shape(config: dict[str, Any], path: Path) -> None:
+    """Hidden size, head counts and head_dim of a Llama/Qwen3-style config.json: types and divisibility."""
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        check_int(need(config, key, path), key, path)
+    for key in ("num_key_value_heads", "head_dim"):
+        check_optional(config, key, path, int)
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    if heads % kv_heads:
+        raise DFlashError(f"{path}: num_key_value_heads ({kv_heads}) must divide num_attention_heads ({heads}).")
+    head_dim = config.get("head_dim")
+    if head_dim is None:
+        if hidden % heads:
+            raise DFlashError(
+                f"{path}: num_attention_heads ({heads}) must divide hidden_size ({hidden}) when head_dim is absent."
+            )
+        head_dim = hidden // heads
+    if head_dim % 2:
+        raise DFlashError(f"{path}: the head dimension must be even for RoPE, got {head_dim}.")
+    check_number(config.get("rms_norm_eps", 1e-6), "rms_norm_eps", path)
+    check_optional(config, "attention_bias", path, bool)
 
 
 def read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:

@@ -12,10 +12,10 @@ from torch.nn import functional as F
 
 from ..cuda_graphs import StepGraphs, cache_span, graphs_wanted
 from ..errors import DFlashError
-from ..layers import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from ..layers import MLP, RMSNorm, apply_rope, check_rope, rope_cos_sin, rope_inv_freq
 from ..quant import check_quantize, install_4bit, prequantized
 from ..runtime import check_kernels
-from ..weights import load_weights, read_config
+from ..weights import check_attention_shape, check_int, check_optional, load_weights, need, read_config
 from .base import TargetOutput
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3")
@@ -48,11 +48,12 @@ class TargetConfig:
     @classmethod
     def from_dict(cls, config: dict[str, Any], source: Path) -> TargetConfig:
         model_type = config.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
             raise DFlashError(
                 f"{source}: model_type '{model_type}' is not supported by the torch backend "
                 f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})."
             )
+        check_target_config(config, Path(source) / "config.json")
         try:
             hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
             return cls(
@@ -73,6 +74,16 @@ class TargetConfig:
             )
         except KeyError as exc:
             raise DFlashError(f"{source}/config.json lacks the field {exc.args[0]}.") from None
+
+
+def check_target_config(config: dict[str, Any], path: Path) -> None:
+    """Raise one sentence naming the file and field for any value of the wrong type or range in a target config."""
+    check_int(need(config, "vocab_size", path), "vocab_size", path)
+    check_attention_shape(config, path)
+    check_int(config.get("max_position_embeddings", 4096), "max_position_embeddings", path)
+    for key in ("tie_word_embeddings", "mlp_bias"):
+        check_optional(config, key, path, bool)
+    check_rope(config, path)
 
 
 class Attention(nn.Module):
