@@ -6,7 +6,6 @@ drafting and verifying took. `Stats` folds steps into tau, histograms and tokens
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -14,7 +13,9 @@ from typing import Protocol
 
 import torch
 
+from .block_policy import BlockPolicy
 from .errors import DFlashError
+from .runtime import clock
 from .sampling import SamplingParams, accept_greedy, accept_sampled, pick, probabilities
 from .targets.base import Target
 
@@ -30,9 +31,16 @@ class Drafter(Protocol):
     def reset(self) -> None: ...
 
     def propose(
-        self, target: Target, new_features: torch.Tensor | None, tokens: list[int], start: int, size: int
+        self,
+        target: Target,
+        new_features: torch.Tensor | None,
+        tokens: list[int],
+        start: int,
+        size: int,
+        rows: int | None = None,
     ) -> torch.Tensor:
-        """Logits [size - 1, vocab] for positions start+1..start+size-1; tokens[: start + 1] are known."""
+        """Draft a block of `size` at start (tokens[: start + 1] are known); logits [rows, vocab] for positions
+        start+1..start+rows (rows defaults to size - 1)."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +63,7 @@ class Step:
     acceptance_length: int | None
     draft_s: float
     target_s: float
-    block_size: int
+    block_size: int  # tokens this step verified (1: a plain step)
     finish_reason: str | None = None
 
 
@@ -67,18 +75,20 @@ class Stats:
     draft_s: float = 0.0
     target_s: float = 0.0
     acceptance_lengths: list[int] = field(default_factory=list)
+    block_sizes: list[int] = field(default_factory=list)
     block_size: int = 1
     new_tokens: int = 0
     finish_reason: str | None = None
 
     def add(self, step: Step) -> None:
         self.new_tokens += len(step.token_ids)
-        self.block_size = step.block_size
+        self.block_size = max(self.block_size, step.block_size)
         self.finish_reason = step.finish_reason or self.finish_reason
         if step.acceptance_length is None:
             self.prefill_s += step.target_s
             return
         self.acceptance_lengths.append(step.acceptance_length)
+        self.block_sizes.append(step.block_size)
         self.draft_s += step.draft_s
         self.target_s += step.target_s
 
@@ -103,6 +113,10 @@ class Stats:
         counts = Counter(self.acceptance_lengths)
         return {length: counts.get(length, 0) for length in range(1, max(self.block_size, 1) + 1)}
 
+    def block_histogram(self) -> dict[int, int]:
+        """How many steps verified each block size k (1 = plain step), over the sizes used."""
+        return dict(sorted(Counter(self.block_sizes).items()))
+
     def to_dict(self) -> dict:
         return {
             "new_tokens": self.new_tokens,
@@ -110,6 +124,8 @@ class Stats:
             "tau": self.tau,
             "acceptance_histogram": self.histogram(),
             "block_size": self.block_size,
+            "block_sizes": self.block_sizes,
+            "block_histogram": self.block_histogram(),
             "prefill_s": self.prefill_s,
             "time_to_first_token_s": self.prefill_s,
             "decode_s": self.decode_s,
@@ -121,18 +137,12 @@ class Stats:
         }
 
 
-def _clock(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
 def _block_size(drafter: Drafter | None, settings: Settings) -> int:
     if not settings.draft:
         return 1
     if drafter is None:
         raise DFlashError("Drafting is on but no drafter was given (pass a drafter or turn drafting off).")
-    size = settings.block_size or drafter.block_size
+    size = drafter.block_size if settings.block_size is None else settings.block_size
     if not 2 <= size <= drafter.block_size:
         raise DFlashError(
             f"The block size must be between 2 and the drafter's trained {drafter.block_size}, not {size}."
@@ -140,8 +150,17 @@ def _block_size(drafter: Drafter | None, settings: Settings) -> int:
     return size
 
 
-def generate(target: Target, drafter: Drafter | None, prompt_ids: list[int], settings: Settings) -> Iterator[Step]:
-    """Yield the steps of one generation; their token_ids concatenated are the new tokens."""
+def generate(
+    target: Target,
+    drafter: Drafter | None,
+    prompt_ids: list[int],
+    settings: Settings,
+    policy: BlockPolicy | None = None,
+) -> Iterator[Step]:
+    """Yield the steps of one generation; their token_ids concatenated are the new tokens.
+
+    With a policy (and drafting on) each step's verify size comes from it, the drafter drafting its trained block;
+    without one every step drafts and verifies the fixed block size (fewer near the end)."""
     block_size = _block_size(drafter, settings)
     if not prompt_ids:
         raise DFlashError("The prompt is empty.")
@@ -157,6 +176,10 @@ def generate(target: Target, drafter: Drafter | None, prompt_ids: list[int], set
         drafter.check_target(target)
         drafter.reset()
         target.set_feature_layers(drafter.target_layer_ids)
+    if not drafting:
+        policy = None
+    elif policy is not None:
+        policy.start()
     target.reset()
     params = settings.sampling
     generator = None
@@ -170,30 +193,34 @@ def generate(target: Target, drafter: Drafter | None, prompt_ids: list[int], set
         max_length, length_reason = target.max_context, "context"
     ids = torch.tensor(prompt_ids, dtype=torch.long, device=target.device)
 
-    began = _clock(target.device)
+    began = clock(target.device)
     out = target.forward(ids, all_logits=False, features=drafting)
     first = int(pick(out.logits[-1], params, generator))
     tokens = prompt_ids + [first]
-    new_features = out.features
+    pending = [] if out.features is None else [out.features]  # accepted positions' features the drafter lacks
     start = prompt_len
     stopped = first in settings.stop_ids
     done = stopped or start + 1 >= max_length
     reason = ("stop" if stopped else length_reason) if done else None
-    yield Step([first], None, 0.0, _clock(target.device) - began, block_size, reason)
+    yield Step([first], None, 0.0, clock(target.device) - began, block_size, reason)
 
     while not done:
-        verify_size = min(block_size, max_length - start)
+        left = max_length - start
+        verify_size = policy.choose(left) if policy is not None else min(block_size, left)
         block = torch.full((verify_size,), tokens[start], dtype=torch.long, device=target.device)
-        t0 = _clock(target.device)
+        t0 = clock(target.device)
         draft_probs = None
         if verify_size > 1:
-            draft_logits = drafter.propose(target, new_features, tokens, start, verify_size)
+            new_features = (pending[0] if len(pending) == 1 else torch.cat(pending)) if pending else None
+            draft_size = block_size if policy is not None else verify_size
+            draft_logits = drafter.propose(target, new_features, tokens, start, draft_size, verify_size - 1)
+            pending = []
             if params.greedy:
                 block[1:] = draft_logits.argmax(dim=-1)
             else:
                 draft_probs = probabilities(draft_logits, params)
                 block[1:] = torch.multinomial(draft_probs, 1, generator=generator)[:, 0]
-        t1 = _clock(target.device)
+        t1 = clock(target.device)
         out = target.forward(block, all_logits=True, features=drafting)
         if params.greedy:
             accepted, made = accept_greedy(block[1:], out.logits)
@@ -213,18 +240,28 @@ def generate(target: Target, drafter: Drafter | None, prompt_ids: list[int], set
         start += produced
         target.rollback(start)
         if out.features is not None:
-            new_features = out.features[:produced]
-        t2 = _clock(target.device)
+            pending.append(out.features[:produced])
+        t2 = clock(target.device)
+        if policy is not None:
+            policy.observe(verify_size, accepted, t1 - t0, t2 - t1)
         done = stopped or start + 1 >= max_length
         reason = ("stop" if stopped else length_reason) if done else None
-        yield Step(made, produced, t1 - t0, t2 - t1, block_size, reason)
+        yield Step(made, produced, t1 - t0, t2 - t1, verify_size, reason)
+    if policy is not None:
+        policy.save()
 
 
-def run(target: Target, drafter: Drafter | None, prompt_ids: list[int], settings: Settings) -> tuple[list[int], Stats]:
+def run(
+    target: Target,
+    drafter: Drafter | None,
+    prompt_ids: list[int],
+    settings: Settings,
+    policy: BlockPolicy | None = None,
+) -> tuple[list[int], Stats]:
     """Generate to the end; return the new token ids and the stats."""
     stats = Stats()
     new_ids: list[int] = []
-    for step in generate(target, drafter, prompt_ids, settings):
+    for step in generate(target, drafter, prompt_ids, settings, policy):
         new_ids.extend(step.token_ids)
         stats.add(step)
     return new_ids, stats

@@ -326,12 +326,20 @@ class DFlashDrafter:
 
     @torch.inference_mode()
     def propose(
-        self, target: Target, new_features: torch.Tensor, tokens: list[int], start: int, size: int
+        self,
+        target: Target,
+        new_features: torch.Tensor,
+        tokens: list[int],
+        start: int,
+        size: int,
+        rows: int | None = None,
     ) -> torch.Tensor:
-        """Cache the features of positions [length, start); draft [tokens[start], MASK x size-1] at start.
+        """Cache the features of positions [length, start); draft [tokens[start], MASK x size-1] at start and return
+        the logits of its first `rows` drafted positions (default all size-1): the LM head runs on those rows only.
 
         On CUDA, steps with at most `size` new positions replay a CUDA graph of `propose_fixed`.
         """
+        rows = size - 1 if rows is None else rows
         if self.length + new_features.shape[0] != start:
             raise ValueError(f"drafter cache holds {self.length} positions, got features up to {start}")
         block_ids = torch.full((size,), self.cfg.mask_token_id, dtype=torch.long, device=self.device)
@@ -352,7 +360,7 @@ class DFlashDrafter:
                 key, step, features, block_ids, self.length + offsets, start + offsets, context_len
             )
             self.length = start
-            return logits
+            return logits[:rows]
         model = self.model
         positions = torch.arange(self.length, start + size, device=self.device)
         cos, sin = (t[None, None] for t in rope_cos_sin(model.inv_freq, positions, self.dtype))
@@ -366,7 +374,7 @@ class DFlashDrafter:
             past_k, past_v = self.cache_k[index, :, :, :start], self.cache_v[index, :, :, :start]
             x = layer(x, cos[..., num_ctx:, :], sin[..., num_ctx:, :], past_k, past_v)
         self.length = start
-        return model.logits(model.norm(x[0, 1:]), target.lm_head)
+        return model.logits(model.norm(x[0, 1 : rows + 1]), target.lm_head)
 
     def propose_fixed(
         self,

@@ -33,11 +33,15 @@ class PromptLookupDrafter:
                         return found
         return []
 
-    def propose(self, target: Target, new_features, tokens: list[int], start: int, size: int) -> torch.Tensor:
-        """One-hot logits: the lookup continuation, padded by repeating the last known token."""
+    def propose(
+        self, target: Target, new_features, tokens: list[int], start: int, size: int, rows: int | None = None
+    ) -> torch.Tensor:
+        """One-hot logits for the first `rows` (default size-1) positions: the lookup continuation, padded by
+        repeating the last known token."""
+        rows = size - 1 if rows is None else rows
         known = tokens[: start + 1]
-        guess = self.continuation(known, size - 1)
-        guess += [guess[-1] if guess else known[-1]] * (size - 1 - len(guess))
-        logits = torch.full((size - 1, target.vocab_size), -1e4, device=target.device)
-        logits[torch.arange(size - 1), torch.tensor(guess, device=target.device)] = 0.0
+        guess = self.continuation(known, rows)
+        guess += [guess[-1] if guess else known[-1]] * (rows - len(guess))
+        logits = torch.full((rows, target.vocab_size), -1e4, device=target.device)
+        logits[torch.arange(rows), torch.tensor(guess, device=target.device)] = 0.0
         return logits

@@ -174,8 +174,13 @@ class NativeDrafter:
                 self._add(llama_cpp.llama_batch_ext_add_embd(self._batch, 0, embd), start + offset + row)
             self._process()
 
-    def propose(self, target, new_features: torch.Tensor, tokens: list[int], start: int, size: int) -> torch.Tensor:
-        """Cache the features of positions [length, start); logits for [tokens[start], MASK x size-1] at start."""
+    def propose(
+        self, target, new_features: torch.Tensor, tokens: list[int], start: int, size: int, rows: int | None = None
+    ) -> torch.Tensor:
+        """Cache the features of positions [length, start); draft [tokens[start], MASK x size-1] at start and return
+        the logits of its first `rows` drafted positions (default all size-1); llama.cpp's dflash graph computes the
+        head on every row (it prunes no outputs), so a smaller `rows` saves only the copy."""
+        rows = size - 1 if rows is None else rows
         if self.length + new_features.shape[0] != start:
             raise ValueError(f"drafter cache holds {self.length} positions, got features up to {start}")
         llama_cpp.llama_memory_seq_rm(self._memory, 0, self.length, -1)
@@ -185,14 +190,15 @@ class NativeDrafter:
             token = tokens[start] if index == 0 else self.cfg.mask_token_id
             slot = llama_cpp.llama_batch_ext_add_token(self._batch, 0, token)
             self._add(slot, start + index)
-            llama_cpp.llama_batch_ext_set_output_logits(self._batch, slot, True)
+            llama_cpp.llama_batch_ext_set_output_logits(self._batch, slot, True)  # its graph has no output pruning
         self._process()
         self.length = start
         vocab = target.vocab_size
-        rows = [
-            np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, i), shape=(vocab,)) for i in range(1, size)
+        drafted = [
+            np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, i), shape=(vocab,))
+            for i in range(1, rows + 1)
         ]
-        logits = torch.from_numpy(np.stack(rows)).to(target.device) * self.cfg.output_multiplier
+        logits = torch.from_numpy(np.stack(drafted)).to(target.device) * self.cfg.output_multiplier
         cap = self.cfg.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits
 

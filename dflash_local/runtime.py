@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from kernels import check_triton, kernel_mode
@@ -49,3 +51,10 @@ def check_kernels(device: str | torch.device) -> None:
             check_triton(torch.device(device).type == "cuda")
     except ValueError as exc:
         raise DFlashError(str(exc)) from None
+
+
+def clock(device: torch.device) -> float:
+    """Seconds, after the device's queued work is done (one sync per call on CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()

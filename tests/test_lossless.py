@@ -35,11 +35,12 @@ class OracleDrafter:
     def reset(self) -> None:
         pass
 
-    def propose(self, target, new_features, tokens, start, size):
+    def propose(self, target, new_features, tokens, start, size, rows=None):
         assert self.truth[: start + 1] == tokens
         self.calls += 1
-        logits = torch.zeros(size - 1, self.vocab_size)
-        for row, position in enumerate(range(start + 1, start + size)):
+        rows = size - 1 if rows is None else rows
+        logits = torch.zeros(rows, self.vocab_size)
+        for row, position in enumerate(range(start + 1, start + 1 + rows)):
             token = self.truth[position] if position < len(self.truth) else 0
             if self.rng.random() < self.error_rate:
                 token = (token + 1 + self.rng.randrange(self.vocab_size - 1)) % self.vocab_size

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from scipy.stats import chisquare
 from tiny_models import make_drafter, make_target
 
 import dflash_local.decode as decode
+from dflash_local.block_policy import AcceptanceEstimate, BlockPolicy, CostTable
 from dflash_local.decode import Settings, run
 from dflash_local.drafter import DFlashDrafter
 from dflash_local.sampling import SamplingParams, probabilities
@@ -38,11 +40,12 @@ def _exact_distribution(target, params: SamplingParams) -> dict[tuple[int, ...],
     return table
 
 
-def _p_value(target, drafter, params: SamplingParams) -> float:
+def _p_value(target, drafter, params: SamplingParams, policy: BlockPolicy | None = None) -> float:
     exact = _exact_distribution(target, params)
     counts = dict.fromkeys(exact, 0)
+    settings = Settings(max_new_tokens=NEW_TOKENS, sampling=params)
     for seed in range(SAMPLES):
-        ids, _ = run(target, drafter, PROMPT, Settings(max_new_tokens=NEW_TOKENS, sampling=params, seed=seed))
+        ids, _ = run(target, drafter, PROMPT, replace(settings, seed=seed), policy)
         counts[tuple(ids)] += 1
     # Pool sequences whose expected count is small into one cell so the chi-square test is valid.
     observed, expected, pooled_obs, pooled_exp = [], [], 0, 0.0
@@ -71,6 +74,19 @@ def _p_value(target, drafter, params: SamplingParams) -> float:
 def test_dflash_sampling_matches_target_distribution(pair, params):
     target, drafter = pair
     assert _p_value(target, drafter, params) > 1e-3
+
+
+def test_auto_block_sampling_matches_target_distribution(pair):
+    """Verify sizes 1..B picked per step by the policy (costs where plain, short and full blocks all compete)."""
+    target, drafter = pair
+    block = drafter.block_size
+    costs = CostTable({k: 1.0 + 0.3 * (k - 1) for k in range(1, block + 1)}, dict.fromkeys(range(2, block + 1), 0.2))
+    policy = BlockPolicy(block, costs, AcceptanceEstimate.empty(block - 1, 0.999))
+    used = []
+    original = policy.choose
+    policy.choose = lambda limit: used.append(original(limit)) or used[-1]
+    assert _p_value(target, drafter, SamplingParams(temperature=1.0), policy) > 1e-3
+    assert 1 in used and len(set(used)) >= 2, set(used)  # plain steps and drafting steps both sampled
 
 
 def test_biased_sampler_is_detected(pair, monkeypatch):

@@ -1,0 +1,252 @@
+"""The block size of each step, chosen from measured costs and running acceptance estimates (k = 1: a plain step).
+
+Each step verifies k tokens: the known token plus k-1 drafts. The drafter always drafts its trained block (shorter
+blocks change what it proposes) and returns only the k-1 rows the step verifies. Expected tokens for k come from
+per-position acceptance rates, each conditional on the positions before it being accepted, as decoding sees them:
+E[k] = 1 + sum_{i<k} prod_{j<=i} p_j. The policy picks the k with the most expected tokens per second of measured
+cost; when plain steps win it still probes the drafter now and then, at a bounded share of the decode time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .atomic import write_text_atomic
+from .runtime import clock
+
+PRIOR_RATE = 0.8  # acceptance assumed for a drafter with no history: optimistic, so drafting is tried and measured
+PRIOR_WEIGHT = 2.0  # pseudo-observations the prior (the drafter's history) is worth per position
+DECAY = 0.95  # per-step forgetting of this generation's observations: the estimate follows the text
+HISTORY_DECAY = 0.999  # per-step forgetting of the drafter's history across generations
+COST_WEIGHT = 0.2  # weight of one timed step in the running costs
+PROBE_SHARE = 0.03  # probes may cost at most this share of plain decoding time
+MAX_PROBE_INTERVAL = 4096  # plain steps between probes at most
+CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+CALIBRATION_CONTEXT = 64
+
+
+@dataclass
+class CostTable:
+    """Seconds per step by verify size k: the target's forward of k tokens, and the drafter's step for k-1 rows."""
+
+    target_s: dict[int, float]
+    draft_s: dict[int, float]
+
+    def step_s(self, k: int) -> float:
+        return self.target_s[k] + (self.draft_s[k] if k > 1 else 0.0)
+
+    def observe(self, k: int, draft_s: float, target_s: float) -> None:
+        """Move the costs toward one timed step of size k: each part's level follows, its calibrated shape over k
+        stays (a slower context or a busy machine slows every k alike); one stall moves little (clamped, averaged)."""
+        _rescale(self.target_s, _blend(self.target_s[k], target_s) / self.target_s[k])
+        if k > 1:
+            _rescale(self.draft_s, _blend(self.draft_s[k], draft_s) / self.draft_s[k])
+
+    def to_dict(self) -> dict:
+        return {"target_s": self.target_s, "draft_s": self.draft_s}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CostTable:
+        return cls(
+            {int(k): float(v) for k, v in data["target_s"].items()},
+            {int(k): float(v) for k, v in data["draft_s"].items()},
+        )
+
+
+def _rescale(costs: dict[int, float], factor: float) -> None:
+    for k in costs:
+        costs[k] *= factor
+
+
+def _blend(old: float, new: float) -> float:
+    new = min(max(new, 0.5 * old), 2.0 * old)
+    return (1 - COST_WEIGHT) * old + COST_WEIGHT * new
+
+
+def interpolate(measured: dict[int, float], sizes: range) -> dict[int, float]:
+    """Linear interpolation (and flat extrapolation) of costs measured at some sizes to every size."""
+    known = sorted(measured)
+    table = {}
+    for k in sizes:
+        below = max((m for m in known if m <= k), default=known[0])
+        above = min((m for m in known if m >= k), default=known[-1])
+        if below == above:
+            table[k] = measured[below]
+        else:
+            share = (k - below) / (above - below)
+            table[k] = measured[below] + share * (measured[above] - measured[below])
+    return table
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Decayed counts per draft position j: how often j was reached (drafts before it accepted) and accepted."""
+
+    reached: list[float]
+    accepted: list[float]
+    decay: float
+
+    @classmethod
+    def empty(cls, positions: int, decay: float) -> AcceptanceEstimate:
+        return cls([0.0] * positions, [0.0] * positions, decay)
+
+    def observe(self, drafts: int, accepted: int) -> None:
+        """One step that verified `drafts` drafted positions and accepted the first `accepted` of them."""
+        self.reached = [r * self.decay for r in self.reached]
+        self.accepted = [a * self.decay for a in self.accepted]
+        for j in range(min(drafts, accepted + 1)):
+            self.reached[j] += 1.0
+            self.accepted[j] += 1.0 if j < accepted else 0.0
+
+    def rates(self, prior: list[float]) -> list[float]:
+        """Posterior mean per position, the prior counting PRIOR_WEIGHT observations."""
+        return [
+            (a + PRIOR_WEIGHT * p) / (r + PRIOR_WEIGHT)
+            for a, r, p in zip(self.accepted, self.reached, prior, strict=True)
+        ]
+
+
+def expected_tokens(rates: list[float], k: int) -> float:
+    """Tokens a step of verify size k makes on average: the bonus token plus each accepted draft."""
+    total, run = 1.0, 1.0
+    for rate in rates[: k - 1]:
+        run *= rate
+        total += run
+    return total
+
+
+@dataclass
+class BlockPolicy:
+    """Picks each step's k in 1..block_size from costs and acceptance; learns both from the steps it sees."""
+
+    block_size: int
+    costs: CostTable
+    history: AcceptanceEstimate
+    path: Path | None = None
+    current: AcceptanceEstimate = field(init=False)
+    plain_run: int = field(default=0, init=False)
+    probes: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        self.start()
+
+    def start(self) -> None:
+        """A new generation: fresh estimates for this text, with the drafter's history as their prior."""
+        self.current = AcceptanceEstimate.empty(self.block_size - 1, DECAY)
+        self.plain_run = 0
+        self.probes = 0
+
+    def rates(self) -> list[float]:
+        prior = self.history.rates([PRIOR_RATE] * (self.block_size - 1))
+        return self.current.rates(prior)
+
+    def speed(self, k: int, rates: list[float]) -> float:
+        """Expected tokens per second at verify size k."""
+        return expected_tokens(rates, k) / self.costs.step_s(k)
+
+    def choose(self, limit: int) -> int:
+        """The verify size for the next step, at most `limit` (tokens left); 1 means a plain step, no drafter."""
+        top = min(self.block_size, limit)
+        if top < 2:
+            return 1
+        rates = self.rates()
+        best_draft = max(range(2, top + 1), key=lambda k: self.speed(k, rates))
+        if self.speed(best_draft, rates) > self.speed(1, rates):
+            self.plain_run = 0
+            return best_draft
+        self.plain_run += 1
+        if self.plain_run >= self.probe_interval(best_draft):
+            self.plain_run = 0
+            self.probes += 1
+            return best_draft
+        return 1
+
+    def probe_interval(self, k: int) -> int:
+        """Plain steps between probes at k: the probe's extra cost stays under PROBE_SHARE, doubling per probe."""
+        extra = max(self.costs.step_s(k) - self.costs.step_s(1), 0.0)
+        steps = extra / (PROBE_SHARE * self.costs.step_s(1))
+        return min(max(1, round(steps)) << min(self.probes, 12), MAX_PROBE_INTERVAL)
+
+    def observe(self, k: int, accepted: int, draft_s: float, target_s: float) -> None:
+        """Learn from one step: its verify size, how many drafts it accepted, and what it cost."""
+        self.costs.observe(k, draft_s, target_s)
+        if k > 1:
+            self.current.observe(k - 1, accepted)
+            self.history.observe(k - 1, accepted)
+
+    def save(self) -> None:
+        """Keep the costs and the drafter's history for the next load of the same pair on this machine."""
+        if self.path is None:
+            return
+        data = {
+            "block_size": self.block_size,
+            "costs": self.costs.to_dict(),
+            "history": {"reached": self.history.reached, "accepted": self.history.accepted},
+        }
+        write_text_atomic(self.path, json.dumps(data))
+
+
+def cost_key(parts: dict) -> str:
+    """A file name for one (model pair, backend, device, threads) combination."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def load_policy(path: Path, block_size: int, calibrate: Callable[[], CostTable]) -> BlockPolicy:
+    """The policy saved at path for this pair and machine, or a fresh one from a calibration run now."""
+    try:
+        data = json.loads(path.read_text())
+        if data["block_size"] == block_size:
+            history = AcceptanceEstimate(data["history"]["reached"], data["history"]["accepted"], HISTORY_DECAY)
+            costs = CostTable.from_dict(data["costs"])
+            if len(history.reached) == block_size - 1 and set(costs.target_s) == set(range(1, block_size + 1)):
+                return BlockPolicy(block_size, costs, history, path)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    policy = BlockPolicy(block_size, calibrate(), AcceptanceEstimate.empty(block_size - 1, HISTORY_DECAY), path)
+    policy.save()
+    return policy
+
+
+def measure_costs(target, drafter, repeats: int = 2) -> CostTable:
+    """Time the target's forward of k tokens and the drafter's step for k-1 rows on a short random context.
+
+    Sizes between the measured ones are interpolated; both models are reset afterwards.
+    """
+    block = drafter.block_size
+    sizes = [k for k in CALIBRATION_SIZES if k < block] + [block]
+    generator = torch.Generator().manual_seed(0)
+    context = torch.randint(0, target.vocab_size, (CALIBRATION_CONTEXT + block,), generator=generator)
+    ids = context.to(target.device)
+    target.set_feature_layers(drafter.target_layer_ids)
+    drafter.reset()
+    target.reset()
+    features = target.forward(ids[:CALIBRATION_CONTEXT], all_logits=False).features
+    tokens = context.tolist()
+    drafter.propose(target, features, tokens, CALIBRATION_CONTEXT, block, 1)
+    no_features = features[:0]
+    target_s: dict[int, float] = {}
+    draft_s: dict[int, float] = {}
+    for k in sizes:
+        timings_t, timings_d = [], []
+        for _ in range(repeats + 1):  # the first run warms up
+            began = clock(target.device)
+            target.forward(ids[CALIBRATION_CONTEXT : CALIBRATION_CONTEXT + k])
+            timings_t.append(clock(target.device) - began)
+            target.rollback(CALIBRATION_CONTEXT)
+            if k > 1:
+                began = clock(target.device)
+                drafter.propose(target, no_features, tokens, CALIBRATION_CONTEXT, block, k - 1)
+                timings_d.append(clock(target.device) - began)
+        target_s[k] = min(timings_t[1:])
+        if k > 1:
+            draft_s[k] = min(timings_d[1:])
+    target.reset()
+    drafter.reset()
+    every = range(1, block + 1)
+    return CostTable(interpolate(target_s, every), interpolate(draft_s, range(2, block + 1)))

@@ -1,0 +1,169 @@
+"""The cost-aware block size: choices from scripted costs and acceptances, learning, caching, and losslessness."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_lossless import PROMPTS, OracleDrafter, _autoregressive
+
+from dflash_local.block_policy import (
+    HISTORY_DECAY,
+    PROBE_SHARE,
+    AcceptanceEstimate,
+    BlockPolicy,
+    CostTable,
+    expected_tokens,
+    load_policy,
+    measure_costs,
+)
+from dflash_local.decode import Settings, run
+from dflash_local.drafter import DFlashDrafter
+from dflash_local.targets.torch_llama import TorchLlamaTarget
+
+TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"
+
+
+def policy_with(target: dict[int, float], draft: dict[int, float], rate: float, block: int = 16) -> BlockPolicy:
+    """A policy with scripted costs and a drafter history that accepted each position at `rate` (1000 steps)."""
+    history = AcceptanceEstimate([1000.0] * (block - 1), [1000.0 * rate] * (block - 1), HISTORY_DECAY)
+    return BlockPolicy(block, CostTable(target, draft), history)
+
+
+def linear(base: float, per_token: float, block: int = 16, first: int = 1) -> dict[int, float]:
+    return {k: base + per_token * (k - 1) for k in range(first, block + 1)}
+
+
+def test_expected_tokens_multiplies_conditional_rates():
+    assert expected_tokens([0.5, 0.5, 0.5], 1) == 1.0
+    assert expected_tokens([0.5, 0.5, 0.5], 3) == 1.0 + 0.5 + 0.25
+    assert expected_tokens([1.0, 0.0, 1.0], 4) == 2.0  # nothing past a position that is never accepted
+
+
+def test_full_block_when_verify_is_free():
+    policy = policy_with(linear(1.0, 0.0), linear(0.1, 0.0, first=2), rate=0.8)
+    assert policy.choose(100) == 16
+    assert policy.choose(5) == 5  # never more than the tokens left
+
+
+def test_plain_steps_when_drafting_loses_with_bounded_probes():
+    costs_t, costs_d = linear(1.0, 0.5), linear(2.0, 0.0, first=2)
+    policy = policy_with(costs_t, costs_d, rate=0.3)
+    choices = [policy.choose(100) for _ in range(2000)]
+    probes = [k for k in choices if k > 1]
+    assert choices[0] == 1
+    assert 1 <= len(probes) <= 8  # it keeps probing, ever more rarely
+    extra = sum(policy.costs.step_s(k) - policy.costs.step_s(1) for k in probes)
+    assert extra <= 2 * PROBE_SHARE * len(choices) * policy.costs.step_s(1)
+
+
+def test_in_between_block():
+    # verify costs 1 + 0.25(k-1), drafting 0.25, each draft accepted with p = 0.6: tokens per second of cost
+    # k=1: 1/1 = 1.0, k=2: 1.6/1.5 = 1.067, k=3: 1.96/1.75 = 1.12, k=4: 2.176/2.0 = 1.088, k=5: 2.31/2.25 = 1.02.
+    policy = policy_with(linear(1.0, 0.25), linear(0.25, 0.0, first=2), rate=0.6)
+    assert policy.choose(100) == 3
+
+
+def test_learns_to_stop_and_to_resume_drafting():
+    policy = BlockPolicy(8, CostTable(linear(1.0, 0.05, 8), linear(0.5, 0.0, 8, 2)), AcceptanceEstimate.empty(7, 1.0))
+    first = policy.choose(100)
+    assert first > 1  # no history: the optimistic prior tries drafting
+    for _ in range(40):
+        k = policy.choose(100)
+        if k > 1:
+            policy.observe(k, 0, 0.5, 1.0)  # nothing accepted
+    assert policy.choose(100) == 1
+    for _ in range(5000):  # now the text is predictable: the next probes accept everything
+        k = policy.choose(100)
+        if k > 1:
+            policy.observe(k, k - 1, 0.5, 1.0)
+            if policy.choose(100) > 1:
+                break
+    assert policy.choose(100) == 8
+
+
+def test_costs_follow_timed_steps():
+    """Same acceptance (3 drafts per step), different timings: the drafter measured 50x slower than calibrated
+    makes plain steps win, the calibrated one keeps drafting."""
+    slow, steady = (policy_with(linear(1.0, 0.0), linear(0.1, 0.0, first=2), rate=0.8) for _ in range(2))
+    for _ in range(50):
+        slow.observe(16, 3, 5.0, 1.0)
+        steady.observe(16, 3, 0.1, 1.0)
+    assert slow.costs.draft_s[2] > 4.0  # every k's drafter cost follows
+    assert slow.choose(100) == 1
+    assert steady.choose(100) > 1
+
+
+def test_policy_is_cached_per_pair(tmp_path):
+    calls = []
+
+    def calibrate() -> CostTable:
+        calls.append(1)
+        return CostTable(linear(1.0, 0.1, 4), linear(0.2, 0.0, 4, 2))
+
+    path = tmp_path / "costs" / "pair.json"
+    first = load_policy(path, 4, calibrate)
+    first.observe(3, 2, 0.2, 1.2)
+    first.save()
+    second = load_policy(path, 4, calibrate)
+    assert len(calls) == 1
+    assert second.history.accepted == first.history.accepted and second.history.accepted[1] > 0
+    assert second.costs.target_s == first.costs.target_s
+    path.write_text("{not json")
+    load_policy(path, 4, calibrate)
+    assert len(calls) == 2
+    load_policy(path, 8, lambda: CostTable(linear(1.0, 0.1, 8), linear(0.2, 0.0, 8, 2)))
+    assert json.loads(path.read_text())["block_size"] == 8
+
+
+def test_measured_costs_cover_every_size_and_leave_models_reset():
+    target = TorchLlamaTarget.load(TINY / "target", max_context=256)
+    drafter = DFlashDrafter.load(TINY / "drafter", max_context=256)
+    costs = measure_costs(target, drafter, repeats=1)
+    assert sorted(costs.target_s) == list(range(1, 17)) and sorted(costs.draft_s) == list(range(2, 17))
+    assert all(v > 0 for v in [*costs.target_s.values(), *costs.draft_s.values()])
+    assert target.length == 0 and drafter.length == 0
+
+
+@pytest.fixture(scope="module")
+def target(llama_target) -> TorchLlamaTarget:
+    return TorchLlamaTarget.load(llama_target)
+
+
+@pytest.mark.parametrize("error_rate", [0.15, 0.95])
+def test_auto_block_is_lossless(target, error_rate):
+    """Greedy ids equal autoregressive ones whatever k the policy picks, plain steps and probes included."""
+    policy = policy_with(linear(1.0, 0.1), linear(0.3, 0.0, first=2), rate=0.8)
+    sizes = set()
+    for index, prompt in enumerate(PROMPTS):
+        max_new = 20 + index * 3
+        expected = _autoregressive(target, prompt, max_new)
+        drafter = OracleDrafter(prompt + expected + [0] * 32, target.vocab_size, error_rate=error_rate, seed=index)
+        ids, stats = run(target, drafter, prompt, Settings(max_new_tokens=max_new), policy)
+        assert ids == expected
+        assert sum(stats.acceptance_lengths) + 1 == len(ids)
+        assert all(1 <= n <= k for n, k in zip(stats.acceptance_lengths, stats.block_sizes, strict=True))
+        sizes.update(stats.block_sizes)
+    assert len(sizes) >= 3, sizes
+    if error_rate > 0.5:
+        assert 1 in sizes  # drafting lost: plain steps
+
+
+def test_plain_steps_between_drafts_keep_the_drafter_context():
+    """The bundled pair with verify sizes scripted as 1, 1, 16, 4, 1, 16, ...: the drafter receives the features of
+    the plain steps' positions too (a gap would raise), drafts as well as with full blocks, and ids stay AR's."""
+    target = TorchLlamaTarget.load(TINY / "target", max_context=512)
+    drafter = DFlashDrafter.load(TINY / "drafter", max_context=512)
+    prompt = json.loads((TINY / "heldout_prompts.jsonl").read_text().splitlines()[2])["prompt"]
+    from dflash_local.tokenizer import TextTokenizer
+
+    ids = TextTokenizer.load(TINY / "target").encode(prompt)
+    expected, _ = run(target, None, ids, Settings(max_new_tokens=96, draft=False))
+    policy = policy_with(linear(1.0, 0.0), linear(0.1, 0.0, first=2), rate=0.8)
+    script = iter([1, 1, 16, 4, 1] * 100)
+    policy.choose = lambda limit: min(next(script), limit)
+    got, stats = run(target, drafter, ids, Settings(max_new_tokens=96), policy)
+    assert got == expected
+    full = [n for n, k in zip(stats.acceptance_lengths, stats.block_sizes, strict=True) if k == 16]
+    assert sum(full) / len(full) > 2.5, full
