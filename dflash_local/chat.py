@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import sys
-from contextlib import nullcontext
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from typing import TextIO
+from typing import BinaryIO, TextIO
 
-from rich.console import Console, Group
+from rich.cells import cell_len, chop_cells
+from rich.console import Console, ConsoleOptions, RenderResult
 from rich.live import Live
 from rich.text import Text
 
@@ -55,54 +56,138 @@ def status_line(stats: Stats, draft: bool) -> str:
     return " · ".join(parts)
 
 
-class Chat:
-    """One chat session over loaded models, writing to a console."""
+def finished_rows(text: str, width: int) -> tuple[list[str], str]:
+    """Split growing text into rows that are final (ended lines, full-width rows cut at a space) and the rest."""
+    *rows, rest = text.split("\n")
+    while cell_len(rest) > width:
+        head = chop_cells(rest, width)[0]
+        cut = head.rfind(" ")
+        cut = cut + 1 if cut > 0 else len(head)
+        rows.append(rest[:cut].rstrip(" "))
+        rest = rest[cut:]
+    return rows, rest
 
-    def __init__(self, models: LoadedModels, settings: Settings, console: Console) -> None:
+
+class TerminalAnswer:
+    """An answer streaming on a terminal: final rows are printed once, above a live region that holds only the
+    unfinished row and the status line (so an answer taller than the terminal is never cropped)."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.live: Live | None = None
+        self.rest = self.status = ""
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        """The live region, as it is now (rich redraws it after anything printed above it)."""
+        if self.rest:
+            yield Text(self.rest)
+        yield Text(self.status, style="dim")
+
+    def update(self, delta: str, status: str) -> None:
+        if self.live is None:
+            self.live = Live(self, console=self.console, auto_refresh=False)
+            self.live.start()
+        rows, self.rest = finished_rows(self.rest + delta, self.console.width)
+        self.status = status
+        if rows:
+            self.console.print(Text("\n".join(rows)))
+        else:
+            self.live.refresh()
+
+    def close(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+
+
+class PipedAnswer:
+    """An answer going to a pipe: its exact text streams to stdout, the status line goes to stderr."""
+
+    def __init__(self, out: Console, notes: Console) -> None:
+        self.out, self.notes = out, notes
+        self.status = ""
+
+    def update(self, delta: str, status: str) -> None:
+        self.out.file.write(delta)
+        self.out.file.flush()
+        self.status = status
+
+    def close(self) -> None:
+        if self.status:
+            self.out.file.write("\n")
+            self.out.file.flush()
+            self.notes.print(self.status, markup=False)
+
+
+class Chat:
+    """One chat session over loaded models: answers go to `console`, status lines and notices to `notes`."""
+
+    def __init__(
+        self, models: LoadedModels, settings: Settings, console: Console, notes: Console | None = None
+    ) -> None:
         if models.tokenizer is None:
             raise DFlashError("The model has no tokenizer.json, so it cannot chat.")
         self.models = models
         self.console = console
+        self.notes = notes or console
         self.state = ChatState(settings)
 
-    def prompt_ids(self) -> list[int]:
-        """The conversation as ids, dropping the oldest turns (and saying so) until it fits."""
+    def fit(self, messages: list[dict[str, str]]) -> tuple[list[dict[str, str]], list[int]]:
+        """The newest turns that fit with room for the answer, and their ids; the new message must fit alone."""
         room = self.models.target.max_context - self.state.settings.max_new_tokens
-        while True:
-            ids = self.models.tokenizer.encode_chat(self.state.messages, add_generation_prompt=True)
-            if len(ids) <= room or len(self.state.messages) <= 1:
-                break
-            self.state.messages = self.state.messages[2:]
-            self.console.print("[dim](context full: dropped the oldest turn)[/dim]")
+        encode = self.models.tokenizer.encode_chat
+        ids = encode(messages, add_generation_prompt=True)
         if len(ids) > room:
-            raise DFlashError("This message alone does not fit the context; send a shorter one.")
-        return ids
+            alone = len(encode(messages[-1:], add_generation_prompt=True))
+            if alone > room:
+                raise DFlashError(
+                    f"This message is {alone} tokens, and the {self.models.target.max_context}-token context keeps "
+                    f"{self.state.settings.max_new_tokens} for the answer; send a shorter one."
+                )
+        while len(ids) > room:
+            messages = messages[2:]
+            ids = encode(messages, add_generation_prompt=True)
+        return messages, ids
 
     def answer(self, text: str) -> None:
-        """Stream the model's answer to one user message; Ctrl-C stops it early."""
-        self.state.messages.append({"role": "user", "content": text})
-        ids = self.prompt_ids()
-        settings = self.state.settings
+        """Stream the answer to one user message; the turn joins the history only once the answer starts.
+
+        Ctrl-C before the first token (rendering, prefill) leaves the history untouched and propagates;
+        Ctrl-C while decoding keeps the partial answer and returns.
+        """
+        candidate = [*self.state.messages, {"role": "user", "content": text}]
+        messages, ids = self.fit(candidate)
+        settings, stats = self.state.settings, Stats()
         drafter = self.models.drafter if settings.draft else None
-        stats, detok, reply = Stats(), Detokenizer(self.models.tokenizer), ""
-        live = Live(console=self.console, auto_refresh=False) if self.console.is_terminal else nullcontext()
+        detok = Detokenizer(self.models.tokenizer)
+        view = TerminalAnswer(self.console) if self.console.is_terminal else PipedAnswer(self.console, self.notes)
+        turn: dict[str, str] | None = None
         try:
-            with live:
+            try:
                 for step in generate(self.models.target, drafter, ids, settings):
+                    if turn is None:
+                        turn = self.commit(messages, (len(candidate) - len(messages)) // 2)
                     stats.add(step)
-                    reply += detok.add([t for t in step.token_ids if t not in settings.stop_ids])
-                    if isinstance(live, Live):
-                        status = Text(status_line(stats, settings.draft), style="dim")
-                        live.update(Group(Text(reply), status), refresh=True)
+                    # the stop token's text never shows, even with --ignore-eos (which generates past it)
+                    delta = detok.add([t for t in step.token_ids if t not in self.models.stop_ids])
+                    turn["content"] += delta
+                    view.update(delta, status_line(stats, settings.draft))
+            finally:
+                view.close()
         except KeyboardInterrupt:
-            self.console.print("[dim](stopped)[/dim]")
-        if not isinstance(live, Live):
-            self.console.print(reply, markup=False)
-            self.console.print(status_line(stats, settings.draft), markup=False)
-        self.state.messages.append({"role": "assistant", "content": reply})
+            if turn is None:
+                raise
+            self.notes.print("[dim](stopped)[/dim]")
         self.state.last = stats
         self.state.session_tokens += stats.new_tokens
         self.state.session_decode_s += stats.decode_s
+
+    def commit(self, messages: list[dict[str, str]], dropped: int) -> dict[str, str]:
+        """Make the fitted conversation the history, with an empty answer turn to fill; say what was dropped."""
+        turn = {"role": "assistant", "content": ""}
+        self.state.messages = [*messages, turn]
+        if dropped:
+            self.notes.print(f"[dim](context full: dropped the oldest {dropped} turn{'s' * (dropped > 1)})[/dim]")
+        return turn
 
     def command(self, line: str) -> bool:
         """Run a slash command; False means quit."""
@@ -111,12 +196,12 @@ class Chat:
         if name in ("/quit", "/exit", "/bye"):
             return False
         if name == "/help":
-            self.console.print(HELP)
+            self.console.print(HELP, markup=False)
         elif name == "/reset":
             state.messages = []
             self.console.print("(conversation cleared)")
         elif name == "/stats":
-            self.console.print(self.stats_text())
+            self.console.print(self.stats_text(), markup=False)
         elif name == "/temp":
             temp = _number(arg, float, "/temp needs a number, e.g. /temp 0.7")
             sampling = SamplingParams(temp, state.settings.sampling.top_p, state.settings.sampling.top_k)
@@ -137,7 +222,7 @@ class Chat:
             state.settings = replace(state.settings, draft=arg == "on")
             self.console.print(f"(drafting {arg})")
         else:
-            self.console.print(f"unknown command {name}; /help lists them")
+            self.console.print(f"unknown command {name}; /help lists them", markup=False)
         return True
 
     def stats_text(self) -> str:
@@ -160,31 +245,59 @@ def _number(text: str, kind: type, message: str):
         raise DFlashError(message) from None
 
 
+def piped_lines(stream: BinaryIO) -> Iterator[str]:
+    """Lines of a byte stream as text; bytes that are not valid UTF-8 become U+FFFD and the line is still answered."""
+    for raw in stream:
+        yield raw.decode("utf-8", errors="replace")
+
+
 def run_chat(models: LoadedModels, settings: Settings, stdin: TextIO = sys.stdin) -> None:
-    """Interactive loop on a terminal; on a pipe, one answer per input line."""
-    interactive = stdin.isatty()
-    console = Console(highlight=False, force_terminal=interactive or None)
-    chat = Chat(models, settings, console)
-    if interactive:
-        console.print("[dim]type a message, /help for commands, /quit to leave[/dim]")
+    """Interactive loop on a terminal; on a pipe, one answer per input line.
+
+    On a pipe, answers go to stdout, status lines and `error: ...` lines to stderr, and the process exits
+    with status 1 when the last line failed.
+    """
+    if stdin.isatty():
+        chat = Chat(models, settings, Console(highlight=False, force_terminal=True))
+        _interactive(chat)
+        return
+    out, notes = Console(highlight=False, soft_wrap=True), Console(highlight=False, soft_wrap=True, stderr=True)
+    chat, failed = Chat(models, settings, out, notes), False
+    for line in piped_lines(stdin.buffer):
+        if line.strip():
+            failed = _turn(chat, line.strip())
+            if failed is None:
+                break
+    if failed:
+        raise SystemExit(1)
+
+
+def _interactive(chat: Chat) -> None:
+    """Read and answer lines until /quit or Ctrl-D."""
+    console = chat.console
+    console.print("[dim]type a message, /help for commands, /quit to leave[/dim]")
     while True:
         try:
-            line = console.input("[bold]>>> [/bold]") if interactive else stdin.readline()
+            line = console.input("[bold]>>> [/bold]").strip()
         except EOFError:
             break
         except KeyboardInterrupt:
             console.print("\n[dim](Ctrl-D or /quit to leave)[/dim]")
             continue
-        if not interactive and line == "":
+        if line and _turn(chat, line) is None:
             break
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            if line.startswith("/"):
-                if not chat.command(line):
-                    break
-            else:
-                chat.answer(line)
-        except DFlashError as exc:
-            console.print(f"error: {exc}")
+
+
+def _turn(chat: Chat, line: str) -> bool | None:
+    """Run one line; an error or Ctrl-C ends it in one line, not the session. True: it failed; None: quit."""
+    try:
+        if not line.startswith("/"):
+            chat.answer(line)
+        elif not chat.command(line):
+            return None
+    except DFlashError as exc:
+        chat.notes.print(f"error: {exc}", markup=False, soft_wrap=True)
+        return True
+    except KeyboardInterrupt:
+        chat.notes.print("[dim](stopped)[/dim]")
+    return False

@@ -1,17 +1,120 @@
-"""Rendering a model's Jinja chat template in a sandbox (templates come from model repos: never trusted)."""
+"""Rendering a model's Jinja chat template in a sandbox (templates come from model repos: never trusted).
+
+Rendering runs in-process (it happens for every chat turn and every corpus record), under these bounds:
+- Escapes: jinja2's ImmutableSandboxedEnvironment refuses `__class__`-style attributes and mutating lists or dicts.
+- Time: a trace function (sys.settrace) sees every line of Python the render runs, the template's own code and
+  jinja's runtime alike, and stops it past RENDER_SECONDS. A single C-level operation is not interrupted, so:
+- Memory: while rendering, the address space may grow by at most RENDER_MEMORY bytes (RLIMIT_AS, on Linux; other
+  systems skip this bound), so a huge string or list fails at once with MemoryError instead of filling the machine.
+- Arithmetic: `*` and `**` are checked before they run (sandbox binop hooks): a repeated string or list longer than
+  MAX_OUTPUT, or an integer product or power past MAX_INT_BITS bits, is refused; a big-integer power is pure C
+  work, slow without being big, that neither bound above would stop.
+- Output: the text is generated piece by piece, and rendering stops once it passes MAX_OUTPUT characters.
+Any failure is one DFlashError sentence.
+"""
 
 from __future__ import annotations
 
+import re
+import resource
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import Template, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .errors import DFlashError
 
+RENDER_SECONDS = 2.0
+RENDER_MEMORY = 512 * 2**20
+MAX_OUTPUT = 1_000_000
+MAX_INT_BITS = 100_000
+
+
+class _OutOfTime(BaseException):
+    """Raised into the template's code at the deadline; a BaseException, so no `except Exception` in jinja eats it."""
+
+
+class _Environment(ImmutableSandboxedEnvironment):
+    """The sandbox, with `*` and `**` checked before they run."""
+
+    intercepted_binops = frozenset(["*", "**"])
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        _check_binop(operator, left, right)
+        return super().call_binop(context, operator, left, right)
+
+
+def _check_binop(operator: str, left: Any, right: Any) -> None:
+    """Refuse a repetition or integer arithmetic whose result would be too big to build quickly."""
+    ints = isinstance(left, int) and isinstance(right, int)
+    if operator == "**" and ints and right > 0 and left.bit_length() * right > MAX_INT_BITS:
+        raise TemplateError(f"{left} ** {right} is too large")
+    if operator != "*":
+        return
+    if ints and left.bit_length() + right.bit_length() > MAX_INT_BITS:
+        raise TemplateError("an integer product is too large")
+    sequence, count = (left, right) if isinstance(right, int) else (right, left)
+    if isinstance(sequence, (str, list, tuple)) and isinstance(count, int) and len(sequence) * count > MAX_OUTPUT:
+        raise TemplateError(f"repeating a sequence {count} times makes it longer than {MAX_OUTPUT} items")
+
 
 def _raise(message: str) -> None:
     raise TemplateError(message)
+
+
+_ENV = _Environment(trim_blocks=True, lstrip_blocks=True)
+_ENV.globals["raise_exception"] = _raise
+
+
+@lru_cache(maxsize=8)
+def _compile(source: str) -> Template:
+    return _ENV.from_string(source)
+
+
+@contextmanager
+def _memory_cap() -> Iterator[None]:
+    """Let the address space grow by at most RENDER_MEMORY bytes inside the block (Linux only)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[0])
+    except OSError:
+        yield
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = pages * resource.getpagesize() + RENDER_MEMORY
+    for bound in (soft, hard):
+        if bound != resource.RLIM_INFINITY:
+            limit = min(limit, bound)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+@contextmanager
+def _deadline(seconds: float) -> Iterator[None]:
+    """Raise _OutOfTime into whatever Python code runs in this thread once `seconds` have passed."""
+    end = time.monotonic() + seconds
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        if time.monotonic() > end:
+            raise _OutOfTime
+        return trace
+
+    previous = sys.gettrace()
+    sys.settrace(trace)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
+    if time.monotonic() > end:
+        raise _OutOfTime
 
 
 def template_source(tokenizer_config: dict[str, Any]) -> str | None:
@@ -29,21 +132,41 @@ def _token_text(value: Any) -> str:
     return "" if value is None else str(value)
 
 
+def _generate(source: str, variables: dict[str, Any]) -> str:
+    """Compile and render, stopping once the text passes MAX_OUTPUT characters."""
+    pieces, size = [], 0
+    for piece in _compile(source).generate(**variables):
+        size += len(piece)
+        if size > MAX_OUTPUT:
+            raise DFlashError(f"The chat template renders more than {MAX_OUTPUT} characters.")
+        pieces.append(piece)
+    return "".join(pieces)
+
+
 def render_chat(
     tokenizer_config: dict[str, Any], messages: list[dict[str, str]], add_generation_prompt: bool = True
 ) -> str:
-    """Render messages with the config's chat template, as transformers would."""
+    """Render messages with the config's chat template, as transformers would, within the bounds above."""
     source = template_source(tokenizer_config)
     if source is None:
         raise DFlashError("The model has no chat template (tokenizer_config.json has no chat_template).")
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = _raise
+    variables = {
+        "messages": messages,
+        "add_generation_prompt": add_generation_prompt,
+        "bos_token": _token_text(tokenizer_config.get("bos_token")),
+        "eos_token": _token_text(tokenizer_config.get("eos_token")),
+    }
     try:
-        return env.from_string(source).render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=_token_text(tokenizer_config.get("bos_token")),
-            eos_token=_token_text(tokenizer_config.get("eos_token")),
-        )
-    except TemplateError as exc:
-        raise DFlashError(f"The chat template failed to render: {exc}.") from None
+        with _memory_cap(), _deadline(RENDER_SECONDS):
+            return _generate(source, variables)
+    except _OutOfTime:
+        raise DFlashError(f"The chat template took more than {RENDER_SECONDS:g} s to render.") from None
+    except MemoryError:
+        raise DFlashError(f"The chat template needs more than {RENDER_MEMORY >> 20} MB of memory.") from None
+    except RecursionError:
+        raise DFlashError("The chat template failed to render: it recurses without end.") from None
+    except DFlashError:
+        raise
+    except Exception as exc:  # the template is untrusted code: whatever it raises is its failure
+        detail = re.sub(r"\.\s+", "; ", " ".join(str(exc).split())).rstrip(".") or type(exc).__name__
+        raise DFlashError(f"The chat template failed to render: {detail}.") from None

@@ -1,24 +1,109 @@
-"""`dflash chat tiny` driven through a pseudo-terminal, and as a plain pipe."""
+"""`dflash chat tiny` driven through a pseudo-terminal, as a plain pipe, and in-process (history, Ctrl-C)."""
 
 from __future__ import annotations
 
+import io
 import os
+import re
 import subprocess
 import sys
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pexpect
+import pytest
+from rich.console import Console
+
+from dflash_local import chat as chat_module
+from dflash_local.chat import Chat, piped_lines
+from dflash_local.decode import Settings, run
+from dflash_local.errors import DFlashError
+from dflash_local.generation import load_models
+from dflash_local.tokenizer import TextTokenizer
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TERM": "xterm", "COLUMNS": "120"}
 PROMPT = ">>> "
+TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"
+LONG = "Please explain " + "the whole history of every programming language ever made, " * 20
+CSI = re.compile(r"\x1b\[([0-9;?]*)([A-Za-z])")
 
 
-def spawn(*args: str) -> pexpect.spawn:
+def spawn(*args: str, rows: int = 24, cols: int = 120) -> pexpect.spawn:
     child = pexpect.spawn(
-        sys.executable, ["-m", "dflash_local", "chat", "tiny", *args], env=ENV, encoding="utf-8", timeout=120
+        sys.executable,
+        ["-m", "dflash_local", "chat", "tiny", *args],
+        env={**ENV, "COLUMNS": str(cols)},
+        encoding="utf-8",
+        timeout=120,
+        dimensions=(rows, cols),
     )
     child.expect_exact(PROMPT)
     return child
+
+
+def pipe(text: str | bytes, *args: str) -> subprocess.CompletedProcess:
+    data = text.encode() if isinstance(text, str) else text
+    result = subprocess.run(
+        [sys.executable, "-m", "dflash_local", "chat", "tiny", *args],
+        input=data,
+        capture_output=True,
+        env=ENV,
+        timeout=120,
+    )
+    result.stdout, result.stderr = result.stdout.decode(), result.stderr.decode()
+    return result
+
+
+def terminal_states(raw: str, rows: int, cols: int) -> Iterator[list[str]]:
+    """What a rows x cols terminal holds (scrollback, then screen) as `raw` is written: one state each time rich
+    starts redrawing its live region ("\\r" + erase line), and the final one. Enough of xterm for rich and input();
+    the cursor cannot move above the screen's top row, so rows that scrolled away can no longer be erased.
+    """
+    lines, top, row, col, i = [""], 0, 0, 0, 0
+    while i < len(raw):
+        match = CSI.match(raw, i)
+        if match:
+            if match[0] == "\x1b[2K" and raw[i - 1] == "\r":
+                yield list(lines)
+            count = int(match[1]) if match[1].isdigit() else 1
+            if match[2] == "A":
+                row = max(top, row - count)
+            elif match[2] == "G":
+                col = count - 1
+            elif match[2] == "K":
+                lines[row] = "" if match[1] == "2" else lines[row][:col]
+            i = match.end()
+            continue
+        char, i = raw[i], i + 1
+        if char == "\r":
+            col = 0
+        elif char == "\n" or " " <= char != "\x7f":
+            if char == "\n" or col >= cols:  # a line feed, or the deferred wrap past the last column
+                row, col = row + 1, 0
+                lines += [""] * (row == len(lines))
+                top = max(top, row - rows + 1)
+            if char != "\n":
+                line = lines[row].ljust(col)
+                lines[row], col = line[:col] + char + line[col + 1 :], col + 1
+    yield lines
+
+
+@pytest.fixture(scope="module")
+def models():
+    return load_models(TINY / "target", TINY / "drafter", device="cpu", max_context=96)
+
+
+def piped_chat(models, max_new_tokens: int = 8) -> Chat:
+    """A chat writing answers and notes to strings, as it does on a pipe."""
+    settings = Settings(max_new_tokens=max_new_tokens, stop_ids=models.stop_ids, draft=True)
+    return Chat(
+        models, settings, Console(file=io.StringIO(), soft_wrap=True), Console(file=io.StringIO(), soft_wrap=True)
+    )
+
+
+def notes(chat: Chat) -> list[str]:
+    return chat.notes.file.getvalue().splitlines()
 
 
 def test_chat_streams_with_status_and_commands():
@@ -52,17 +137,20 @@ def test_ctrl_c_stops_the_answer_not_the_program():
     assert child.exitstatus == 0
 
 
-def test_chat_as_a_pipe():
-    result = subprocess.run(
-        [sys.executable, "-m", "dflash_local", "chat", "tiny", "--max-new-tokens", "16"],
-        input="Explain what `os.path.join` does.\n/unknown\n",
-        capture_output=True,
-        text=True,
-        env=ENV,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
-    assert "tok/s" in result.stdout and "unknown command /unknown" in result.stdout
+def test_chat_as_a_pipe_answers_on_stdout_and_fails_when_the_last_line_failed():
+    lines = "Explain what `os.path.join` does.\n/unknown\n/temp nan\n/temp inf\n/temp -1\n/draft maybe\n"
+    result = pipe(lines, "--max-new-tokens", "16")
+    assert result.returncode == 1
+    answer, _, unknown = result.stdout.rstrip("\n").rpartition("\n")
+    assert answer.strip() and unknown == "unknown command /unknown; /help lists them"
+    status, *errors = result.stderr.splitlines()
+    assert re.fullmatch(r"\d+ tok · [\d.]+ tok/s · tau [\d.]+ · [█·]+ · draft \d+% / target", status)
+    assert errors == [
+        "error: The temperature must be a finite number, 0 or more, got nan.",
+        "error: The temperature must be a finite number, 0 or more, got inf.",
+        "error: The temperature must be a finite number, 0 or more, got -1.0.",
+        "error: Use /draft on or /draft off.",
+    ]
 
 
 def test_unknown_model_suggests_close_names():
@@ -83,3 +171,127 @@ def test_a_path_that_is_not_a_model():
     assert result.returncode == 1
     expected = f"error: {readme} is neither a model folder (config.json + safetensors) nor a .gguf file."
     assert result.stderr.strip() == expected
+
+
+def test_a_long_answer_reaches_a_small_terminal_whole_and_once():
+    args, message = ("--max-new-tokens", "200", "--ignore-eos", "--max-context", "512"), "def fibonacci(n):"
+    models = load_models(TINY / "target", TINY / "drafter", device="cpu", max_context=512)
+    ids = models.tokenizer.encode_chat([{"role": "user", "content": message}])
+    new_ids, _ = run(models.target, models.drafter, ids, Settings(max_new_tokens=200))
+    answer = "".join(models.tokenizer.decode([t for t in new_ids if t not in models.stop_ids]).split())
+    child = spawn(*args, rows=20, cols=40)
+    child.sendline(message)
+    child.expect_exact(PROMPT)
+    states = list(terminal_states(child.before, rows=20, cols=40))
+    for lines in states:  # while streaming: the newest text and the status line are on screen, nothing twice
+        while not lines[-1]:
+            lines.pop()
+        status = [n for n, line in enumerate(lines) if re.match(r"\d+ tok · ", line)]
+        assert lines[0] == message and status[-1] >= len(lines) - 2, lines[-20:]  # the status (wrapped in 2 rows)
+        assert answer.startswith("".join("".join(lines[1 : status[-1]]).split())), lines
+    assert status[-1] > 20 and "".join("".join(lines[1 : status[-1]]).split()) == answer
+    child.sendline(LONG)  # too long for the context: one line, and the session goes on
+    child.expect(r"error: This message is \d+ tokens, and the 512-token context keeps 200 for the answer;")
+    child.expect_exact(PROMPT)
+    child.sendline("/quit")
+    child.expect(pexpect.EOF)
+
+
+def test_a_rejected_message_leaves_the_history_as_it_was(models):
+    chat = piped_chat(models)
+    chat.answer("Write a function that adds two numbers.")
+    before = [dict(message) for message in chat.state.messages]
+    assert [m["role"] for m in before] == ["user", "assistant"] and before[1]["content"]
+    tokens = len(models.tokenizer.encode_chat([{"role": "user", "content": LONG}]))
+    with pytest.raises(DFlashError) as caught:
+        chat.answer(LONG)
+    assert str(caught.value) == (
+        f"This message is {tokens} tokens, and the 96-token context keeps 8 for the answer; send a shorter one."
+    )
+    assert chat.state.messages == before
+    chat.answer("Now subtract them.")
+    assert chat.state.messages[:2] == before and chat.state.messages[2]["content"] == "Now subtract them."
+    assert not [line for line in notes(chat) if "context full" in line]
+
+
+def test_old_turns_are_dropped_only_to_fit_a_message_that_fits(models):
+    chat = piped_chat(models, max_new_tokens=24)
+    for text in ("Write a function that adds two numbers.", "Now subtract them.", "And multiply?"):
+        chat.answer(text)
+    assert "(context full: dropped the oldest 1 turn)" in notes(chat)
+    assert [m["content"] for m in chat.state.messages[::2]] == ["Now subtract them.", "And multiply?"]
+
+
+def test_a_template_error_is_one_line_and_the_history_survives(models):
+    template = "{% if messages[-1]['content'] == 'boom' %}{{ raise_exception('boom') }}{% endif %}"
+    config = {**models.tokenizer.config, "chat_template": template + models.tokenizer.config["chat_template"]}
+    chat = piped_chat(replace(models, tokenizer=TextTokenizer(models.tokenizer.tokenizer, config)))
+    assert chat_module._turn(chat, "hi") is False
+    before = [dict(message) for message in chat.state.messages]
+    assert chat_module._turn(chat, "boom") is True
+    assert notes(chat)[-1] == "error: The chat template failed to render: boom."
+    assert chat.state.messages == before
+    assert chat_module._turn(chat, "hello") is False
+    assert chat.state.messages[:2] == before and len(chat.state.messages) == 4
+
+
+def interrupt_after(calls: int, function):
+    """`function`, raising KeyboardInterrupt (as Ctrl-C does) on its call number `calls`."""
+    count = [0]
+
+    def wrapped(*args, **kwargs):
+        count[0] += 1
+        if count[0] == calls:
+            raise KeyboardInterrupt
+        return function(*args, **kwargs)
+
+    return wrapped
+
+
+@pytest.mark.parametrize("where", ["rendering", "prefill"])
+def test_ctrl_c_before_the_answer_starts_leaves_no_trace(models, monkeypatch, where):
+    chat = piped_chat(models)
+    chat.answer("Write a function that adds two numbers.")
+    before = [dict(message) for message in chat.state.messages]
+    if where == "rendering":
+        monkeypatch.setattr(models.tokenizer, "encode_chat", interrupt_after(1, models.tokenizer.encode_chat))
+    else:
+        monkeypatch.setattr(models.target, "forward", interrupt_after(1, models.target.forward))
+    assert chat_module._turn(chat, "Now subtract them.") is False
+    assert notes(chat)[-1] == "(stopped)"
+    assert chat.state.messages == before
+    monkeypatch.undo()
+    chat.answer("Now subtract them.")
+    assert chat.state.messages[:2] == before and len(chat.state.messages) == 4
+
+
+def test_ctrl_c_while_decoding_keeps_the_partial_answer(models, monkeypatch):
+    chat = piped_chat(models, max_new_tokens=40)
+    monkeypatch.setattr(models.target, "forward", interrupt_after(3, models.target.forward))
+    assert chat_module._turn(chat, "Write a function that adds two numbers.") is False
+    assert notes(chat)[-1] == "(stopped)"
+    answer = chat.state.messages[1]["content"]
+    assert answer and chat.console.file.getvalue() == answer + "\n"
+
+
+def test_the_stop_token_never_shows_even_past_it(models):
+    settings, message = Settings(max_new_tokens=40, stop_ids=frozenset()), "Write a function that adds two numbers."
+    chat = piped_chat(models)
+    chat.state.settings = settings  # as --ignore-eos sets it
+    chat.answer(message)
+    ids = models.tokenizer.encode_chat([{"role": "user", "content": message}])
+    new_ids, _ = run(models.target, models.drafter, ids, settings)
+    stop = models.tokenizer.token_id("<|end|>")
+    assert stop in models.stop_ids and stop in new_ids[:-1]  # the answer went on past the stop token
+    shown = chat.console.file.getvalue()
+    assert "<|end|>" not in shown and shown == chat.state.messages[1]["content"] + "\n"
+    assert shown[:-1] == models.tokenizer.decode([t for t in new_ids if t not in models.stop_ids])
+
+
+def test_a_piped_line_that_is_not_utf8_is_answered_with_replacement_characters():
+    assert list(piped_lines(io.BytesIO(b"caf\xe9\n\xff\xfe ok\n"))) == ["caf\ufffd\n", "\ufffd\ufffd ok\n"]
+    result = pipe(b"/draft maybe\ncaf\xe9 au lait?\n", "--max-new-tokens", "4")
+    assert result.returncode == 0, result.stderr  # the failed line was not the last
+    error, status = result.stderr.splitlines()
+    assert error == "error: Use /draft on or /draft off." and status.startswith("4 tok · ")
+    assert len(result.stdout.splitlines()) == 1

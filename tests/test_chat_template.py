@@ -1,0 +1,105 @@
+"""Chat templates are untrusted code: escapes, errors, endless loops and huge outputs each end in one sentence."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_local import chat_template
+from dflash_local.chat_template import render_chat
+from dflash_local.errors import DFlashError
+
+TINY_CONFIG = json.loads((Path(__file__).parent.parent / "models/tiny/target/tokenizer_config.json").read_text())
+MESSAGES = [{"role": "user", "content": "hi"}]
+FAILED = "The chat template failed to render: "
+
+
+def render(source: str) -> str:
+    return render_chat({"chat_template": source}, MESSAGES)
+
+
+def test_the_tiny_template_renders():
+    messages = [*MESSAGES, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "bye"}]
+    assert (
+        render_chat(TINY_CONFIG, messages)
+        == "<|user|>hi<|end|><|assistant|>hello<|end|><|user|>bye<|end|><|assistant|>"
+    )
+
+
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        ("{{ ''.__class__.__mro__ }}", FAILED + "access to attribute '__class__' of 'str' object is unsafe."),
+        ("{{ cycler.__init__.__globals__ }}", FAILED + "access to attribute '__init__' of 'type' object is unsafe."),
+        ("{{ messages.append(messages) }}", FAILED + "access to attribute 'append' of 'list' object is unsafe."),
+        ("{{ raise_exception('Only user and assistant roles are supported.') }}",
+         FAILED + "Only user and assistant roles are supported."),
+        ("{{ 1 / 0 }}", FAILED + "division by zero."),
+        ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", FAILED + "it recurses without end."),
+        ("{% for i in range(10**9) %}{% endfor %}",
+         FAILED + "Range too big; The sandbox blocks ranges larger than MAX_RANGE (100000)."),
+        ("{{ 'x' * 10**9 }}", FAILED + "repeating a sequence 1000000000 times makes it longer than 1000000 items."),
+        ("{{ [0] * 2000000 }}", FAILED + "repeating a sequence 2000000 times makes it longer than 1000000 items."),
+        ("{{ 3 ** 100000000 }}", FAILED + "3 ** 100000000 is too large."),
+        ("{% set ns = namespace(x=3) %}{% for i in range(40) %}{% set ns.x = ns.x * ns.x %}{% endfor %}",
+         FAILED + "an integer product is too large."),
+        ("{{ 'x'|center(4000000000) }}", "The chat template needs more than 512 MB of memory."),
+        ("{{ ('\t' * 1000000).expandtabs(100000) }}", "The chat template needs more than 512 MB of memory."),
+        ("{% for i in range(1000) %}{% for j in range(1000) %}0123456789{% endfor %}{% endfor %}",
+         "The chat template renders more than 1000000 characters."),
+        ("{% for %}", FAILED + "Expected an expression, got 'end of statement block'."),
+    ],
+)  # fmt: skip
+def test_a_bad_template_is_one_sentence(source, message):
+    with pytest.raises(DFlashError) as caught:
+        render(source)
+    assert str(caught.value) == message
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+        "{% set s = 'x' * 1000000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}",
+        "{{ lipsum(10**6) }}",
+    ],
+)
+def test_a_slow_template_is_stopped(monkeypatch, source):
+    monkeypatch.setattr(chat_template, "RENDER_SECONDS", 0.2)
+    with pytest.raises(DFlashError) as caught:
+        render(source)
+    assert str(caught.value) == "The chat template took more than 0.2 s to render."
+
+
+def test_the_process_is_healthy_after_failures():
+    limits, tracer = resource.getrlimit(resource.RLIMIT_AS), sys.gettrace()
+    for source in (
+        "{{ 'x'|center(4000000000) }}",
+        "{{ 1 / 0 }}",
+        "{% for i in range(2) %}{{ 'x' * 999999 }}{% endfor %}",
+    ):
+        with pytest.raises(DFlashError):
+            render(source)
+    assert resource.getrlimit(resource.RLIMIT_AS) == limits
+    assert sys.gettrace() is tracer
+    assert len(bytearray(chat_template.RENDER_MEMORY + 2**26)) > chat_template.RENDER_MEMORY  # no cap left
+    assert render_chat(TINY_CONFIG, MESSAGES) == "<|user|>hi<|end|><|assistant|>"
+
+
+class CtrlC(dict):
+    """A message that is interrupted (as by Ctrl-C) while the template reads it."""
+
+    def __getitem__(self, key):
+        raise KeyboardInterrupt
+
+
+def test_ctrl_c_while_rendering_propagates_and_leaves_no_limits_behind():
+    limits, tracer = resource.getrlimit(resource.RLIMIT_AS), sys.gettrace()
+    with pytest.raises(KeyboardInterrupt):
+        render_chat(TINY_CONFIG, [CtrlC()])
+    assert resource.getrlimit(resource.RLIMIT_AS) == limits and sys.gettrace() is tracer
+    assert render_chat(TINY_CONFIG, MESSAGES) == "<|user|>hi<|end|><|assistant|>"
