@@ -49,6 +49,7 @@ def _summary(stats: Stats) -> dict:
         "acceptance_histogram": stats.histogram(),
         "acceptance_rate_by_position": acceptance_rates(stats),
         "draft_time_share": stats.draft_s / stats.decode_s if stats.decode_s else 0.0,
+        "block_histogram": stats.block_histogram(),
     }
 
 
@@ -59,15 +60,19 @@ def run_bench(
     if models.drafter is None:
         raise DFlashError("The benchmark needs a drafter to compare against autoregressive decoding.")
     block = settings.block_size or models.drafter.block_size
-    methods = {"autoregressive": (None, replace(settings, draft=False)), "dflash": (models.drafter, settings)}
+    policy = models.policy if settings.block_size is None else None
+    methods = {
+        "autoregressive": (None, replace(settings, draft=False), None),
+        "dflash": (models.drafter, settings, policy),
+    }
     if lookup:
-        methods["prompt_lookup"] = (PromptLookupDrafter(block), replace(settings, block_size=None))
-    run(models.target, models.drafter, prompts[0][1], replace(settings, max_new_tokens=8))  # warm-up
+        methods["prompt_lookup"] = (PromptLookupDrafter(block), replace(settings, block_size=None), None)
+    run(models.target, models.drafter, prompts[0][1], replace(settings, max_new_tokens=8, block_size=block))  # warm-up
     rows = []
     for label, ids in prompts:
         outputs, row = {}, {"prompt": label[:80]}
-        for name, (drafter, method_settings) in methods.items():
-            outputs[name], stats = run(models.target, drafter, ids, method_settings)
+        for name, (drafter, method_settings, method_policy) in methods.items():
+            outputs[name], stats = run(models.target, drafter, ids, method_settings, method_policy)
             row[name] = _summary(stats)
         row["identical"] = all(out == outputs["autoregressive"] for out in outputs.values())
         row["speedup"] = row["dflash"]["decode_tokens_per_s"] / max(row["autoregressive"]["decode_tokens_per_s"], 1e-9)
@@ -84,7 +89,7 @@ def run_bench(
         length: sum(r["dflash"]["acceptance_histogram"][length] for r in rows) for length in range(1, block + 1)
     }
     return {
-        "block_size": block,
+        "block_size": "auto" if policy is not None else block,
         "max_new_tokens": settings.max_new_tokens,
         "temperature": settings.sampling.temperature,
         "prompts": rows,

@@ -22,7 +22,7 @@ from .runtime import clock
 
 PRIOR_RATE = 0.8  # acceptance assumed for a drafter with no history: optimistic, so drafting is tried and measured
 PRIOR_WEIGHT = 2.0  # pseudo-observations the prior (the drafter's history) is worth per position
-DECAY = 0.95  # per-step forgetting of this generation's observations: the estimate follows the text
+DECAY = 0.95  # per-step forgetting of this text's evidence (plain steps too): back toward the history when not drafting
 HISTORY_DECAY = 0.999  # per-step forgetting of the drafter's history across generations
 COST_WEIGHT = 0.2  # weight of one timed step in the running costs
 PROBE_SHARE = 0.03  # probes may cost at most this share of plain decoding time
@@ -97,7 +97,8 @@ class AcceptanceEstimate:
         return cls([0.0] * positions, [0.0] * positions, decay)
 
     def observe(self, drafts: int, accepted: int) -> None:
-        """One step that verified `drafts` drafted positions and accepted the first `accepted` of them."""
+        """One step that verified `drafts` drafted positions and accepted the first `accepted` of them (a plain step,
+        drafts = 0, only lets older evidence fade)."""
         self.reached = [r * self.decay for r in self.reached]
         self.accepted = [a * self.decay for a in self.accepted]
         for j in range(min(drafts, accepted + 1)):
@@ -112,13 +113,14 @@ class AcceptanceEstimate:
         ]
 
 
-def expected_tokens(rates: list[float], k: int) -> float:
-    """Tokens a step of verify size k makes on average: the bonus token plus each accepted draft."""
-    total, run = 1.0, 1.0
-    for rate in rates[: k - 1]:
+def expected_tokens(rates: list[float], top: int) -> list[float]:
+    """Tokens a step makes on average for each verify size k = 0..top (index k; k = 0 makes none): the bonus token
+    plus each draft, which counts only when it and every draft before it are accepted."""
+    tokens, run = [0.0, 1.0], 1.0
+    for rate in rates[: top - 1]:
         run *= rate
-        total += run
-    return total
+        tokens.append(tokens[-1] + run)
+    return tokens
 
 
 @dataclass
@@ -146,18 +148,15 @@ class BlockPolicy:
         prior = self.history.rates([PRIOR_RATE] * (self.block_size - 1))
         return self.current.rates(prior)
 
-    def speed(self, k: int, rates: list[float]) -> float:
-        """Expected tokens per second at verify size k."""
-        return expected_tokens(rates, k) / self.costs.step_s(k)
-
     def choose(self, limit: int) -> int:
         """The verify size for the next step, at most `limit` (tokens left); 1 means a plain step, no drafter."""
         top = min(self.block_size, limit)
         if top < 2:
             return 1
-        rates = self.rates()
-        best_draft = max(range(2, top + 1), key=lambda k: self.speed(k, rates))
-        if self.speed(best_draft, rates) > self.speed(1, rates):
+        tokens = expected_tokens(self.rates(), top)
+        speeds = [0.0] + [tokens[k] / self.costs.step_s(k) for k in range(1, top + 1)]
+        best_draft = max(range(2, top + 1), key=speeds.__getitem__)
+        if speeds[best_draft] > speeds[1]:
             self.plain_run = 0
             return best_draft
         self.plain_run += 1
@@ -176,12 +175,13 @@ class BlockPolicy:
     def observe(self, k: int, accepted: int, draft_s: float, target_s: float) -> None:
         """Learn from one step: its verify size, how many drafts it accepted, and what it cost."""
         self.costs.observe(k, draft_s, target_s)
+        self.current.observe(k - 1, accepted)
         if k > 1:
-            self.current.observe(k - 1, accepted)
             self.history.observe(k - 1, accepted)
 
     def save(self) -> None:
-        """Keep the costs and the drafter's history for the next load of the same pair on this machine."""
+        """Keep the costs and the drafter's history for the next load of the same pair on this machine (skipped
+        where the folder cannot be written: the cache only saves a calibration)."""
         if self.path is None:
             return
         data = {
@@ -189,7 +189,10 @@ class BlockPolicy:
             "costs": self.costs.to_dict(),
             "history": {"reached": self.history.reached, "accepted": self.history.accepted},
         }
-        write_text_atomic(self.path, json.dumps(data))
+        try:
+            write_text_atomic(self.path, json.dumps(data))
+        except OSError:
+            pass
 
 
 def cost_key(parts: dict) -> str:

@@ -23,7 +23,7 @@ HELP = """commands:
   /reset         forget the conversation
   /stats         statistics of the last answer and of the session
   /temp X        sampling temperature (0 = greedy, lossless vs the target's greedy output)
-  /block N       draft block size (2..the drafter's trained size)
+  /block N|auto  verify block size (2..the drafter's trained size), or auto: chosen every step
   /draft on|off  speculative decoding on or off (off = plain autoregressive)
   /quit          leave (Ctrl-D works too)"""
 
@@ -49,7 +49,7 @@ def status_line(stats: Stats, draft: bool) -> str:
     parts = [f"{stats.new_tokens} tok", f"{stats.decode_tokens_per_s:.1f} tok/s"]
     if draft and stats.acceptance_lengths:
         parts.append(f"tau {stats.tau:.2f}")
-        parts.append(acceptance_bar(stats.acceptance_lengths[-1], stats.block_size))
+        parts.append(f"k {stats.block_sizes[-1]} {acceptance_bar(stats.acceptance_lengths[-1], stats.block_sizes[-1])}")
         parts.append(f"draft {100 * stats.draft_s / max(stats.decode_s, 1e-9):.0f}% / target")
     elif not draft:
         parts.append("no drafting")
@@ -158,12 +158,13 @@ class Chat:
         messages, ids = self.fit(candidate)
         settings, stats = self.state.settings, Stats()
         drafter = self.models.drafter if settings.draft else None
+        policy = self.models.policy if settings.block_size is None else None
         detok = Detokenizer(self.models.tokenizer)
         view = TerminalAnswer(self.console) if self.console.is_terminal else PipedAnswer(self.console, self.notes)
         turn: dict[str, str] | None = None
         try:
             try:
-                for step in generate(self.models.target, drafter, ids, settings):
+                for step in generate(self.models.target, drafter, ids, settings, policy):
                     if turn is None:
                         turn = self.commit(messages, (len(candidate) - len(messages)) // 2)
                     stats.add(step)
@@ -208,10 +209,14 @@ class Chat:
             state.settings = replace(state.settings, sampling=sampling)
             self.console.print(f"(temperature {temp})")
         elif name == "/block":
-            size = _number(arg, int, "/block needs a whole number, e.g. /block 8")
+            if arg == "auto" and self.models.policy is not None:
+                state.settings = replace(state.settings, block_size=None)
+                self.console.print("(block size auto: chosen every step)")
+                return True
+            size = _number(arg, int, "/block needs auto or a whole number, e.g. /block 8")
             limit = self.models.drafter.block_size if self.models.drafter else 0
             if not 2 <= size <= limit:
-                raise DFlashError(f"The block size must be between 2 and the drafter's trained {limit}.")
+                raise DFlashError(f"The block size must be auto or between 2 and the drafter's trained {limit}.")
             state.settings = replace(state.settings, block_size=size)
             self.console.print(f"(block size {size})")
         elif name == "/draft":
@@ -230,10 +235,12 @@ class Chat:
         if last is None:
             return "(no answer yet)"
         histogram = " ".join(f"{k}:{v}" for k, v in last.histogram().items() if v)
+        blocks = " ".join(f"{k}:{v}" for k, v in last.block_histogram().items())
         session_rate = self.state.session_tokens / max(self.state.session_decode_s, 1e-9)
         return (
             f"last answer: {status_line(last, self.state.settings.draft)}\n"
             f"  time to first token {last.prefill_s * 1000:.0f} ms · acceptance histogram {histogram or '-'}\n"
+            f"  steps by block size k (1 = plain): {blocks or '-'}\n"
             f"session: {self.state.session_tokens} tokens · {session_rate:.1f} tok/s"
         )
 

@@ -82,14 +82,26 @@ def _resolve(model: str, drafter: str | None, offline: bool, token: str | None):
     return resolve(model, drafter, fetch)
 
 
-def _check_numbers(
-    max_new_tokens: int, block_size: int | None, max_context: int | None = None, seed: int | None = None
-) -> None:
+BLOCK_HELP = "auto (chosen every step from measured costs and acceptance) or a fixed 2..the drafter's trained size."
+
+
+def _block_size(option: str) -> int | None:
+    """--block-size as the engine wants it: None for auto, else a fixed size of at least 2."""
+    if option == "auto":
+        return None
+    try:
+        size = int(option)
+    except ValueError:
+        raise DFlashError(f"--block-size must be auto or a whole number, got '{option}'.") from None
+    if size < 2:
+        raise DFlashError(f"--block-size must be at least 2 (up to the drafter's trained size), got {size}.")
+    return size
+
+
+def _check_numbers(max_new_tokens: int, max_context: int | None = None, seed: int | None = None) -> None:
     """The numeric options of generate/chat/bench, checked before anything loads."""
     if max_new_tokens < 1:
         raise DFlashError(f"--max-new-tokens must be at least 1, got {max_new_tokens}.")
-    if block_size is not None and block_size < 2:
-        raise DFlashError(f"--block-size must be at least 2 (up to the drafter's trained size), got {block_size}.")
     if max_context is not None and max_context < 1:
         raise DFlashError(f"--max-context must be at least 1 token, got {max_context}.")
     if seed is not None and not 0 <= seed < 2**64:
@@ -151,7 +163,7 @@ def generate(
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k"),
     seed: Optional[int] = typer.Option(None, "--seed", help="0 to 2**64 - 1: the same seed, the same samples."),
-    block_size: Optional[int] = typer.Option(None, "--block-size", help="2..the drafter's trained block size."),
+    block_option: str = typer.Option("auto", "--block-size", help=BLOCK_HELP),
     no_draft: bool = typer.Option(False, "--no-draft", help="Plain autoregressive decoding (the baseline)."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Do not stop at end-of-sequence tokens."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
@@ -168,7 +180,8 @@ def generate(
     with user_errors():
         if (prompt is None) == (prompt_ids is None):
             raise DFlashError("Give exactly one of --prompt or --prompt-ids.")
-        _check_numbers(max_new_tokens, block_size, max_context, seed)
+        _check_numbers(max_new_tokens, max_context, seed)
+        block_size = _block_size(block_option)
         ids = _parse_ids(prompt_ids, "--prompt-ids") if prompt_ids is not None else None
         if ids == [] or prompt == "":
             raise DFlashError("The prompt is empty.")
@@ -194,6 +207,7 @@ def generate(
             max_context,
             quantize,
             _drafter_quantize(drafter_quantize),
+            auto_block=block_size is None,
         )
         request = GenerationRequest(
             prompt=text,
@@ -231,7 +245,7 @@ def chat(
     temperature: float = typer.Option(0.0, "--temperature"),
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k"),
-    block_size: Optional[int] = typer.Option(None, "--block-size"),
+    block_option: str = typer.Option("auto", "--block-size", help=BLOCK_HELP),
     no_draft: bool = typer.Option(False, "--no-draft", help="Start with drafting off."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Answer until --max-new-tokens, past end-of-turn."),
     device: str = typer.Option("auto", "--device"),
@@ -244,7 +258,8 @@ def chat(
 ) -> None:
     """Chat with a model: streaming answers, live tokens/s and acceptance, /help for commands."""
     with user_errors():
-        _check_numbers(max_new_tokens, block_size, max_context)
+        _check_numbers(max_new_tokens, max_context)
+        block_size = _block_size(block_option)
 
         from .chat import run_chat
         from .decode import Settings
@@ -263,6 +278,7 @@ def chat(
             max_context,
             quantize,
             _drafter_quantize(drafter_quantize),
+            auto_block=block_size is None,
         )
         settings = Settings(
             max_new_tokens=max_new_tokens,
@@ -288,11 +304,14 @@ def bench(
     ),
     limit: Optional[int] = typer.Option(None, "--limit", help="Use only the first N prompts."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
-    block_size: Optional[int] = typer.Option(None, "--block-size"),
+    block_option: str = typer.Option("auto", "--block-size", help=BLOCK_HELP),
     temperature: float = typer.Option(0.0, "--temperature"),
     seed: int = typer.Option(0, "--seed"),
     ignore_eos: bool = typer.Option(True, "--ignore-eos/--stop-at-eos", help="Generate all max-new-tokens."),
     lookup: bool = typer.Option(True, "--lookup/--no-lookup", help="Also run the prompt-lookup baseline."),
+    calibrate: bool = typer.Option(
+        False, "--calibrate", help="Measure this machine's cost per block size afresh and show the table first."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG: histogram and tokens/s."),
     device: str = typer.Option("auto", "--device"),
@@ -304,15 +323,18 @@ def bench(
 ) -> None:
     """Autoregressive vs DFlash (and prompt lookup) on the same target, prompt by prompt; one table per model."""
     with user_errors():
-        _check_numbers(max_new_tokens, block_size, seed=seed)
+        _check_numbers(max_new_tokens, seed=seed)
+        block_size = _block_size(block_option)
         if limit is not None and limit < 1:
             raise DFlashError(f"--limit must be at least 1, got {limit}.")
 
         from .bench import plot, read_prompts, run_bench
         from .decode import Settings
-        from .generation import OUT_OF_MEMORY, load_models, out_of_memory
+        from .generation import OUT_OF_MEMORY, load_models, out_of_memory, recalibrate
         from .sampling import SamplingParams
 
+        if calibrate and block_size is not None:
+            raise DFlashError("--calibrate measures the costs behind --block-size auto; drop --block-size.")
         sampling = SamplingParams(temperature)
         reports = []
         for model in names or ["tiny"]:
@@ -331,7 +353,10 @@ def bench(
                 dtype,
                 quantize=quantize_as,
                 drafter_quantize=_drafter_quantize(drafter_quantize),
+                auto_block=block_size is None,
             )
+            if calibrate:
+                _print_costs(model, recalibrate(models))
             settings = Settings(
                 max_new_tokens=max_new_tokens,
                 sampling=sampling,
@@ -352,6 +377,23 @@ def bench(
             reports.append(report)
         if as_json:
             typer.echo(json.dumps(reports[0] if len(reports) == 1 else reports))
+
+
+def _print_costs(model: str, policy) -> None:
+    """The cost table behind --block-size auto: per k, the target's and drafter's step and the break-even tau."""
+    from rich.console import Console
+    from rich.table import Table
+
+    costs = policy.costs
+    table = Table(title=f"{model}: cost per step on this machine (--block-size auto)")
+    for column in ("k", "target ms", "drafter ms", "step ms", "tokens/step to beat plain"):
+        table.add_column(column, justify="right")
+    plain = costs.step_s(1)
+    for k in sorted(costs.target_s):
+        drafter = f"{costs.draft_s[k] * 1000:.2f}" if k > 1 else "-"
+        step = costs.step_s(k)
+        table.add_row(str(k), f"{costs.target_s[k] * 1000:.2f}", drafter, f"{step * 1000:.2f}", f"{step / plain:.2f}")
+    Console().print(table)
 
 
 def _prompt_file(prompts: str, offline: bool, token: str | None) -> Path:
@@ -395,6 +437,11 @@ def _print_bench(report: dict) -> None:
         "yes" if report["all_identical"] else "NO",
         style="bold",
     )
+    used: dict[int, int] = {}
+    for row in report["prompts"]:
+        for k, count in row["dflash"]["block_histogram"].items():
+            used[int(k)] = used.get(int(k), 0) + count
+    table.caption = "DFlash steps by block size k (1 = plain): " + " ".join(f"{k}:{n}" for k, n in sorted(used.items()))
     Console().print(table)
 
 

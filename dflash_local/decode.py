@@ -98,8 +98,9 @@ class Stats:
 
     @property
     def tau(self) -> float:
-        """Mean acceptance length (accepted drafts + 1 per step)."""
-        lengths = self.acceptance_lengths
+        """Mean acceptance length (accepted drafts + 1) of the steps that drafted; of all steps where none did."""
+        drafted = [n for n, k in zip(self.acceptance_lengths, self.block_sizes, strict=True) if k > 1]
+        lengths = drafted or self.acceptance_lengths
         return sum(lengths) / len(lengths) if lengths else 0.0
 
     @property

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .block_policy import BlockPolicy, cost_key, load_policy, measure_costs
 from .decode import Drafter, Settings, Stats, generate
 from .drafter import DFlashDrafter
 from .errors import DFlashError
@@ -32,6 +33,7 @@ class LoadedModels:
     drafter: Drafter | None
     tokenizer: TextTokenizer | GGUFTokenizer | None
     stop_ids: frozenset[int]
+    policy: BlockPolicy | None = None  # picks each step's block size (--block-size auto)
 
 
 OUT_OF_MEMORY = (torch.OutOfMemoryError, MemoryError)
@@ -64,8 +66,10 @@ def load_models(
     max_context: int = 4096,
     quantize: str | None = None,
     drafter_quantize: str | None = None,
+    auto_block: bool = True,
 ) -> LoadedModels:
-    """Load and cross-check a target and (optionally) a drafter from local paths."""
+    """Load and cross-check a target and (optionally) a drafter from local paths; with auto_block, also the pair's
+    block policy (its costs measured on first load on this machine, then cached)."""
     if max_context < 1:
         raise DFlashError(f"The context (--max-context) must be at least 1 token, got {max_context}.")
     device = pick_device(device)
@@ -87,11 +91,41 @@ def load_models(
             else:
                 drafter = DFlashDrafter.load(drafter_path, torch_dtype, device, target.max_context, drafter_quantize)
         drafter.check_target(target)
+    policy = None
+    if drafter is not None and auto_block:
+        identity = {
+            "target": _files_identity(path),
+            "drafter": _files_identity(Path(drafter_path)),
+            "backend": type(target).__name__,
+            "drafter_kind": type(drafter).__name__,
+            "device": device,
+            "dtype": str(torch_dtype),
+            "threads": torch.get_num_threads(),
+        }
+        from .hub import state_dir
+
+        costs = state_dir() / "block-costs" / f"{cost_key(identity)}.json"
+        policy = load_policy(costs, drafter.block_size, lambda: measure_costs(target, drafter))
     if gguf:
         from .gguf_tokenizer import GGUFTokenizer
 
-        return LoadedModels(target, drafter, GGUFTokenizer.load(path), target.stop_ids)
-    return LoadedModels(target, drafter, TextTokenizer.load(path), stop_token_ids(path))
+        return LoadedModels(target, drafter, GGUFTokenizer.load(path), target.stop_ids, policy)
+    return LoadedModels(target, drafter, TextTokenizer.load(path), stop_token_ids(path), policy)
+
+
+def recalibrate(models: LoadedModels) -> BlockPolicy:
+    """Measure the pair's costs per block size afresh (bench --calibrate) and keep them for later loads."""
+    if models.policy is None or models.drafter is None:
+        raise DFlashError("Calibration needs a drafter and --block-size auto.")
+    models.policy.costs = measure_costs(models.target, models.drafter)
+    models.policy.save()
+    return models.policy
+
+
+def _files_identity(path: Path) -> list:
+    """Path, sizes and modification times of a model file or folder: changes when the weights change."""
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
+    return [str(path.resolve())] + [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
 
 
 @dataclass(frozen=True)
@@ -136,7 +170,8 @@ def run_request(models: LoadedModels, request: GenerationRequest, on_text: Calla
     stats = Stats()
     output_ids: list[int] = []
     try:
-        for step in generate(models.target, models.drafter, ids, settings):
+        policy = models.policy if request.block_size is None else None
+        for step in generate(models.target, models.drafter, ids, settings, policy):
             output_ids.extend(step.token_ids)
             stats.add(step)
             if detokenizer and on_text:

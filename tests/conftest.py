@@ -5,6 +5,7 @@ Also: a skip because something `./install.sh --dev` installs is missing is a fai
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from pathlib import Path
@@ -43,6 +44,12 @@ def drafters(tiny_dir, llama_target, qwen3_target) -> dict[tuple[str, int], Path
                 tiny_dir / f"{name}-d{depth}", target, num_layers=depth, target_layer_ids=layer_ids, seed=10 + depth
             )
     return out
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _state_home(tmp_path_factory):
+    """dflash's own state (block-size calibrations, pull records) goes to this test run's folder, not the user's."""
+    os.environ["DFLASH_HOME"] = str(tmp_path_factory.mktemp("dflash-home"))
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -98,13 +98,20 @@ def test_numbers_are_refused_before_loading():
     assert str(caught.value) == "--prompt-ids must be comma-separated integers, got '1 2' ('1 2' is not an integer)."
     assert cli._parse_ids(" 1, 2 ,3", "--prompt-ids") == [1, 2, 3]
     for args, message in (
-        ((-5, None, 4096), "--max-new-tokens must be at least 1, got -5."),
-        ((8, -3, 4096), "--block-size must be at least 2 (up to the drafter's trained size), got -3."),
-        ((8, None, 0), "--max-context must be at least 1 token, got 0."),
+        ((-5, 4096), "--max-new-tokens must be at least 1, got -5."),
+        ((8, 0), "--max-context must be at least 1 token, got 0."),
     ):
         with pytest.raises(DFlashError) as caught:
             cli._check_numbers(*args)
         assert str(caught.value) == message
+    for option, message in (
+        ("-3", "--block-size must be at least 2 (up to the drafter's trained size), got -3."),
+        ("eight", "--block-size must be auto or a whole number, got 'eight'."),
+    ):
+        with pytest.raises(DFlashError) as caught:
+            cli._block_size(option)
+        assert str(caught.value) == message
+    assert cli._block_size("auto") is None and cli._block_size("8") == 8
     with pytest.raises(DFlashError) as caught:
         generation.load_models(TINY / "target", None, max_context=0)
     assert str(caught.value) == "The context (--max-context) must be at least 1 token, got 0."

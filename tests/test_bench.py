@@ -12,13 +12,16 @@ def test_bench_json_and_plot(tmp_path):
     result = dflash("bench", "tiny", "--limit", "2", "--max-new-tokens", "24", "--json", "--plot", plot)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    assert report["block_size"] == 16 and len(report["prompts"]) == 2
+    assert report["block_size"] == "auto" and len(report["prompts"]) == 2
     for row in report["prompts"]:
         for method in ("autoregressive", "dflash", "prompt_lookup"):
             assert row[method]["new_tokens"] == 24
             assert row[method]["decode_tokens_per_s"] > 0
         assert len(row["dflash"]["acceptance_rate_by_position"]) == 15
         assert sum(row["dflash"]["acceptance_histogram"].values()) > 0
+        steps = sum(row["dflash"]["acceptance_histogram"].values())
+        assert sum(row["dflash"]["block_histogram"].values()) == steps  # a block size k for every step
+        assert all(1 <= int(k) <= 16 for k in row["dflash"]["block_histogram"])
         assert row["identical"] is True
     assert report["all_identical"] is True
     assert set(report["mean"]) == {"autoregressive", "dflash", "prompt_lookup", "speedup"}
@@ -33,8 +36,8 @@ def test_bench_detects_differing_outputs(monkeypatch):
 
     real_run = bench.run
 
-    def corrupting_run(target, drafter, ids, settings):
-        out, stats = real_run(target, drafter, ids, settings)
+    def corrupting_run(target, drafter, ids, settings, policy=None):
+        out, stats = real_run(target, drafter, ids, settings, policy)
         return (out[:-1] + [out[-1] + 1] if drafter is not None else out), stats
 
     monkeypatch.setattr(bench, "run", corrupting_run)

@@ -36,9 +36,9 @@ def linear(base: float, per_token: float, block: int = 16, first: int = 1) -> di
 
 
 def test_expected_tokens_multiplies_conditional_rates():
-    assert expected_tokens([0.5, 0.5, 0.5], 1) == 1.0
-    assert expected_tokens([0.5, 0.5, 0.5], 3) == 1.0 + 0.5 + 0.25
-    assert expected_tokens([1.0, 0.0, 1.0], 4) == 2.0  # nothing past a position that is never accepted
+    assert expected_tokens([0.5, 0.5, 0.5], 4) == [0.0, 1.0, 1.5, 1.75, 1.875]
+    assert expected_tokens([1.0, 0.0, 1.0], 4) == [0.0, 1.0, 2.0, 2.0, 2.0]  # nothing past a never-accepted position
+    assert expected_tokens([0.9] * 15, 1) == [0.0, 1.0]
 
 
 def test_full_block_when_verify_is_free():

@@ -144,7 +144,7 @@ def test_chat_as_a_pipe_answers_on_stdout_and_fails_when_the_last_line_failed():
     answer, _, unknown = result.stdout.rstrip("\n").rpartition("\n")
     assert answer.strip() and unknown == "unknown command /unknown; /help lists them"
     status, *errors = result.stderr.splitlines()
-    assert re.fullmatch(r"\d+ tok · [\d.]+ tok/s · tau [\d.]+ · [█·]+ · draft \d+% / target", status)
+    assert re.fullmatch(r"\d+ tok · [\d.]+ tok/s · tau [\d.]+ · k \d+ [█·]+ · draft \d+% / target", status)
     assert errors == [
         "error: The temperature must be a finite number, 0 or more, got nan.",
         "error: The temperature must be a finite number, 0 or more, got inf.",

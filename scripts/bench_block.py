@@ -1,0 +1,158 @@
+"""Auto block size vs plain decoding vs fixed blocks, side by side per prompt, on each backend and drafter.
+
+    .venv/bin/python scripts/bench_block.py                      # every case, 10 held-out prompts, 128 tokens
+    .venv/bin/python scripts/bench_block.py --cases torch,q8_0 --prompts 3
+
+Cases: the bundled pair on torch; its F16, Q8_0 and Q4_K_M GGUFs with the torch and the native drafter; a random-
+weight Qwen3-0.6B-shaped target with a random 5-layer drafter (acceptance about 1: auto must track plain decoding).
+Writes bench_block.json and prints a markdown table; every output is checked identical to plain decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from dflash_local.block_policy import load_policy, measure_costs  # noqa: E402
+from dflash_local.decode import Settings, run  # noqa: E402
+from dflash_local.drafter import DFlashDrafter  # noqa: E402
+from dflash_local.targets.torch_llama import TorchLlamaTarget  # noqa: E402
+from dflash_local.tokenizer import TextTokenizer  # noqa: E402
+
+TINY = ROOT / "models" / "tiny"
+GGUF_CASES = ("f16", "q8_0", "q4_k_m")
+
+
+def heldout(count: int) -> list[list[int]]:
+    tokenizer = TextTokenizer.load(TINY / "target")
+    lines = (TINY / "heldout_prompts.jsonl").read_text().splitlines()[:count]
+    return [tokenizer.encode(json.loads(line)["prompt"]) for line in lines]
+
+
+def pairs(case: str, work: Path):
+    """(label, target, drafter) for a case; GGUF cases give one pair per drafter kind."""
+    if case == "torch":
+        yield "bundled, torch", TorchLlamaTarget.load(TINY / "target"), DFlashDrafter.load(TINY / "drafter")
+    elif case in GGUF_CASES:
+        from dflash_local.gguf_convert import convert
+        from dflash_local.native_drafter import NativeDrafter
+        from dflash_local.targets.llamacpp import LlamaCppTarget
+
+        path = work / f"tiny-{case}.gguf"
+        if not path.exists():
+            convert(TINY / "target", path, case, threads=1)
+        target = LlamaCppTarget.load(path, max_context=2048, threads=1)
+        yield (
+            f"bundled {case.upper()} GGUF, torch drafter",
+            target,
+            DFlashDrafter.load(TINY / "drafter", max_context=2048),
+        )
+        yield (
+            f"bundled {case.upper()} GGUF, native drafter",
+            target,
+            NativeDrafter.load(TINY / "drafter", target, threads=1),
+        )
+    elif case == "synthetic":
+        from dflash_local.synthetic import write_pair
+
+        folder = work / "qwen3-0.6b"
+        if not (folder / "target" / "config.json").exists():
+            write_pair("qwen3-0.6b", folder)
+        target = TorchLlamaTarget.load(folder / "target", max_context=1024)
+        yield "random Qwen3-0.6B shape, torch", target, DFlashDrafter.load(folder / "drafter", max_context=1024)
+    else:
+        raise SystemExit(f"unknown case {case}")
+
+
+def bench_pair(label, target, drafter, prompts, blocks, new_tokens, work: Path) -> dict:
+    began = time.perf_counter()
+    path = work / f"policy-{time.time_ns()}.json"  # calibrated afresh on every bench run
+    policy = load_policy(path, drafter.block_size, lambda: measure_costs(target, drafter))
+    calibration_s = time.perf_counter() - began
+    modes = ["plain"] + [f"block {b}" for b in blocks] + ["auto"]
+    tokens = dict.fromkeys(modes, 0)
+    seconds = dict.fromkeys(modes, 0.0)
+    identical, histogram = 0, {}
+    for prompt in prompts:
+        outputs = {}
+        for mode in modes:
+            settings = Settings(max_new_tokens=new_tokens, draft=mode != "plain")
+            if mode.startswith("block"):
+                settings = Settings(max_new_tokens=new_tokens, block_size=int(mode.split()[1]))
+            ids, stats = run(target, drafter, prompt, settings, policy if mode == "auto" else None)
+            outputs[mode] = ids
+            tokens[mode] += stats.new_tokens - 1
+            seconds[mode] += stats.decode_s
+            if mode == "auto":
+                for k, count in stats.block_histogram().items():
+                    histogram[k] = histogram.get(k, 0) + count
+        identical += all(ids == outputs["plain"] for ids in outputs.values())
+    rate = {mode: tokens[mode] / seconds[mode] for mode in modes}
+    best_fixed = max((m for m in modes if m.startswith("block")), key=rate.get)
+    reference = max(rate["plain"], rate[best_fixed])
+    return {
+        "case": label,
+        "tokens_per_s": rate,
+        "best_fixed": best_fixed,
+        "auto_vs_best": rate["auto"] / reference,
+        "auto_vs_best_fixed": rate["auto"] / rate[best_fixed],
+        "auto_block_histogram": dict(sorted(histogram.items())),
+        "identical": f"{identical}/{len(prompts)}",
+        "calibration_s": calibration_s,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default="torch,f16,q8_0,q4_k_m,synthetic")
+    parser.add_argument("--prompts", type=int, default=10)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--blocks", default="2,4,8,16")
+    parser.add_argument("--synthetic-prompts", type=int, default=2)
+    parser.add_argument("--synthetic-tokens", type=int, default=32)
+    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "dflash-bench-block")
+    parser.add_argument("--out", type=Path, default=Path("bench_block.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    args.work.mkdir(parents=True, exist_ok=True)
+    blocks = [int(b) for b in args.blocks.split(",")]
+    rows = []
+    for case in args.cases.split(","):
+        synthetic = case == "synthetic"
+        prompts = heldout(args.prompts)
+        if synthetic:
+            generator = torch.Generator().manual_seed(0)
+            prompts = [
+                torch.randint(0, 151936, (48,), generator=generator).tolist() for _ in range(args.synthetic_prompts)
+            ]
+        new_tokens = args.synthetic_tokens if synthetic else args.max_new_tokens
+        for label, target, drafter in pairs(case, args.work):
+            row = bench_pair(label, target, drafter, prompts, blocks, new_tokens, args.work)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    args.out.write_text(json.dumps(rows, indent=1))
+    print()
+    print(
+        "| case | plain tok/s | best fixed | its tok/s | auto tok/s | auto / best of both | auto k used | identical |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        rate = row["tokens_per_s"]
+        used = " ".join(f"{k}:{n}" for k, n in row["auto_block_histogram"].items())
+        print(
+            f"| {row['case']} | {rate['plain']:.0f} | {row['best_fixed']} | {rate[row['best_fixed']]:.0f} | "
+            f"{rate['auto']:.0f} | {row['auto_vs_best']:.2f}x | {used} | {row['identical']} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
