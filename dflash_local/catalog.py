@@ -97,9 +97,7 @@ def _entry(name: str, table: object, path: Path) -> ModelEntry:
     where = f"{path}: entry '{name}'"
     if not isinstance(table, dict):
         raise DFlashError(f"{where} must be a table ([{name}] with a target), got {_show(table)}.")
-    unknown = sorted(set(table) - set(ENTRY_KEYS))
-    if unknown:
-        raise DFlashError(f"{where} has an unknown key '{unknown[0]}' (known: {', '.join(ENTRY_KEYS)}).")
+    _known_keys(table, ENTRY_KEYS, where)
     if "target" not in table:
         raise DFlashError(f"{where} has no target.")
     for key in ("summary", "chat_template", "hardware"):
@@ -129,6 +127,12 @@ def _entry(name: str, table: object, path: Path) -> ModelEntry:
     )
 
 
+def _known_keys(table: dict, known: tuple[str, ...], where: str) -> None:
+    unknown = sorted(set(table) - set(known))
+    if unknown:
+        raise DFlashError(f"{where} has an unknown key '{unknown[0]}' (known: {', '.join(known)}).")
+
+
 def _bundled(value: object, base: Path, where: str) -> Path:
     if isinstance(value, str) and value.startswith("bundled:"):
         return base / value.removeprefix("bundled:")
@@ -141,9 +145,7 @@ def _source(value: object, base: Path, default_files: tuple[str, ...], where: st
         if isinstance(value, str) and value.startswith("bundled:"):
             return _bundled(value, base, where)
         raise DFlashError(f'{where} must be "bundled:PATH" or {{ repo = "owner/name" }}, got {_show(value)}.')
-    unknown = sorted(set(value) - set(SOURCE_KEYS))
-    if unknown:
-        raise DFlashError(f"{where} has an unknown key '{unknown[0]}' (known: {', '.join(SOURCE_KEYS)}).")
+    _known_keys(value, SOURCE_KEYS, where)
     if "repo" not in value:
         raise DFlashError(f"{where} has no repo.")
     repo = value["repo"]
