@@ -69,24 +69,24 @@ def _p_value(target, drafter, params: SamplingParams, policy: BlockPolicy | None
 
 
 @pytest.mark.parametrize(
-    "params", [SamplingParams(temperature=1.0), SamplingParams(temperature=1.5, top_k=3, top_p=0.95)]
+    "params, auto",
+    [(SamplingParams(temperature=1.0), False), (SamplingParams(temperature=1.5, top_k=3, top_p=0.95), True)],
 )
-def test_dflash_sampling_matches_target_distribution(pair, params):
+def test_dflash_sampling_matches_target_distribution(pair, params, auto):
+    """With auto, a block policy picks each step's verify size (costs where plain, short and full blocks compete)."""
     target, drafter = pair
-    assert _p_value(target, drafter, params) > 1e-3
-
-
-def test_auto_block_sampling_matches_target_distribution(pair):
-    """Verify sizes 1..B picked per step by the policy (costs where plain, short and full blocks all compete)."""
-    target, drafter = pair
-    block = drafter.block_size
-    costs = CostTable({k: 1.0 + 0.3 * (k - 1) for k in range(1, block + 1)}, dict.fromkeys(range(2, block + 1), 0.2))
-    policy = BlockPolicy(block, costs, AcceptanceEstimate.empty(block - 1, 0.999))
-    used = []
-    original = policy.choose
-    policy.choose = lambda limit: used.append(original(limit)) or used[-1]
-    assert _p_value(target, drafter, SamplingParams(temperature=1.0), policy) > 1e-3
-    assert 1 in used and len(set(used)) >= 2, set(used)  # plain steps and drafting steps both sampled
+    policy, used = None, []
+    if auto:
+        block = drafter.block_size
+        steps = {k: 1.0 + 0.3 * (k - 1) for k in range(1, block + 1)}
+        policy = BlockPolicy(
+            block, CostTable(steps, dict.fromkeys(range(2, block + 1), 0.2)), AcceptanceEstimate.empty(block - 1, 0.999)
+        )
+        original = policy.choose
+        policy.choose = lambda limit: used.append(original(limit)) or used[-1]
+    assert _p_value(target, drafter, params, policy) > 1e-3
+    if auto:
+        assert 1 in used and len(set(used)) >= 2, set(used)  # plain steps and drafting steps both sampled
 
 
 def test_biased_sampler_is_detected(pair, monkeypatch):
