@@ -9,6 +9,7 @@ cost; when plain steps win it still probes the drafter now and then, at a bounde
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections.abc import Callable
@@ -189,10 +190,8 @@ class BlockPolicy:
             "costs": self.costs.to_dict(),
             "history": {"reached": self.history.reached, "accepted": self.history.accepted},
         }
-        try:
+        with contextlib.suppress(OSError):
             write_text_atomic(self.path, json.dumps(data))
-        except OSError:
-            pass
 
 
 def cost_key(parts: dict) -> str:
