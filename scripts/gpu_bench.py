@@ -2,7 +2,8 @@
 
 Llama-3.1-8B-shaped target (NF4 and bf16) and a 5-layer DFlash drafter of the published shape. Measures target
 decode of 1 token, target verify of a block, the drafter step and the greedy acceptance step at a fixed context,
-then projects the speedup at tau = 3, 5, 7 as tau * decode / (draft + verify + accept).
+then projects the speedup at tau = 3, 5, 7 as tau * decode / (draft + verify + accept). Also the per-k curve:
+verify of k tokens and the drafter step returning k-1 rows, for the sizes the block-size policy calibrates.
 
     .venv/bin/python scripts/gpu_bench.py                      # CUDA, real shapes
     .venv/bin/python scripts/gpu_bench.py --small --device cpu # tiny shapes, checks the script anywhere
@@ -32,6 +33,7 @@ from dflash_local.targets.torch_llama import LlamaModel, TargetConfig, TorchLlam
 from kernels import kernel_mode
 
 TAUS = (3, 5, 7)
+SWEEP = (1, 2, 3, 4, 6, 8, 12, 16)  # verify sizes of the per-k cost curve (the block-size policy's table)
 DEFAULT_CACHE = 4096  # the CLI's default context
 
 
@@ -195,7 +197,16 @@ def measure(
     def accept() -> None:
         accept_greedy(ids[context + 1 : context + block], verified)
 
+    def verify_k(k: int) -> None:
+        target.rollback(context)
+        target.forward(ids[context : context + k])
+
+    def draft_rows(rows: int) -> None:
+        drafter.length = context - 4
+        drafter.propose(target, features[-4:], known, context, block, rows)
+
     precision = str(dtype).removeprefix("torch.")
+    sizes = [k for k in SWEEP if k <= block]
     row = {
         "target": f"{quantize} (compute {precision})" if quantize else precision,
         "drafter": drafter_quantize or precision,
@@ -203,6 +214,10 @@ def measure(
         f"verify_{block}_ms": milliseconds(verify_block, device, repeats),
         "drafter_step_ms": milliseconds(draft_step, device, repeats),
         "accept_ms": milliseconds(accept, device, repeats),
+        "verify_k_ms": {str(k): milliseconds(lambda k=k: verify_k(k), device, repeats) for k in sizes},
+        "drafter_rows_ms": {
+            str(k - 1): milliseconds(lambda k=k: draft_rows(k - 1), device, repeats) for k in sizes[1:]
+        },
     }
     step = row[f"verify_{block}_ms"] + row["drafter_step_ms"] + row["accept_ms"]
     row["verify_over_decode"] = row[f"verify_{block}_ms"] / row["decode_1_ms"]

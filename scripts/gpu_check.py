@@ -14,6 +14,7 @@ import itertools
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -124,10 +125,17 @@ def main() -> int:
         return 2
     name = torch.cuda.get_device_name() if device == "cuda" else device
     report: dict[str, Any] = {"device": name, "torch": torch.__version__}
-    report["kernels"] = check_kernels(device)
-    report["engine_fp32"] = check_engine(device, torch.float32)
-    report["engine_nf4_fp32_compute"] = check_engine(device, torch.float32, quantize="nf4")
-    report["engine_bf16 (informational)"] = check_engine(device, torch.bfloat16)
+    sections = {
+        "engine_fp32": lambda: check_engine(device, torch.float32),
+        "engine_nf4_fp32_compute": lambda: check_engine(device, torch.float32, quantize="nf4"),
+        "kernels": lambda: check_kernels(device),
+        "engine_bf16 (informational)": lambda: check_engine(device, torch.bfloat16),
+    }
+    for section, check in sections.items():
+        began = time.perf_counter()
+        report[section] = check()
+        print(f"{section} ({time.perf_counter() - began:.0f} s): {json.dumps(report[section])}", flush=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
     hard = [
         report["kernels"]["passed"],
         report["engine_fp32"]["same_ids_all_settings"],
