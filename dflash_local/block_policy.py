@@ -4,7 +4,8 @@ Each step verifies k tokens: the known token plus k-1 drafts. The drafter always
 blocks change what it proposes) and returns only the k-1 rows the step verifies. Expected tokens for k come from
 per-position acceptance rates, each conditional on the positions before it being accepted, as decoding sees them:
 E[k] = 1 + sum_{i<k} prod_{j<=i} p_j. The policy picks the k with the most expected tokens per second of measured
-cost; when plain steps win it still probes the drafter now and then, at a bounded share of the decode time.
+cost; when plain steps win it still probes the drafter now and then, at a bounded share of the decode time. A
+drafter with no history on this machine is tried with small blocks first, growing as its steps are seen.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import torch
 from .atomic import write_text_atomic
 from .runtime import clock
 
-PRIOR_RATE = 0.8  # acceptance assumed for a drafter with no history: optimistic, so drafting is tried and measured
+PRIOR_RATE = 0.8  # acceptance assumed for a drafter with no history: optimistic, so drafting is tried (small k
+# first, see BlockPolicy.trial_limit) and measured
 PRIOR_WEIGHT = 2.0  # pseudo-observations the prior (the drafter's history) is worth per position
 DECAY = 0.95  # per-step forgetting of this text's evidence (plain steps too): back toward the history when not drafting
 HISTORY_DECAY = 0.999  # per-step forgetting of the drafter's history across generations
@@ -151,7 +153,7 @@ class BlockPolicy:
 
     def choose(self, limit: int) -> int:
         """The verify size for the next step, at most `limit` (tokens left); 1 means a plain step, no drafter."""
-        top = min(self.block_size, limit)
+        top = min(self.block_size, limit, self.trial_limit())
         if top < 2:
             return 1
         tokens = expected_tokens(self.rates(), top)
@@ -166,6 +168,11 @@ class BlockPolicy:
             self.probes += 1
             return best_draft
         return 1
+
+    def trial_limit(self) -> int:
+        """The largest k worth risking on what the drafter has shown so far: 2 for a drafter with no history,
+        doubling with each drafting step it has seen (a random drafter's first steps stay cheap)."""
+        return 2 << min(int(self.history.reached[0]), 16)
 
     def probe_interval(self, k: int) -> int:
         """Plain steps between probes at k: the probe's extra cost stays under PROBE_SHARE, doubling per probe."""

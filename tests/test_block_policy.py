@@ -47,6 +47,16 @@ def test_full_block_when_verify_is_free():
     assert policy.choose(5) == 5  # never more than the tokens left
 
 
+def test_a_drafter_with_no_history_is_tried_with_small_blocks_first():
+    """Free verification and an optimistic prior, but no steps seen yet: k = 2, then doubling per drafting step."""
+    policy = BlockPolicy(16, CostTable(linear(1.0, 0.0), linear(0.1, 0.0, first=2)), AcceptanceEstimate.empty(15, 1.0))
+    choices = []
+    for _ in range(5):
+        choices.append(policy.choose(100))
+        policy.observe(choices[-1], choices[-1] - 1, 0.1, 1.0)
+    assert choices == [2, 4, 8, 16, 16]
+
+
 def test_plain_steps_when_drafting_loses_with_bounded_probes():
     costs_t, costs_d = linear(1.0, 0.5), linear(2.0, 0.0, first=2)
     policy = policy_with(costs_t, costs_d, rate=0.3)
