@@ -10,8 +10,6 @@ from pathlib import Path
 
 from .hub import HubSource, cache_dir, human_size
 
-ESTIMATE_CONTEXT = 4096  # tokens of KV cache in a local model's memory estimate
-
 
 @dataclass(frozen=True)
 class Check:
@@ -98,8 +96,6 @@ def model_checks(name: str) -> list[Check]:
         return [where, fit_check(name, entry.memory_gb, "the catalog's estimate")]
     on_disk = "bundled" if entry is not None and entry.bundled else f"on disk: {resolved.target}"
     checks = [Check(name, on_disk + ("" if resolved.drafter else "; no drafter (pass --drafter)"))]
-    if entry is not None:
-        return [*checks, fit_check(name, entry.memory_gb, "the catalog's estimate")]
     need, basis = estimate_gb(resolved.target, resolved.drafter)
     return [*checks, fit_check(name, need, basis)]
 
@@ -113,23 +109,11 @@ def fit_check(name: str, need_gb: float, basis: str) -> Check:
 
 
 def estimate_gb(target: Path, drafter: Path | None) -> tuple[float, str]:
-    """GB a local model needs, roughly, and how that was estimated: weight files, plus a 16-bit 4096-token KV
-    cache when the target's config.json tells its shape."""
-    total = sum(_weight_bytes(path) for path in (target, drafter) if path is not None)
-    if target.suffix == ".gguf":
-        return total / 1e9, "weight files; its KV cache comes on top"
-    from .targets.torch_llama import TargetConfig
-    from .weights import read_config
+    """GB a local model needs with a default-length context, from its files' shapes, and what that counts."""
+    from .memory_estimate import DEFAULT_CONTEXT, estimate_files
 
-    cfg = TargetConfig.from_dict(read_config(target), target)
-    total += 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * ESTIMATE_CONTEXT * 2
-    return total / 1e9, f"weight files + a {ESTIMATE_CONTEXT}-token KV cache"
-
-
-def _weight_bytes(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.glob("*.safetensors"))
+    estimate = estimate_files(target, drafter, DEFAULT_CONTEXT)
+    return estimate.total_gb, f"{DEFAULT_CONTEXT}-token context: {estimate.summary()}"
 
 
 def _hub_check() -> Check:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -18,7 +20,7 @@ from .errors import DFlashError
 from .layers import rope_inv_freq, rope_parameters
 from .targets.llama_taps import quiet_llama_logs
 from .targets.torch_llama import TargetConfig
-from .weights import load_weights, read_config
+from .weights import StoredTensor, read_config, read_stored, stored_tensors
 
 # llama_ftype values from llama.h.
 FILE_TYPES = {"f16": 1, "bf16": 32, "q8_0": 7, "q4_k_m": 15}
@@ -38,7 +40,7 @@ LAYER_TENSORS = {
 }
 
 
-def _to_neox_interleaved(weight: torch.Tensor, heads: int) -> torch.Tensor:
+def _to_neox_interleaved(weight: np.ndarray, heads: int) -> np.ndarray:
     """Reorder q/k rows from HF's rotate-half RoPE layout to llama.cpp's interleaved one (llama arch)."""
     rows = weight.shape[0]
     return weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
@@ -52,41 +54,71 @@ def rope_factors(config: dict, head_dim: int) -> torch.Tensor | None:
     return rope_inv_freq({"rope_theta": params["rope_theta"]}, head_dim) / rope_inv_freq(config, head_dim)
 
 
-def _tensors(cfg: TargetConfig, folder: Path) -> dict[str, np.ndarray]:
-    """GGUF tensor name -> fp32 array in HF [out, in] order."""
-    weights = load_weights(folder, torch.float32, "cpu")
+@dataclass(frozen=True)
+class _Planned:
+    """One tensor of the staged GGUF: its source in the safetensors files and the row reorder it needs."""
+
+    name: str
+    source: StoredTensor
+    heads: int | None = None  # q/k of llama models: rows reordered for llama.cpp's RoPE layout
+
+
+def _plan(cfg: TargetConfig, folder: Path) -> list[_Planned]:
+    """The GGUF tensors in the order they are written (the safetensors files' order), checked before any is read."""
     if cfg.attention_bias or cfg.mlp_bias:
         raise DFlashError(f"{folder}: attention or MLP biases are not supported by the GGUF converter.")
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in weights.items():
+    plan: list[_Planned] = []
+    for name, source in stored_tensors(folder).items():
         if name == "model.embed_tokens.weight":
-            out["token_embd.weight"] = tensor
+            plan.append(_Planned("token_embd.weight", source))
         elif name == "model.norm.weight":
-            out["output_norm.weight"] = tensor
+            plan.append(_Planned("output_norm.weight", source))
         elif name == "lm_head.weight":
             if not cfg.tie_word_embeddings:
-                out["output.weight"] = tensor
+                plan.append(_Planned("output.weight", source))
         elif name.startswith("model.layers."):
             index, rest = name[len("model.layers.") :].split(".", 1)
             if rest not in LAYER_TENSORS:
                 raise DFlashError(f"{folder}: tensor {name} has no GGUF counterpart.")
-            if cfg.model_type == "llama" and rest == "self_attn.q_proj.weight":
-                tensor = _to_neox_interleaved(tensor, cfg.num_heads)
-            elif cfg.model_type == "llama" and rest == "self_attn.k_proj.weight":
-                tensor = _to_neox_interleaved(tensor, cfg.num_kv_heads)
-            out[f"blk.{index}.{LAYER_TENSORS[rest]}"] = tensor
+            heads = {"self_attn.q_proj.weight": cfg.num_heads, "self_attn.k_proj.weight": cfg.num_kv_heads}.get(rest)
+            plan.append(
+                _Planned(f"blk.{index}.{LAYER_TENSORS[rest]}", source, heads if cfg.model_type == "llama" else None)
+            )
         else:
             raise DFlashError(f"{folder}: tensor {name} has no GGUF counterpart.")
+    for entry in plan:
+        if entry.source.dtype not in STAGED_TYPES:
+            raise DFlashError(f"{entry.source.path}: tensors of type {entry.source.dtype} cannot be converted.")
+    named = {entry.name for entry in plan}
     needed = ["token_embd.weight", "output_norm.weight"] + ([] if cfg.tie_word_embeddings else ["output.weight"])
-    missing = [name for name in needed if name not in out]
+    missing = [name for name in needed if name not in named]
     if missing:
         raise DFlashError(f"{folder} lacks the weights for GGUF tensor {missing[0]}.")
-    factors = rope_factors(cfg.raw, cfg.head_dim)
-    if factors is not None:
-        if cfg.model_type != "llama":
-            raise DFlashError(f"{folder}: RoPE scaling is only converted for llama models.")
-        out["rope_freqs.weight"] = factors
-    return {name: tensor.contiguous().numpy() for name, tensor in out.items()}
+    return plan
+
+
+# safetensors dtype -> the GGUF type its matrices are staged in, losslessly (vectors are staged in F32)
+STAGED_TYPES = {
+    "F32": gguf.GGMLQuantizationType.F32,
+    "F16": gguf.GGMLQuantizationType.F16,
+    "BF16": gguf.GGMLQuantizationType.BF16,
+}
+
+
+def _staged_type(source: StoredTensor) -> gguf.GGMLQuantizationType:
+    return STAGED_TYPES[source.dtype] if len(source.shape) > 1 else gguf.GGMLQuantizationType.F32
+
+
+def _staged_array(entry: _Planned) -> np.ndarray:
+    """One tensor as it is staged: matrices with their stored bits (reordered for RoPE), vectors in float32."""
+    array = read_stored(entry.source)
+    if len(entry.source.shape) == 1:
+        if entry.source.dtype == "BF16":
+            return (array.astype(np.uint32) << 16).view(np.float32)
+        return array.astype(np.float32)
+    if entry.heads is not None:
+        array = _to_neox_interleaved(array, entry.heads)
+    return np.ascontiguousarray(array)
 
 
 def _add_tokenizer(writer, folder: Path, cfg: TargetConfig) -> None:
@@ -154,25 +186,38 @@ def add_shape(writer: gguf.GGUFWriter, cfg, context_length: int) -> None:
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
 
 
-def _write_f32(cfg: TargetConfig, folder: Path, out: Path) -> None:
-    """Write every tensor in F32 (norms and RoPE factors stay F32 through quantization)."""
-    tensors = _tensors(cfg, folder)
+def _write_staged(cfg: TargetConfig, folder: Path, out: Path) -> None:
+    """Write the GGUF llama.cpp quantizes from, one tensor in memory at a time: matrices as stored (F32, F16 or
+    BF16, lossless), norms and RoPE factors in F32 (they stay F32 through quantization)."""
+    plan = _plan(cfg, folder)
+    factors = rope_factors(cfg.raw, cfg.head_dim)
+    if factors is not None and cfg.model_type != "llama":
+        raise DFlashError(f"{folder}: RoPE scaling is only converted for llama models.")
     writer = gguf.GGUFWriter(str(out), cfg.model_type)
     writer.add_name(folder.name)
     add_shape(writer, cfg, cfg.max_position_embeddings)
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_file_type(0)
     _add_tokenizer(writer, folder, cfg)
-    for name, array in tensors.items():
-        writer.add_tensor(name, array.astype(np.float32))
+    for entry in plan:
+        kind = _staged_type(entry.source)
+        size = math.prod(entry.source.shape) * (4 if kind == gguf.GGMLQuantizationType.F32 else 2)
+        writer.add_tensor_info(entry.name, entry.source.shape, np.dtype(np.float32), size, raw_dtype=kind)
+    factor_array = None if factors is None else factors.numpy().astype(np.float32)
+    if factor_array is not None:
+        writer.add_tensor_info("rope_freqs.weight", factor_array.shape, factor_array.dtype, factor_array.nbytes)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+    writer.write_ti_data_to_file()
+    for entry in plan:
+        writer.write_tensor_data(_staged_array(entry))
+    if factor_array is not None:
+        writer.write_tensor_data(factor_array)
     writer.close()
 
 
 def _quantize(src: Path, out: Path, kind: str, threads: int) -> None:
-    """Run llama.cpp's llama_model_quantize from src (F32) to out."""
+    """Run llama.cpp's llama_model_quantize from src (the staged GGUF) to out."""
     quiet_llama_logs()
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = FILE_TYPES[kind]
@@ -209,7 +254,7 @@ def remove_stale_staging(folder: Path) -> list[Path]:
 def convert(source: Path, out: Path, kind: str = "f16", threads: int = 0) -> Path:
     """Convert an HF-layout Llama/Qwen3 folder to a GGUF file of the given type; return its path.
 
-    The F32 intermediate lives in `<out>.dflash-convert-<pid>/`, removed on exit, or by the next convert into the
+    The staged GGUF lives in `<out>.dflash-convert-<pid>/`, removed on exit, or by the next convert into the
     same folder when this process was killed.
     """
     source, out = Path(source), Path(out)
@@ -227,8 +272,8 @@ def convert(source: Path, out: Path, kind: str = "f16", threads: int = 0) -> Pat
     work = out.with_name(f"{out.name}{STAGING}{os.getpid()}")
     work.mkdir(exist_ok=True)  # one left by an earlier process with our pid is stale too
     try:
-        staged = work / "f32.gguf"
-        _write_f32(cfg, source, staged)
+        staged = work / "staged.gguf"
+        _write_staged(cfg, source, staged)
         partial = work / out.name
         _quantize(staged, partial, kind, threads)
         partial.replace(out)

@@ -4,90 +4,13 @@ and speed at real sizes without downloads."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from .errors import DFlashError
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A target's architecture and the shape of the DFlash drafter published (or sized) for it."""
-
-    family: str  # llama or qwen3
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    tied: bool
-    rope_theta: float
-    drafter_layers: int
-    block_size: int
-    target_layer_ids: tuple[int, ...]
-    mask_token_id: int
-
-
-SHAPES = {
-    "llama3.1-8b": Shape(
-        "llama", 4096, 14336, 32, 32, 8, 128, 128256, False, 500000.0, 5, 10, (1, 8, 15, 22, 29), 128002
-    ),
-    "qwen3-8b": Shape("qwen3", 4096, 12288, 36, 32, 8, 128, 151936, False, 1e6, 5, 16, (1, 9, 17, 25, 33), 151669),
-    "qwen3-4b": Shape("qwen3", 2560, 9728, 36, 32, 8, 128, 151936, True, 1e6, 5, 16, (1, 9, 17, 25, 33), 151669),
-    "llama3.2-1b": Shape("llama", 2048, 8192, 16, 32, 8, 64, 128256, True, 500000.0, 5, 16, (1, 4, 8, 11, 14), 128002),
-    "qwen3-0.6b": Shape("qwen3", 1024, 3072, 28, 16, 8, 128, 151936, True, 1e6, 5, 16, (1, 7, 13, 19, 25), 151669),
-}
-
-
-def _layer_config(shape: Shape, layers: int) -> dict:
-    return {
-        "hidden_size": shape.hidden,
-        "intermediate_size": shape.intermediate,
-        "num_hidden_layers": layers,
-        "num_attention_heads": shape.heads,
-        "num_key_value_heads": shape.kv_heads,
-        "head_dim": shape.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-6 if shape.family == "qwen3" else 1e-5,
-        "attention_bias": False,
-        "max_position_embeddings": 40960 if shape.family == "qwen3" else 131072,
-        "vocab_size": shape.vocab,
-        "rope_theta": shape.rope_theta,
-        "torch_dtype": "bfloat16",
-    }
-
-
-def target_config(shape: Shape) -> dict:
-    config = _layer_config(shape, shape.layers) | {"tie_word_embeddings": shape.tied, "bos_token_id": 1}
-    config["eos_token_id"] = 2
-    if shape.family == "llama":
-        config |= {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
-        config["rope_scaling"] = {
-            "rope_type": "llama3",
-            "factor": 32.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        }
-    else:
-        config |= {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
-    return config
-
-
-def drafter_config(shape: Shape) -> dict:
-    return _layer_config(shape, shape.drafter_layers) | {
-        "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
-        "tie_word_embeddings": False,
-        "block_size": shape.block_size,
-        "num_target_layers": shape.layers,
-        "dflash_config": {"mask_token_id": shape.mask_token_id, "target_layer_ids": list(shape.target_layer_ids)},
-    }
+from .shapes import SHAPES, SPECIAL_TOKENS, Shape, drafter_config, target_config
 
 
 def _layer_tensors(shape: Shape, prefix: str, generator: torch.Generator, qk_norm: bool):
@@ -156,8 +79,52 @@ def write_pair(name: str, folder: Path, seed: int = 0) -> tuple[Path, Path]:
             writer.add(tensor_name, tensor)
         writer.close()
     (target / "config.json").write_text(json.dumps(target_config(shape), indent=2))
+    write_tokenizer(shape, target)
     (drafter / "config.json").write_text(json.dumps(drafter_config(shape), indent=2))
     return target, drafter
+
+
+def _byte_symbols() -> list[str]:
+    """GPT-2's byte-level alphabet: the printable character standing for each byte 0..255, in byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = iter(range(256, 512))
+    return [chr(byte) if byte in kept else chr(next(shifted)) for byte in range(256)]
+
+
+def write_tokenizer(shape: Shape, folder: Path) -> None:
+    """A byte-level BPE tokenizer.json (bytes, merges of lowercase letter pairs as the vocabulary allows, the family's
+    special tokens at their real ids) and tokenizer_config.json: enough for `dflash convert` and text prompts."""
+    vocab = {symbol: index for index, symbol in enumerate(_byte_symbols())}
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    merges = [[a, b] for a in letters for b in letters][: shape.vocab - len(vocab) - 3]  # room for the specials
+    for first, second in merges:
+        vocab[first + second] = len(vocab)
+    specials = [(name, index) for name, index in SPECIAL_TOKENS[shape.family] if len(vocab) <= index < shape.vocab]
+    added = [
+        {"id": index, "content": name, "single_word": False, "lstrip": False, "rstrip": False}
+        | {"normalized": False, "special": True}
+        for name, index in specials
+    ]
+    vocab |= dict(specials)
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    spec = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": byte_level,
+        "post_processor": None,
+        "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None}
+        | {"end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False}
+        | {"vocab": vocab, "merges": merges},
+    }
+    (folder / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
+    config = {"add_bos_token": False}
+    if len(specials) > 1:
+        config |= {"bos_token": specials[0][0], "eos_token": specials[1][0]}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
 def _rand(generator: torch.Generator, *size: int) -> torch.Tensor:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
@@ -134,6 +137,58 @@ def load_weights(
         except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
             raise DFlashError(f"{path} is truncated or corrupted and cannot be read ({exc}).") from None
     return tensors
+
+
+# safetensors dtype -> numpy dtype of its raw elements (bf16 as its uint16 bit patterns)
+STORED_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where one tensor's bytes lie in a safetensors file, so it can be read alone (no memory map)."""
+
+    path: Path
+    dtype: str  # safetensors name: F32, F16, BF16, ...
+    shape: tuple[int, ...]
+    offset: int  # from the start of the file
+    nbytes: int
+
+
+def stored_tensors(folder: Path) -> dict[str, StoredTensor]:
+    """Every tensor of a folder's safetensors file(s) by name, shard by shard and sorted by name within a shard,
+    read from the headers only."""
+    found: dict[str, StoredTensor] = {}
+    for path in _weight_files(Path(folder)):
+        if not path.is_file():
+            raise DFlashError(f"Weight shard {path} is missing.")
+        try:
+            with path.open("rb") as handle:
+                (length,) = struct.unpack("<Q", handle.read(8))
+                header = json.loads(handle.read(length))
+            size = path.stat().st_size
+            for name in sorted(key for key in header if key != "__metadata__"):
+                entry = header[name]
+                begin, end = entry["data_offsets"]
+                if not 0 <= begin <= end <= size - 8 - length:
+                    raise ValueError(f"tensor {name} lies past the end of the file")
+                found[name] = StoredTensor(path, entry["dtype"], tuple(entry["shape"]), 8 + length + begin, end - begin)
+        except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+            raise DFlashError(f"{path} is truncated or corrupted and cannot be read ({exc}).") from None
+    return found
+
+
+def read_stored(tensor: StoredTensor) -> np.ndarray:
+    """One tensor's elements as stored (bf16 as uint16 bit patterns), read with plain file reads."""
+    if tensor.dtype not in STORED_DTYPES:
+        raise DFlashError(f"{tensor.path}: tensors of type {tensor.dtype} are not supported (F32, F16 or BF16).")
+    dtype = np.dtype(STORED_DTYPES[tensor.dtype])
+    count = math.prod(tensor.shape)
+    if count * dtype.itemsize != tensor.nbytes:
+        raise DFlashError(f"{tensor.path} is truncated or corrupted and cannot be read (bad size of a tensor).")
+    array = np.fromfile(tensor.path, dtype=dtype, count=count, offset=tensor.offset)
+    if array.size != count:
+        raise DFlashError(f"{tensor.path} is truncated or corrupted and cannot be read (a tensor is cut short).")
+    return array.reshape(tensor.shape)
 
 
 def take(tensors: dict[str, torch.Tensor], name: str, shape: tuple[int, ...], source: Path) -> torch.Tensor:

@@ -14,23 +14,20 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from dflash_local.kernels import kernel_mode
 from torch import nn
 
-from dflash_local.cuda_graphs import graphs_wanted
 from dflash_local.drafter import DFlashDrafter, DFlashModel, DrafterConfig, default_target_layer_ids
 from dflash_local.layers import rope_inv_freq
 from dflash_local.quant import install_4bit, quantize_linears
 from dflash_local.runtime import pick_device
-from dflash_local.sampling import accept_greedy
+from dflash_local.step_costs import measure_steps
 from dflash_local.targets.torch_llama import LlamaModel, TargetConfig, TorchLlamaTarget
-from kernels import kernel_mode
 
 TAUS = (3, 5, 7)
 SWEEP = (1, 2, 3, 4, 6, 8, 12, 16)  # verify sizes of the per-k cost curve (the block-size policy's table)
@@ -149,22 +146,6 @@ def random_drafter(
     return DFlashDrafter(model.eval(), max_context)
 
 
-def milliseconds(fn, device: str, repeats: int) -> float:
-    """Median wall time of fn in ms, after warm-up, synchronizing CUDA around each call."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        began = time.perf_counter()
-        fn()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - began) * 1000)
-    return statistics.median(times)
-
-
 def measure(
     shape: Shape, quantize: str | None, drafter_quantize: str | None, dtype: torch.dtype, device: str, repeats: int
 ) -> dict[str, Any]:
@@ -173,51 +154,19 @@ def measure(
     drafter = random_drafter(shape, dtype, device, target.max_context, drafter_quantize)
     drafter.check_target(target)
     target.set_feature_layers(drafter.target_layer_ids)
-    context, block = shape.context, shape.block
-    generator = torch.Generator(device="cpu").manual_seed(0)
-    ids = torch.randint(0, shape.vocab - 1, (context + block,), generator=generator).to(device)
-    with torch.inference_mode():
-        features = target.forward(ids[:context]).features
-        known = ids[: context + 1].tolist()
-        drafter.propose(target, features[:-4], known, context - 4, block)
-        verified = target.forward(ids[context : context + block]).logits
-
-    def decode_one() -> None:
-        target.rollback(context)
-        target.forward(ids[context : context + 1], features=False)
-
-    def verify_block() -> None:
-        target.rollback(context)
-        target.forward(ids[context : context + block])
-
-    def draft_step() -> None:
-        drafter.length = context - 4
-        drafter.propose(target, features[-4:], known, context, block)
-
-    def accept() -> None:
-        accept_greedy(ids[context + 1 : context + block], verified)
-
-    def verify_k(k: int) -> None:
-        target.rollback(context)
-        target.forward(ids[context : context + k])
-
-    def draft_rows(rows: int) -> None:
-        drafter.length = context - 4
-        drafter.propose(target, features[-4:], known, context, block, rows)
-
+    block = shape.block
+    sizes = sorted({k for k in SWEEP if k <= block} | {block})
+    costs = measure_steps(target, drafter, shape.vocab, shape.context, sizes, device, repeats)
     precision = str(dtype).removeprefix("torch.")
-    sizes = [k for k in SWEEP if k <= block]
     row = {
         "target": f"{quantize} (compute {precision})" if quantize else precision,
         "drafter": drafter_quantize or precision,
-        "decode_1_ms": milliseconds(decode_one, device, repeats),
-        f"verify_{block}_ms": milliseconds(verify_block, device, repeats),
-        "drafter_step_ms": milliseconds(draft_step, device, repeats),
-        "accept_ms": milliseconds(accept, device, repeats),
-        "verify_k_ms": {str(k): milliseconds(lambda k=k: verify_k(k), device, repeats) for k in sizes},
-        "drafter_rows_ms": {
-            str(k - 1): milliseconds(lambda k=k: draft_rows(k - 1), device, repeats) for k in sizes[1:]
-        },
+        "decode_1_ms": costs["decode_1_ms"],
+        f"verify_{block}_ms": costs["verify_k_ms"][str(block)],
+        "drafter_step_ms": costs["drafter_rows_ms"][str(block - 1)],
+        "accept_ms": costs["accept_ms"],
+        "verify_k_ms": costs["verify_k_ms"],
+        "drafter_rows_ms": costs["drafter_rows_ms"],
     }
     step = row[f"verify_{block}_ms"] + row["drafter_step_ms"] + row["accept_ms"]
     row["verify_over_decode"] = row[f"verify_{block}_ms"] / row["decode_1_ms"]
@@ -272,7 +221,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report = {
         "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
         "kernels": kernel_mode(),
-        "cuda_graphs": graphs_wanted(torch.device(device)),
+        "cuda_graphs": device.startswith("cuda"),  # the default on CUDA
         "torch": torch.__version__,
         "shape": asdict(shape),
         "rows": rows,

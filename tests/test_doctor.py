@@ -8,9 +8,11 @@ import sys
 from pathlib import Path
 
 import huggingface_hub
+import pytest
 import torch
 
-from dflash_local import doctor
+from dflash_local import doctor, memory_estimate
+from dflash_local.errors import DFlashError
 
 ENV = {**os.environ, "COLUMNS": "200", "OMP_NUM_THREADS": "1"}
 TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"
@@ -26,7 +28,7 @@ def test_doctor_reports_the_stack_and_whether_a_model_fits():
     for name in ("torch", "CUDA", "Triton", "bitsandbytes", "llama-cpp-python", "huggingface_hub", "model cache"):
         assert name in result.stdout
     assert torch.__version__ in result.stdout and f"{huggingface_hub.__version__}, HTTP client" in result.stdout
-    assert "tiny fits?" in result.stdout and "needs ~0.1 GB (the catalog's estimate)" in result.stdout
+    assert "tiny fits?" in result.stdout and "needs ~0.3 GB (4096-token context: " in result.stdout
     unknown = dflash("doctor", "tinyy")
     assert (unknown.returncode, unknown.stderr) == (
         1,
@@ -40,33 +42,37 @@ def _verdict(name: str, monkeypatch, budget_gb: float) -> doctor.Check:
 
 
 def test_fit_verdict_follows_the_memory_there_is(monkeypatch):
-    """tiny's catalog entry needs 0.1 GB: a 0.04 GB budget does not hold it, a 0.2 GB one does."""
-    small = _verdict("tiny", monkeypatch, 0.04)
+    """tiny needs its estimate from its files' shapes: a budget just under it does not hold it, just over it does."""
+    need, basis = doctor.estimate_gb(TINY / "target", TINY / "drafter")
+    small = _verdict("tiny", monkeypatch, need * 0.99)
     assert (small.ok, small.found) == (
         False,
-        "needs ~0.1 GB (the catalog's estimate), GPU test has 0.0 GB: does NOT fit",
+        f"needs ~{need:.1f} GB ({basis}), GPU test has {need * 0.99:.1f} GB: does NOT fit",
     )
-    large = _verdict("tiny", monkeypatch, 0.2)
-    assert (large.ok, large.found) == (True, "needs ~0.1 GB (the catalog's estimate), GPU test has 0.2 GB: fits")
+    assert _verdict("tiny", monkeypatch, need * 1.01).ok is True
 
 
-def test_doctor_takes_folders_gguf_files_and_repos(monkeypatch, tmp_path):
-    """A folder is estimated from its weights + a 4096-token KV cache, a .gguf from its size; a repo not pulled
-    is reported as such, and doctor never downloads (no Hub is reachable here)."""
+def test_doctor_takes_folders_gguf_files_and_repos(monkeypatch, tmp_path, tiny_gguf):
+    """A folder or a .gguf file is estimated from its shapes (memory_estimate); a repo not pulled is reported as
+    such, a catalog entry not pulled gets the catalog's figure, and doctor never downloads (no Hub is reachable)."""
     target = TINY / "target"
-    weights = (target / "model.safetensors").stat().st_size
-    kv = 2 * 8 * 2 * 64 * 4096 * 2  # K and V, 8 layers, 2 KV heads of 64, 4096 tokens, 16-bit
-    budget = (weights + kv) / 1e9
+    estimate = memory_estimate.estimate_files(target, None, 4096)
     where, fit = doctor.model_checks(str(target))
     assert (where.found, where.ok) == (f"on disk: {target}; no drafter (pass --drafter)", True)
-    assert fit.found.startswith(f"needs ~{budget:.1f} GB (weight files + a 4096-token KV cache)")
-    assert _verdict(str(target), monkeypatch, budget * 0.99).ok is False
-    assert _verdict(str(target), monkeypatch, budget * 1.01).ok is True
-    gguf = tmp_path / "model.gguf"
-    gguf.write_bytes(b"\0" * 3_000_000)
-    assert _verdict(str(gguf), monkeypatch, 1.0).found == (
-        "needs ~0.0 GB (weight files; its KV cache comes on top), GPU test has 1.0 GB: fits"
-    )
+    assert fit.found.startswith(f"needs ~{estimate.total_gb:.1f} GB (4096-token context: {estimate.summary()})")
+    kv = 2 * 8 * 2 * 64 * 4096 * 2  # K and V, 8 layers, 2 KV heads of 64, 4096 tokens, 16-bit
+    assert estimate.parts["KV cache"] == kv
+    assert estimate.parts["target weights"] == (target / "model.safetensors").stat().st_size
+    assert _verdict(str(target), monkeypatch, estimate.total_gb * 0.99).ok is False
+    assert _verdict(str(target), monkeypatch, estimate.total_gb * 1.01).ok is True
+    gguf = tiny_gguf["q8_0"]
+    estimate = memory_estimate.estimate_files(gguf, None, 4000)  # llama.cpp rounds the context up to 4096
+    assert estimate.parts["target weights"] == gguf.stat().st_size and estimate.parts["KV cache"] == kv
+    assert estimate.parts["llama.cpp compute buffer"] == 9 * 2**20  # what llama.cpp reports at load: 9.00 MiB
+    broken = tmp_path / "model.gguf"
+    broken.write_bytes(b"\0" * 3_000_000)
+    with pytest.raises(DFlashError, match=f"^{broken} is not a GGUF file whose shape can be read"):
+        doctor.model_checks(str(broken))
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setenv("DFLASH_HOME", str(tmp_path / "dflash"))
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
@@ -75,7 +81,8 @@ def test_doctor_takes_folders_gguf_files_and_repos(monkeypatch, tmp_path):
     assert (fit.found, fit.ok) == ("unknown until it is downloaded", None)
     where, fit = doctor.model_checks("qwen3-4b-q4")
     assert where.found == "Qwen/Qwen3-4B-GGUF is not downloaded (dflash pull qwen3-4b-q4)"
-    assert fit.found.startswith("needs ~3.6 GB (the catalog's estimate)")
+    figure = memory_estimate.estimate_shape("qwen3-4b", "q4_k_m", 4096).total_gb
+    assert fit.found.startswith(f"needs ~{figure:.1f} GB (the catalog's estimate)") and figure > 5
     assert not (tmp_path / "hf").exists()
 
 
@@ -100,3 +107,34 @@ def test_models_lists_the_catalog():
     for name in ("tiny", "llama3-8b-q4", "qwen3-8b-q4", "qwen3-4b-q4", "qwen3-4b", "qwen3-8b-nf4"):
         assert f" {name} " in result.stdout
     assert "bundled" in result.stdout
+
+
+def test_size_rule_matches_the_converted_files(tiny_gguf):
+    """The GGUF size a catalog entry is estimated with is the tensor data `dflash convert` writes, to the byte."""
+    import gguf
+
+    sizes = memory_estimate.target_sizes(TINY / "target")
+    for kind, path in tiny_gguf.items():
+        data = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
+        assert memory_estimate.gguf_bytes(sizes, kind) == data, kind
+
+
+def test_catalog_figures_come_from_shapes(monkeypatch, tmp_path):
+    from dflash_local.catalog import load_catalog
+
+    catalog = load_catalog()
+    assert catalog["llama3-8b-q4"].memory_gb == round(
+        memory_estimate.estimate_shape("llama3.1-8b", "q4_k_m", 4096).total_gb, 1
+    )
+    mine = tmp_path / "mine.toml"
+    monkeypatch.setenv("DFLASH_CATALOG", str(mine))
+    entry = '[mine]\ntarget = { repo = "a/b" }\n'
+    for extra, message in (
+        ('shape = "llama9"\nweights = "q4_k_m"\n', "shape must be one of llama3.1-8b, "),
+        ('shape = "qwen3-8b"\nweights = "q5"\n', "weights must be one of q4_k_m, q8_0, f16, bf16, nf4, got 'q5'."),
+        ('shape = "qwen3-8b"\nweights = "nf4"\nmemory_gb = 3\n', "give memory_gb or shape and weights, not both."),
+    ):
+        mine.write_text(entry + extra)
+        with pytest.raises(DFlashError) as error:
+            load_catalog()
+        assert str(error.value).startswith(f"{mine}: entry 'mine': {message}")

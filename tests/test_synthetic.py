@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from pathlib import Path
+
+import pytest
 
 from dflash_local import synthetic
 from dflash_local.decode import Settings, run
 from dflash_local.drafter import DFlashDrafter
 from dflash_local.synthetic import Shape, write_pair
 from dflash_local.targets.torch_llama import TorchLlamaTarget
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_small_shapes_load_and_decode(monkeypatch, tmp_path):
@@ -43,3 +49,28 @@ def test_large_models_are_written_in_shards(monkeypatch, tmp_path):
     assert not (target_dir / "model.safetensors").exists()
     target = TorchLlamaTarget.load(target_dir, max_context=32)
     assert target.num_layers == 6
+
+
+def test_bench_script_measures_a_small_pair(monkeypatch, tmp_path):
+    """scripts/bench_synthetic.py writes the pair with a tokenizer, converts it through `dflash convert`, runs each
+    drafter kind in its own process and reports costs per k, memory beside its estimate, and speedups per profile."""
+    pytest.importorskip("llama_cpp")
+    spec = importlib.util.spec_from_file_location("bench_synthetic", ROOT / "scripts" / "bench_synthetic.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    shape = Shape("llama", 64, 128, 4, 4, 2, 16, 300, False, 500000.0, 2, 4, (0, 2), 299)
+    monkeypatch.setattr(synthetic, "SHAPES", {"llama-small": shape})
+    out = tmp_path / "bench.json"
+    argv = ["llama-small", "--dir", str(tmp_path / "pair"), "--drafters", "none,native", "--context", "16"]
+    report = bench.main(argv + ["--max-context", "256", "--repeats", "1", "--threads", "1", "--json", str(out), "--markdown", str(tmp_path / "bench.md")])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert (tmp_path / "pair" / "target-q4_k_m.gguf").is_file()
+    none, native = report["rows"]
+    assert (none["drafter"], native["drafter"], native["block_size"]) == ("none", "native", 4)
+    assert set(native["verify_k_ms"]) == {"1", "2", "3", "4"} and set(native["drafter_rows_ms"]) == {"1", "2", "3"}
+    assert set(native["speedup"]) == {"math", "code", "chat"}
+    for row in report["rows"]:
+        assert row["peak_rss_gb"] > 0.1 and row["estimate_gb"] > 0.1 and "rss_ok" in row["targets"]
+    assert "load_ok" in native["targets"] and "load_ok" not in none["targets"]
+    rates = bench.geometric_rates(6.5)
+    assert len(rates) == 15 and abs(1 + sum(rates) - 6.5) < 1e-9

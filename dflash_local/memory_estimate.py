@@ -1,0 +1,236 @@
+"""Memory a target + drafter pair needs, from shapes: weights as stored, the drafter, the KV caches, llama.cpp's
+buffers and the process itself. Feeds the catalog's memory_gb and `dflash doctor`'s fit check."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import DFlashError
+
+DEFAULT_CONTEXT = 4096  # the CLI's --max-context: what catalog and doctor figures assume
+WEIGHT_KINDS = ("q4_k_m", "q8_0", "f16", "bf16", "nf4")  # how a catalog target is stored: GGUF types, or torch
+LLAMA_BATCH = 512  # n_batch = n_ubatch of LlamaCppTarget: llama.cpp sizes its compute and output buffers for it
+# Peak RSS of the process before any model: Python, torch, llama.cpp and this package imported (measured: 0.25 GB,
+# scripts/bench_synthetic.py). On a GPU this is host memory; CUDA's own context takes about as much VRAM.
+RUNTIME_BYTES = 250_000_000
+# Bytes per 256 weights of llama.cpp's block types (ggml-common.h), for GGUF sizes of files not yet downloaded.
+BLOCK_BYTES = {"q4_k": 144, "q6_k": 210, "q8_0": 272, "f16": 512, "bf16": 512, "f32": 1024}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """A Llama/Qwen3 decoder's dimensions: all memory depends on."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+
+    @classmethod
+    def from_config(cls, config: dict) -> Sizes:
+        """From a (checked) config.json dict of a target or a drafter."""
+        heads = config["num_attention_heads"]
+        return cls(
+            hidden=config["hidden_size"],
+            intermediate=config["intermediate_size"],
+            layers=config["num_hidden_layers"],
+            heads=heads,
+            kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            vocab=config.get("vocab_size", 0),
+            tied=bool(config.get("tie_word_embeddings", False)),
+        )
+
+    def layer_matrices(self) -> dict[str, int]:
+        """Weights of one decoder layer's matrices, by llama.cpp tensor kind."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return {
+            "attn_q": q * self.hidden,
+            "attn_k": kv * self.hidden,
+            "attn_v": kv * self.hidden,
+            "attn_output": q * self.hidden,
+            "ffn_gate": self.intermediate * self.hidden,
+            "ffn_up": self.intermediate * self.hidden,
+            "ffn_down": self.intermediate * self.hidden,
+        }
+
+    def kv_bytes(self, context: int, element: int = 2) -> int:
+        """K and V of every layer for context tokens (llama.cpp and torch both keep them in 16 bits)."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * context * element
+
+
+def _more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's use_more_bits: the layers Q4_K_M gives Q6_K attn_v and ffn_down."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def gguf_bytes(sizes: Sizes, kind: str) -> int:
+    """Size of the GGUF file `dflash convert --type kind` writes for a target (tensor data; metadata aside)."""
+    if kind not in ("q4_k_m", "q8_0", "f16", "bf16"):
+        raise DFlashError(f"No size rule for GGUF type '{kind}'.")
+    plain = "q4_k" if kind == "q4_k_m" else kind
+    total = 0
+    for layer in range(sizes.layers):
+        for name, count in sizes.layer_matrices().items():
+            more = kind == "q4_k_m" and name in ("attn_v", "ffn_down") and _more_bits(layer, sizes.layers)
+            total += count * BLOCK_BYTES["q6_k" if more else plain] // 256
+        total += 2 * sizes.hidden * 4  # the two norms, F32
+    head = "q6_k" if kind == "q4_k_m" else plain
+    embedding = sizes.vocab * sizes.hidden
+    total += embedding * BLOCK_BYTES[head if sizes.tied else plain] // 256
+    if not sizes.tied:
+        total += embedding * BLOCK_BYTES[head] // 256
+    return total + sizes.hidden * 4
+
+
+def safetensors_bytes(sizes: Sizes, element: int = 2) -> int:
+    """Size of a 16-bit (element=2) HF target's weights."""
+    matrices = sizes.layers * sum(sizes.layer_matrices().values())
+    embedding = sizes.vocab * sizes.hidden * (1 if sizes.tied else 2)
+    return (matrices + embedding) * element
+
+
+def drafter_bytes(target: Sizes, drafter_layers: int, target_layers: int, element: int = 2) -> int:
+    """A published-layout DFlash drafter's weights: its layers plus fc over the concatenated target features."""
+    layer = sum(target.layer_matrices().values())
+    return (drafter_layers * layer + target.hidden * target.hidden * target_layers) * element
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes by part; total and a one-line account of them."""
+
+    parts: dict[str, int]
+
+    @property
+    def total_gb(self) -> float:
+        return sum(self.parts.values()) / 1e9
+
+    def summary(self) -> str:
+        return " + ".join(f"{b / 1e9:.2f} GB {name}" for name, b in self.parts.items() if b >= 5_000_000)
+
+
+def estimate(
+    target: Sizes,
+    target_weights: int,
+    context: int,
+    backend: str,
+    drafter_weights: int = 0,
+    drafter: Sizes | None = None,
+    block_size: int = 16,
+    drafter_element: int = 2,
+) -> Estimate:
+    """Peak memory of one generation: target weights as stored (LlamaCppTarget reads a GGUF into llama.cpp's
+    buffers once, the Q4_K matrices it repacks for its CPU kernels included), the drafter (16-bit weights given) in
+    drafter_element bytes per weight with a copy in that dtype of the embedding and head it borrows from a GGUF
+    target (native drafter: F16; torch drafter: its compute dtype), KV caches at the context length, llama.cpp's
+    compute buffer, a block's logits twice in fp32, and the process.
+
+    The compute buffer is what llama.cpp reports at load ("CPU compute buffer size"): with flash attention its
+    largest graph holds a batch's logits and two hidden-size activations in fp32, 4 * 512 * (vocab + 2 * hidden)
+    bytes (258.5 MiB for the Llama-3.2-1B shape, 9.0 MiB for the bundled tiny target: both exact)."""
+    context = -(-context // 256) * 256  # llama.cpp rounds the context up to 256 tokens
+    parts = {"target weights": target_weights, "KV cache": target.kv_bytes(context)}
+    if backend == "llamacpp":
+        parts["llama.cpp compute buffer"] = 4 * LLAMA_BATCH * (target.vocab + 2 * target.hidden)
+    parts["logits"] = 2 * block_size * target.vocab * 4
+    if drafter is not None:
+        parts["drafter weights"] = drafter_weights * drafter_element // 2
+        if backend == "llamacpp":  # a torch target lends its own tensors
+            borrowed = target.vocab * target.hidden * (1 if target.tied else 2)
+            parts["embedding + head for the drafter"] = borrowed * drafter_element
+        parts["drafter KV cache"] = drafter.kv_bytes(context)
+    parts["runtime"] = RUNTIME_BYTES
+    return Estimate(parts)
+
+
+def _weight_files_bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.glob("*.safetensors"))
+
+
+def _config(folder: Path) -> dict:
+    from .weights import check_attention_shape, read_config
+
+    config = read_config(folder)
+    check_attention_shape(config, folder / "config.json")
+    return config
+
+
+def target_sizes(path: Path) -> Sizes:
+    """A local target's sizes: GGUF metadata, or config.json."""
+    if path.suffix == ".gguf":
+        return _gguf_sizes(path)
+    return Sizes.from_config(_config(path))
+
+
+def _gguf_sizes(path: Path) -> Sizes:
+    """Sizes from a GGUF file's metadata (the keys `dflash convert` and llama.cpp's converter write)."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+        arch = reader.get_field("general.architecture").contents()
+
+        def field(key: str, default: int | None = None) -> int:
+            found = reader.get_field(f"{arch}.{key}")
+            if found is None and default is None:
+                raise KeyError(f"{arch}.{key}")
+            return int(found.contents()) if found is not None else default
+
+        tokens = reader.get_field("tokenizer.ggml.tokens")
+        hidden, heads = field("embedding_length"), field("attention.head_count")
+        return Sizes(
+            hidden=hidden,
+            intermediate=field("feed_forward_length"),
+            layers=field("block_count"),
+            heads=heads,
+            kv_heads=field("attention.head_count_kv", heads),
+            head_dim=field("attention.key_length", hidden // heads),
+            vocab=field("vocab_size", len(tokens.data) if tokens is not None else 0),
+            tied=not any(t.name == "output.weight" for t in reader.tensors),
+        )
+    except (ValueError, IndexError, KeyError, OSError, TypeError, AttributeError) as exc:
+        raise DFlashError(f"{path} is not a GGUF file whose shape can be read ({exc}).") from None
+
+
+def estimate_files(target: Path, drafter: Path | None, context: int, drafter_element: int = 2) -> Estimate:
+    """The estimate for model files on disk: weights as their files store them, the drafter in drafter_element bytes
+    per weight (2: the native drafter, or torch in bf16/fp16; 4: the torch drafter in fp32)."""
+    sizes = target_sizes(target)
+    gguf_file = target.suffix == ".gguf"
+    backend = "llamacpp" if gguf_file else "torch"
+    if drafter is None:
+        return estimate(sizes, _weight_files_bytes(target), context, backend)
+    config = _config(drafter)
+    drafter_sizes = Sizes.from_config(config | {"vocab_size": sizes.vocab})
+    block = int(config.get("block_size", 16))
+    draft = _weight_files_bytes(drafter)
+    stored = _weight_files_bytes(target)
+    return estimate(sizes, stored, context, backend, draft, drafter_sizes, block, drafter_element)
+
+
+def estimate_shape(name: str, weights: str, context: int) -> Estimate:
+    """The estimate for a known shape (shapes.SHAPES) whose target is stored as weights: a GGUF type (llama.cpp)
+    or bf16 / nf4 safetensors (torch); the drafter is its published bf16 one."""
+    from .shapes import SHAPES, drafter_config, target_config
+
+    shape = SHAPES[name]
+    sizes = Sizes.from_config(target_config(shape))
+    drafter = Sizes.from_config(drafter_config(shape))
+    if weights in ("bf16", "nf4"):
+        stored = safetensors_bytes(sizes)
+        if weights == "nf4":  # linears in 4 bits + an fp32 scale per 64 weights; embeddings and head stay bf16
+            linears = sizes.layers * sum(sizes.layer_matrices().values())
+            stored -= linears * 2 - linears * 17 // 32
+        backend = "torch"
+    else:
+        stored, backend = gguf_bytes(sizes, weights), "llamacpp"
+    draft = drafter_bytes(sizes, shape.drafter_layers, len(shape.target_layer_ids))
+    return estimate(sizes, stored, context, backend, draft, drafter, shape.block_size)

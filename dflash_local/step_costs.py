@@ -1,0 +1,75 @@
+"""Per-step costs of a loaded target + drafter pair at a fixed context: target decode of 1 token, verify of k tokens,
+the drafter step returning k-1 rows, the greedy acceptance; and the speedup they give at an acceptance profile."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from .sampling import accept_greedy
+
+
+def milliseconds(fn, device: str, repeats: int) -> float:
+    """Median wall time of fn in ms, after warm-up, synchronizing CUDA around each call."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        began = time.perf_counter()
+        fn()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - began) * 1000)
+    return statistics.median(times)
+
+
+def measure_steps(target, drafter, vocab: int, context: int, sizes: list[int], device: str, repeats: int) -> dict:
+    """decode_1_ms, verify_k_ms and drafter_rows_ms (k-1 rows of a block of the drafter's size) per k in sizes,
+    accept_ms for the largest k; the target's cache holds `context` random tokens."""
+    block = drafter.block_size
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(0, vocab - 1, (context + block,), generator=generator).to(device)
+    with torch.inference_mode():
+        features = target.forward(ids[:context]).features
+        known = ids[: context + 1].tolist()
+        drafter.propose(target, features[:-4], known, context - 4, block)
+        verified = target.forward(ids[context : context + max(sizes)]).logits
+
+    def decode_one() -> None:
+        target.rollback(context)
+        target.forward(ids[context : context + 1], features=False)
+
+    def verify(k: int) -> None:
+        target.rollback(context)
+        target.forward(ids[context : context + k])
+
+    def draft(rows: int) -> None:
+        drafter.length = context - 4
+        drafter.propose(target, features[-4:], known, context, block, rows)
+
+    def accept() -> None:
+        accept_greedy(ids[context + 1 : context + max(sizes)], verified)
+
+    with torch.inference_mode():
+        return {
+            "decode_1_ms": milliseconds(decode_one, device, repeats),
+            "verify_k_ms": {str(k): milliseconds(lambda k=k: verify(k), device, repeats) for k in sizes},
+            "drafter_rows_ms": {str(k - 1): milliseconds(lambda k=k: draft(k - 1), device, repeats) for k in sizes[1:]},
+            "accept_ms": milliseconds(accept, device, repeats),
+        }
+
+
+def expected_tokens(rates: list[float], k: int) -> float:
+    """Tokens a verify of k gains on average: the bonus one plus each draft position's acceptance rate (the share of
+    steps accepting at least j drafts, j = 1..k-1)."""
+    return 1.0 + sum(rates[: k - 1])
+
+
+def projected_speedup(costs: dict, rates: list[float], k: int) -> float:
+    """Speedup over plain decoding of DFlash steps verifying k tokens, from measured costs and acceptance rates."""
+    step = costs["verify_k_ms"][str(k)] + costs["drafter_rows_ms"][str(k - 1)] + costs["accept_ms"]
+    return expected_tokens(rates, k) * costs["decode_1_ms"] / step
