@@ -1,15 +1,16 @@
 """llama.cpp's own DFlash drafter (GGUF architecture `dflash`) beside a GGUF target, fed through llama_process.
 
-The published-layout drafter folder is written to a temporary `dflash` GGUF (F32) and loaded into a
-llama.cpp context whose ctx_other is the target's, so it borrows the target's embeddings and head.
-Accepted context features go in as embedding batches (llama.cpp projects them and fills the draft
-KV cache); the noise block goes in as tokens with non-causal attention.
+The published-layout drafter folder is written once per (drafter, target) pair to an F16 `dflash` GGUF in dflash's
+state folder and loaded into a llama.cpp context whose ctx_other is the target's, so it borrows the target's
+embeddings and head. Accepted context features go in as embedding batches (llama.cpp projects them and fills the
+draft KV cache); the noise block goes in as tokens with non-causal attention.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-import tempfile
+import os
 import weakref
 from pathlib import Path
 
@@ -18,13 +19,18 @@ import llama_cpp
 import numpy as np
 import torch
 
+from .block_policy import cost_key
 from .drafter import DFlashDrafter, DrafterConfig, check_fits
 from .errors import DFlashError
+from .generation import _files_identity
 from .gguf_convert import LAYER_TENSORS, add_shape, rope_factors
+from .hub import state_dir
 from .targets.llama_taps import first_llama_error, quiet_llama_logs
 from .targets.llamacpp import BATCH, LlamaCppTarget
 from .weights import load_weights, read_config
 
+CACHE_FORMAT = 1  # part of the cache key: bump when write_drafter_gguf writes something different
+CACHE_KEY_FIELD = "dflash_local.cache_key"
 _TOKENIZER_KEYS = (
     "tokenizer.ggml.model",
     "tokenizer.ggml.pre",
@@ -43,7 +49,7 @@ def _free(batch, ctx, model) -> None:
 
 def _copy_tokenizer(writer: gguf.GGUFWriter, target: LlamaCppTarget) -> None:
     """The target's vocabulary metadata (llama.cpp loads a vocabulary for every model)."""
-    reader = target.info.reader
+    reader = gguf.GGUFReader(str(target.info.path))
     for key in _TOKENIZER_KEYS:
         field = reader.get_field(key)
         if field is None:
@@ -57,12 +63,14 @@ def _copy_tokenizer(writer: gguf.GGUFWriter, target: LlamaCppTarget) -> None:
             writer.add_uint32(key, int(value))
 
 
-def write_drafter_gguf(folder: Path, cfg: DrafterConfig, target: LlamaCppTarget, out: Path) -> None:
-    """A published-layout drafter as an F32 `dflash` GGUF whose target_layers are llama.cpp tap ids (id + 1)."""
+def write_drafter_gguf(folder: Path, cfg: DrafterConfig, target: LlamaCppTarget, out: Path, key: str) -> None:
+    """A published-layout drafter as a `dflash` GGUF (matrices F16, norms F32) whose target_layers are llama.cpp
+    tap ids (id + 1), stamped with its cache key."""
     if any(kind != "full_attention" for kind in cfg.layer_types) or cfg.is_causal:
         raise DFlashError(f"{folder}: the native drafter handles only non-causal, full-attention drafters.")
-    weights = load_weights(folder, torch.float32, "cpu")
+    weights = load_weights(folder, None, "cpu")
     writer = gguf.GGUFWriter(str(out), "dflash")
+    writer.add_string(CACHE_KEY_FIELD, key)
     add_shape(writer, cfg, int(cfg.raw.get("max_position_embeddings", 4096)))
     writer.add_uint32("dflash.block_size", cfg.block_size)
     writer.add_array("dflash.target_layers", [i + 1 for i in cfg.target_layer_ids])
@@ -76,11 +84,12 @@ def write_drafter_gguf(folder: Path, cfg: DrafterConfig, target: LlamaCppTarget,
         "norm.weight": "output_norm.weight",
     }
     for name, tensor in weights.items():
+        array = tensor.to(torch.float16 if tensor.dim() == 2 else torch.float32).numpy()
         if name in names:
-            writer.add_tensor(names[name], tensor.numpy())
+            writer.add_tensor(names[name], array)
         elif name.startswith("layers.") and name.split(".", 2)[2] in LAYER_TENSORS:
             index, rest = name.split(".", 2)[1:]
-            writer.add_tensor(f"blk.{index}.{LAYER_TENSORS[rest]}", tensor.numpy())
+            writer.add_tensor(f"blk.{index}.{LAYER_TENSORS[rest]}", array)
         else:
             raise DFlashError(f"{folder}: drafter tensor {name} has no llama.cpp counterpart.")
     factors = rope_factors(cfg.raw, cfg.head_dim)
@@ -90,6 +99,38 @@ def write_drafter_gguf(folder: Path, cfg: DrafterConfig, target: LlamaCppTarget,
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _holds(path: Path, key: str) -> bool:
+    """Whether path is a whole drafter GGUF written under this cache key (llama.cpp may abort on a broken one)."""
+    try:
+        reader = gguf.GGUFReader(str(path))
+        field = reader.get_field(CACHE_KEY_FIELD)
+        size = path.stat().st_size
+        whole = all(t.data_offset + t.n_bytes <= size for t in reader.tensors)
+        return whole and field is not None and field.contents() == key
+    except (ValueError, IndexError, KeyError, OSError, TypeError):
+        return False
+
+
+def cached_drafter_gguf(folder: Path, cfg: DrafterConfig, target: LlamaCppTarget) -> Path:
+    """The drafter's GGUF for this target in dflash's state folder, one file per pair of paths: written (atomically)
+    on first use, reused while neither model's files change, rewritten when they do or when it is broken."""
+    place = cost_key({"drafter": str(folder.resolve()), "target": str(target.info.path.resolve())})
+    identity = {"drafter": _files_identity(folder), "target": _files_identity(target.info.path), "format": CACHE_FORMAT}
+    key = cost_key(identity)
+    path = state_dir() / "native-drafters" / f"{place}.gguf"
+    if _holds(path, key):
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    try:
+        write_drafter_gguf(folder, cfg, target, partial, key)
+        os.replace(partial, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            partial.unlink()
+    return path
 
 
 class NativeDrafter:
@@ -105,7 +146,7 @@ class NativeDrafter:
 
     @classmethod
     def load(cls, folder: str | Path, target: LlamaCppTarget, threads: int | None = None) -> NativeDrafter:
-        """Convert the drafter folder to a temporary GGUF and load it beside `target`."""
+        """Load the drafter folder's cached GGUF (written on first use) beside `target`."""
         folder = Path(folder)
         cfg = DrafterConfig.from_dict(read_config(folder), folder)
         if not isinstance(target, LlamaCppTarget):
@@ -114,10 +155,8 @@ class NativeDrafter:
         quiet_llama_logs()
         model_params = llama_cpp.llama_model_default_params()
         model_params.n_gpu_layers = -1 if target.device.type == "cuda" else 0
-        with tempfile.TemporaryDirectory() as work:
-            path = Path(work) / "drafter.gguf"
-            write_drafter_gguf(folder, cfg, target, path)
-            model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
+        path = cached_drafter_gguf(folder, cfg, target)
+        model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
         if not model:
             raise DFlashError(f"llama.cpp could not load the drafter {folder} ({first_llama_error() or 'no reason'}).")
         params = llama_cpp.llama_context_default_params()
@@ -178,8 +217,9 @@ class NativeDrafter:
         self, target, new_features: torch.Tensor, tokens: list[int], start: int, size: int, rows: int | None = None
     ) -> torch.Tensor:
         """Cache the features of positions [length, start); draft [tokens[start], MASK x size-1] at start and return
-        the logits of its first `rows` drafted positions (default all size-1); llama.cpp's dflash graph computes the
-        head on every row (it prunes no outputs), so a smaller `rows` saves only the copy."""
+        the logits of its first `rows` drafted positions (default all size-1). llama.cpp's dflash graph computes the
+        head on every row (it has no output pruning) and hands back the first n_outputs rows, so the batch flags
+        rows 0..rows as outputs: a smaller `rows` saves the copy, not the compute."""
         rows = size - 1 if rows is None else rows
         if self.length + new_features.shape[0] != start:
             raise ValueError(f"drafter cache holds {self.length} positions, got features up to {start}")
@@ -190,7 +230,7 @@ class NativeDrafter:
             token = tokens[start] if index == 0 else self.cfg.mask_token_id
             slot = llama_cpp.llama_batch_ext_add_token(self._batch, 0, token)
             self._add(slot, start + index)
-            llama_cpp.llama_batch_ext_set_output_logits(self._batch, slot, True)  # its graph has no output pruning
+            llama_cpp.llama_batch_ext_set_output_logits(self._batch, slot, index <= rows)
         self._process()
         self.length = start
         vocab = target.vocab_size
@@ -210,6 +250,7 @@ def load_drafter(
     device: str = "cpu",
     kind: str = "auto",
     quantize: str | None = None,
+    cuda_graphs: bool = True,
 ) -> DFlashDrafter | NativeDrafter:
     """The torch drafter or llama.cpp's native one; auto takes the one measured faster for the device.
 
@@ -219,9 +260,9 @@ def load_drafter(
         native_fits = isinstance(target, LlamaCppTarget) and target.device.type == "cpu" and quantize is None
         kind = "native" if native_fits else "torch"
     if kind == "native" and quantize is not None:
-        raise DFlashError("The native llama.cpp drafter cannot be quantized; use DFLASH_DRAFTER=torch.")
+        raise DFlashError("The native llama.cpp drafter cannot be quantized; use --drafter-kind torch.")
     if kind == "native":
         return NativeDrafter.load(folder, target)
     if kind == "torch":
-        return DFlashDrafter.load(folder, dtype, device, target.max_context, quantize)
+        return DFlashDrafter.load(folder, dtype, device, target.max_context, quantize, cuda_graphs)
     raise DFlashError(f"Unknown drafter kind '{kind}' (use auto, torch or native).")

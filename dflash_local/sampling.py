@@ -7,9 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import greedy_accept
-
 from .errors import DFlashError
+from .kernels import greedy_accept
 
 
 @dataclass(frozen=True)
@@ -61,12 +60,17 @@ def pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generato
     return draw(probabilities(logits, params), generator)
 
 
-def accept_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, list[int]]:
+def accept_greedy(draft: torch.Tensor, target_scores: torch.Tensor) -> tuple[int, list[int]]:
     """Longest prefix of draft equal to the target's argmax, and the tokens it makes final: that prefix + the bonus.
 
+    target_scores: the target's logits [B, vocab], or its argmax per row [B] where the target gave those.
     One device-to-host read: the target's argmax equals the draft on the accepted prefix.
     """
-    result = greedy_accept(draft, target_logits).tolist()
+    if target_scores.dim() == 1:
+        accepted = (draft.to(target_scores.device) == target_scores[:-1]).cumprod(dim=0).sum()
+        result = torch.cat([accepted.view(1), target_scores]).tolist()
+    else:
+        result = greedy_accept(draft, target_scores).tolist()
     accepted = result[0]
     return accepted, result[1 : accepted + 2]
 

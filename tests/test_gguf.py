@@ -24,13 +24,6 @@ TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"
 NEW_TOKENS = 40
 
 
-@pytest.fixture(scope="session")
-def tiny_gguf(tmp_path_factory) -> dict[str, Path]:
-    """The bundled tiny target converted once per session to F16 and Q8_0."""
-    root = tmp_path_factory.mktemp("gguf")
-    return {kind: convert(TINY / "target", root / f"tiny-{kind}.gguf", kind, threads=1) for kind in ("f16", "q8_0")}
-
-
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
     tokenizer = TextTokenizer.load(TINY / "target")

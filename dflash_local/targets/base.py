@@ -10,10 +10,12 @@ import torch
 
 @dataclass
 class TargetOutput:
-    """Logits (fp32, one row per requested position) and concatenated context features (or None)."""
+    """Logits (fp32, one row per requested position) and concatenated context features (or None); a forward
+    asked for greedy ids may give each row's argmax instead of the logits."""
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     features: torch.Tensor | None
+    argmax: torch.Tensor | None = None
 
 
 class Target(Protocol):
@@ -43,4 +45,7 @@ class Target(Protocol):
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
-    def forward(self, ids: torch.Tensor, all_logits: bool = True, features: bool = True) -> TargetOutput: ...
+    def forward(
+        self, ids: torch.Tensor, all_logits: bool = True, features: bool = True, greedy: bool = False
+    ) -> TargetOutput:
+        """greedy: the caller reads only each row's argmax; a target may then return `argmax` and no logits."""

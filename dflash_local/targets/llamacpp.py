@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import weakref
 from pathlib import Path
 
+import gguf
 import llama_cpp
 import numpy as np
 import torch
@@ -16,6 +18,7 @@ from .base import TargetOutput
 from .llama_taps import first_llama_error, quiet_llama_logs, tap_functions
 
 BATCH = 512
+HEAD_CHUNK = 8192  # output-head rows dequantized at a time when the head is first materialized
 
 
 def _free(batch, ctx, model) -> None:
@@ -26,10 +29,19 @@ def _free(batch, ctx, model) -> None:
 
 
 class LlamaCppTarget:
-    """A llama.cpp context over a GGUF file plus the embeddings and head the drafter borrows (torch)."""
+    """A llama.cpp context over a GGUF file; the torch drafter borrows its embeddings and head from the file.
 
-    def __init__(self, info: GGUFModel, model, ctx, max_context: int, dtype: torch.dtype, device: str) -> None:
+    Nothing is dequantized at load: `embed` dequantizes just the rows it is asked for from the memory-mapped
+    tensor, and `lm_head` materializes the output head once, in `dtype`, on first use (the tied head is the
+    embedding matrix, so that is the only copy). The native drafter reads both inside llama.cpp and uses neither.
+    """
+
+    def __init__(
+        self, info: GGUFModel, tensors: dict, model, ctx, max_context: int, dtype: torch.dtype, device: str
+    ) -> None:
         self.info = info
+        self._embed_tensor = tensors["token_embd.weight"]
+        self._head_tensor = tensors.get("output.weight", self._embed_tensor)
         self._model, self._ctx = model, ctx
         self._memory = llama_cpp.llama_get_memory(ctx)
         self._batch = llama_cpp.llama_batch_init(BATCH, 0, 1)
@@ -39,9 +51,7 @@ class LlamaCppTarget:
         self.max_context = max_context
         self.length = 0
         self.feature_layer_ids: list[int] = []
-        self._embed = info.tensor("token_embd.weight", dtype, device)
-        has_head = any(t.name == "output.weight" for t in info.reader.tensors)
-        self._head = info.tensor("output.weight", dtype, device) if has_head else self._embed
+        self._head: torch.Tensor | None = None
 
     @classmethod
     def load(
@@ -54,10 +64,16 @@ class LlamaCppTarget:
     ) -> LlamaCppTarget:
         """Validate the GGUF file with the gguf reader, then load it into llama.cpp (all layers on the GPU for cuda)."""
         info = read_gguf(Path(path))
+        tensors = {t.name: t for t in info.reader.tensors if t.name in ("token_embd.weight", "output.weight")}
+        if "token_embd.weight" not in tensors:
+            raise DFlashError(f"{path} lacks the tensor token_embd.weight.")
+        info = dataclasses.replace(info, reader=None)  # its parsed metadata (~0.25 GB for a 128K vocabulary) goes now
         quiet_llama_logs()
         llama_cpp.llama_backend_init()
         model_params = llama_cpp.llama_model_default_params()
         model_params.n_gpu_layers = -1 if str(device).startswith("cuda") else 0
+        # Read into llama.cpp's own buffers: memory-mapped, the weights it repacks for the CPU (Q4_K) count twice.
+        model_params.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE
         model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
         if not model:
             raise DFlashError(f"llama.cpp could not load {path} ({first_llama_error() or 'no reason given'}).")
@@ -71,7 +87,7 @@ class LlamaCppTarget:
         if not ctx:
             llama_cpp.llama_model_free(model)
             raise DFlashError(f"llama.cpp could not create a {max_context}-token context for {path}.")
-        return cls(info, model, ctx, max_context, dtype, device)
+        return cls(info, tensors, model, ctx, max_context, dtype, device)
 
     @property
     def vocab_size(self) -> int:
@@ -116,10 +132,26 @@ class LlamaCppTarget:
             raise DFlashError("llama.cpp could not roll its KV cache back.")
         self.length = length
 
+    def _dequantize(self, tensor, rows) -> np.ndarray:
+        """fp32 [n, hidden] of the given rows (an index array or a slice) of a GGUF tensor, read from the file."""
+        values = gguf.quants.dequantize(tensor.data[rows], tensor.tensor_type)
+        return np.asarray(values, dtype=np.float32).reshape(-1, self.hidden_size)
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.embedding(ids.to(self.device), self._embed)
+        """Rows of the embedding matrix: from the tied head once it exists (no host work: CUDA graphs can capture
+        it), else dequantized from the file."""
+        if self._head is not None and self._head_tensor is self._embed_tensor:
+            return torch.nn.functional.embedding(ids.to(self.device), self._head)
+        rows = self._dequantize(self._embed_tensor, ids.reshape(-1).cpu().numpy())
+        return torch.from_numpy(rows).to(self.device, self.dtype).reshape(*ids.shape, self.hidden_size)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._head is None:
+            head = torch.empty(self.vocab_size, self.hidden_size, dtype=self.dtype, device=self.device)
+            for begin in range(0, self.vocab_size, HEAD_CHUNK):
+                chunk = self._dequantize(self._head_tensor, slice(begin, begin + HEAD_CHUNK))
+                head[begin : begin + chunk.shape[0]] = torch.from_numpy(chunk)
+            self._head = head
         return hidden.to(self._head.dtype) @ self._head.T
 
     def _decode(self, ids: list[int], start: int, all_logits: bool) -> None:
@@ -135,17 +167,22 @@ class LlamaCppTarget:
         if status != 0:
             raise DFlashError(f"llama.cpp failed to evaluate the batch (status {status}).")
 
-    def _rows(self, pointer, rows: int, width: int) -> np.ndarray:
-        return np.ctypeslib.as_array(ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), shape=(rows, width)).copy()
+    def _view(self, pointer, rows: int, width: int) -> np.ndarray:
+        """llama.cpp's float rows at pointer, in place (valid until its next decode)."""
+        return np.ctypeslib.as_array(ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), shape=(rows, width))
 
     def _features(self, layer: int, rows: int) -> np.ndarray:
-        """HF hidden_states[layer + 1] for the last decoded rows."""
+        """HF hidden_states[layer + 1] for the last decoded rows, in place."""
         if layer == self.num_layers - 1:
-            return self._rows(llama_cpp.llama_get_embeddings(self._ctx), rows, self.hidden_size)
-        return self._rows(self._get_tap(self._ctx, layer + 1), rows, self.hidden_size)
+            return self._view(llama_cpp.llama_get_embeddings(self._ctx), rows, self.hidden_size)
+        return self._view(self._get_tap(self._ctx, layer + 1), rows, self.hidden_size)
 
-    def forward(self, ids: torch.Tensor, all_logits: bool = True, features: bool = True) -> TargetOutput:
-        """Append ids at the cache end; return logits (all positions or the last) and the tapped features."""
+    def forward(
+        self, ids: torch.Tensor, all_logits: bool = True, features: bool = True, greedy: bool = False
+    ) -> TargetOutput:
+        """Append ids at the cache end; return logits (all positions or the last) and the tapped features.
+
+        greedy: return each row's argmax instead, taken over the logits where llama.cpp holds them (no copy)."""
         tokens = ids.tolist()
         start = self.length
         if start + len(tokens) > self.max_context:
@@ -157,13 +194,15 @@ class LlamaCppTarget:
             self._decode(chunk, start + offset, all_logits)
             if all_logits or offset + BATCH >= len(tokens):
                 rows = len(chunk) if all_logits or every_output else 1
-                chunk_logits = self._rows(llama_cpp.llama_get_logits(self._ctx), rows, self.vocab_size)
-                logits.append(chunk_logits if all_logits else chunk_logits[-1:])
+                view = self._view(llama_cpp.llama_get_logits(self._ctx), rows, self.vocab_size)
+                view = view if all_logits else view[-1:]
+                logits.append(view.argmax(axis=1) if greedy else view.copy())
             if features and self.feature_layer_ids:
                 feats.append(np.concatenate([self._features(i, len(chunk)) for i in self.feature_layer_ids], axis=1))
             self.length = start + offset + len(chunk)
-        out_logits = torch.from_numpy(np.concatenate(logits)).to(self.device)
+        out = torch.from_numpy(logits[0] if len(logits) == 1 else np.concatenate(logits)).to(self.device)
         out_feats = None
         if feats:
-            out_feats = torch.from_numpy(np.concatenate(feats)).to(self.device, self.dtype)
-        return TargetOutput(logits=out_logits, features=out_feats)
+            joined = feats[0] if len(feats) == 1 else np.concatenate(feats)
+            out_feats = torch.from_numpy(joined).to(self.device, self.dtype)
+        return TargetOutput(logits=None, features=out_feats, argmax=out) if greedy else TargetOutput(out, out_feats)
