@@ -46,6 +46,7 @@ def _summary(stats: Stats) -> dict:
         "decode_tokens_per_s": stats.decode_tokens_per_s,
         "tau": stats.tau,
         "new_tokens": stats.new_tokens,
+        "prefill_tokens": stats.prefill_tokens,
         "acceptance_histogram": stats.histogram(),
         "acceptance_rate_by_position": acceptance_rates(stats),
         "draft_time_share": stats.draft_s / stats.decode_s if stats.decode_s else 0.0,

@@ -32,6 +32,7 @@ class ModelEntry:
     chat_template: str = ""
     hardware: str = ""
     memory_gb: float = 0.0
+    thinking: bool | None = None  # whether the drafter was trained with the template's thinking on (None: unsaid)
 
     def sources(self) -> list[Source]:
         return [s for s in (self.target, self.drafter) if s is not None]
@@ -50,6 +51,7 @@ class ResolvedModel:
     backend: str = "auto"
     prompts: Path | None = None
     quantize: str | None = None
+    thinking: bool | None = None  # the catalog drafter's thinking mode; None with another drafter or none said
 
 
 def catalog_paths() -> list[Path]:
@@ -80,6 +82,9 @@ ENTRY_KEYS = (
     "chat_template",
     "hardware",
     "memory_gb",
+    "thinking",
+    "shape",
+    "weights",
 )
 SOURCE_KEYS = ("repo", "files", "revision")
 CATALOG_BACKENDS = ("auto", "torch", "llamacpp")
@@ -109,9 +114,10 @@ def _entry(name: str, table: object, path: Path) -> ModelEntry:
     quantize = table.get("quantize")
     if quantize not in (None, "nf4"):
         raise DFlashError(f"{where}: quantize must be 'nf4' or left out, got {_show(quantize)}.")
-    memory = table.get("memory_gb", 0.0)
-    if isinstance(memory, bool) or not isinstance(memory, (int, float)) or memory < 0:
-        raise DFlashError(f"{where}: memory_gb must be a number of GB (0 or more), got {_show(memory)}.")
+    memory = _memory_gb(table, where)
+    thinking = table.get("thinking")
+    if thinking is not None and not isinstance(thinking, bool):
+        raise DFlashError(f"{where}: thinking must be true or false, got {_show(thinking)}.")
     base = path.parent
     return ModelEntry(
         name=name,
@@ -124,7 +130,28 @@ def _entry(name: str, table: object, path: Path) -> ModelEntry:
         chat_template=table.get("chat_template", ""),
         hardware=table.get("hardware", ""),
         memory_gb=float(memory),
+        thinking=thinking,
     )
+
+
+def _memory_gb(table: dict, where: str) -> float:
+    """memory_gb as written, or estimated from shape (a known architecture) and weights (how the target is stored)."""
+    from .memory_estimate import DEFAULT_CONTEXT, WEIGHT_KINDS, estimate_shape
+    from .shapes import SHAPES
+
+    if "shape" not in table and "weights" not in table:
+        memory = table.get("memory_gb", 0.0)
+        if isinstance(memory, bool) or not isinstance(memory, (int, float)) or memory < 0:
+            raise DFlashError(f"{where}: memory_gb must be a number of GB (0 or more), got {_show(memory)}.")
+        return float(memory)
+    if "memory_gb" in table:
+        raise DFlashError(f"{where}: give memory_gb or shape and weights, not both.")
+    shape, weights = table.get("shape"), table.get("weights")
+    if shape not in SHAPES:
+        raise DFlashError(f"{where}: shape must be one of {', '.join(SHAPES)}, got {_show(shape)}.")
+    if weights not in WEIGHT_KINDS:
+        raise DFlashError(f"{where}: weights must be one of {', '.join(WEIGHT_KINDS)}, got {_show(weights)}.")
+    return round(estimate_shape(shape, weights, DEFAULT_CONTEXT).total_gb, 1)
 
 
 def _known_keys(table: dict, known: tuple[str, ...], where: str) -> None:
@@ -224,7 +251,8 @@ def resolve(name: str, drafter: str | None, fetch) -> ResolvedModel:
         drafter_path = None
     if entry is None:
         return ResolvedModel(target, drafter_path)
-    return ResolvedModel(target, drafter_path, entry.backend, entry.prompts, entry.quantize)
+    thinking = entry.thinking if drafter is None else None
+    return ResolvedModel(target, drafter_path, entry.backend, entry.prompts, entry.quantize, thinking)
 
 
 def _drafter_path(drafter: str, fetch) -> Path:

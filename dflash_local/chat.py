@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import dataclass, field, replace
 from typing import BinaryIO, TextIO
 
@@ -12,6 +13,7 @@ from rich.console import Console, ConsoleOptions, RenderResult
 from rich.live import Live
 from rich.text import Text
 
+from .chat_template import uses_thinking
 from .decode import Settings, Stats, generate
 from .errors import DFlashError
 from .generation import LoadedModels
@@ -25,6 +27,7 @@ HELP = """commands:
   /temp X        sampling temperature (0 = greedy, lossless vs the target's greedy output)
   /block N|auto  verify block size (2..the drafter's trained size), or auto: chosen every step
   /draft on|off  speculative decoding on or off (off = plain autoregressive)
+  /think on|off  the chat template's thinking mode (templates with enable_thinking, e.g. Qwen3)
   /quit          leave (Ctrl-D works too)"""
 
 
@@ -33,6 +36,7 @@ class ChatState:
     """The conversation and the knobs the user can turn."""
 
     settings: Settings
+    thinking: bool | None = None  # the template's enable_thinking; None when the template has no such switch
     messages: list[dict[str, str]] = field(default_factory=list)
     last: Stats | None = None
     session_tokens: int = 0
@@ -44,8 +48,8 @@ def acceptance_bar(accepted: int, block_size: int) -> str:
     return "█" * accepted + "·" * max(0, block_size - accepted)
 
 
-def status_line(stats: Stats, draft: bool) -> str:
-    """tokens/s, tau, last step's acceptance, drafter vs target time."""
+def status_line(stats: Stats, draft: bool, thinking: bool | None = None) -> str:
+    """tokens/s, tau, last step's acceptance, drafter vs target time; the thinking mode where the template has one."""
     parts = [f"{stats.new_tokens} tok", f"{stats.decode_tokens_per_s:.1f} tok/s"]
     if draft and stats.acceptance_lengths:
         parts.append(f"tau {stats.tau:.2f}")
@@ -53,17 +57,82 @@ def status_line(stats: Stats, draft: bool) -> str:
         parts.append(f"draft {100 * stats.draft_s / max(stats.decode_s, 1e-9):.0f}% / target")
     elif not draft:
         parts.append("no drafting")
+    if thinking is not None:
+        parts.append(f"think {'on' if thinking else 'off'}")
     return " · ".join(parts)
 
 
-def finished_rows(text: str, width: int) -> tuple[list[str], str]:
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+Piece = tuple[str, bool]  # streamed text, and whether it is thinking (tags included)
+
+
+class ThinkSplitter:
+    """Splits streamed answer text into thinking (<think> ... </think>) and answer pieces, holding back a tail that
+    may be the start of a tag; collects the answer without the thinking, as Qwen3's template stores a turn."""
+
+    def __init__(self, thinking: bool = False) -> None:
+        self.thinking = thinking
+        self.thought = thinking
+        self.held = ""
+        self.answer_parts: list[str] = []
+
+    def feed(self, delta: str) -> list[Piece]:
+        """The pieces of held text + delta that are sure to be outside a partial tag."""
+        text, self.held, pieces = self.held + delta, "", []
+        while text:
+            tag = THINK_CLOSE if self.thinking else THINK_OPEN
+            at = text.find(tag)
+            if at < 0:
+                keep = next((n for n in range(len(tag) - 1, 0, -1) if text.endswith(tag[:n])), 0)
+                text, self.held = text[: len(text) - keep], text[len(text) - keep :]
+                self._add(pieces, text, self.thinking)
+                break
+            if self.thinking:
+                self._add(pieces, text[:at] + tag, True)
+            else:
+                self._add(pieces, text[:at], False)
+                self._add(pieces, tag, True)
+            self.thinking, self.thought, text = not self.thinking, True, text[at + len(tag) :]
+        return pieces
+
+    def flush(self) -> list[Piece]:
+        """The held tail, at the end of the answer."""
+        pieces: list[Piece] = []
+        self._add(pieces, self.held, self.thinking)
+        self.held = ""
+        return pieces
+
+    def _add(self, pieces: list[Piece], text: str, thinking: bool) -> None:
+        if text:
+            pieces.append((text, thinking))
+            if not thinking:
+                self.answer_parts.append(text)
+
+    def answer(self) -> str:
+        """The answer so far without its thinking (and, after thinking, without the newlines that began it)."""
+        text = "".join(self.answer_parts) + ("" if self.thinking else self.held)
+        return text.lstrip("\n") if self.thought else text
+
+
+def styled(pieces: list[Piece]) -> Text:
+    """Pieces as rich text, thinking dimmed."""
+    text = Text()
+    for piece, thinking in pieces:
+        text.append(piece, style="dim" if thinking else "")
+    return text
+
+
+def finished_rows(text: Text, width: int) -> tuple[list[Text], Text]:
     """Split growing text into rows that are final (ended lines, full-width rows cut at a space) and the rest."""
-    *rows, rest = text.split("\n")
-    while cell_len(rest) > width:
-        head = chop_cells(rest, width)[0]
+    *rows, rest = text.split("\n", allow_blank=True)
+    while cell_len(rest.plain) > width:
+        head = chop_cells(rest.plain, width)[0]
         cut = head.rfind(" ")
         cut = cut + 1 if cut > 0 else len(head)
-        rows.append(rest[:cut].rstrip(" "))
+        row = rest[:cut]
+        row.rstrip()
+        rows.append(row)
         rest = rest[cut:]
     return rows, rest
 
@@ -75,22 +144,25 @@ class TerminalAnswer:
     def __init__(self, console: Console) -> None:
         self.console = console
         self.live: Live | None = None
-        self.rest = self.status = ""
+        self.rest = Text()
+        self.status = ""
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         """The live region, as it is now (rich redraws it after anything printed above it)."""
         if self.rest:
-            yield Text(self.rest)
+            yield self.rest
         yield Text(self.status, style="dim")
 
-    def update(self, delta: str, status: str) -> None:
+    def update(self, pieces: list[Piece], status: str) -> None:
+        """Add pieces to the unfinished row (work bounded by one row, however long the answer), print finished
+        rows above the live region, show the status."""
         if self.live is None:
             self.live = Live(self, console=self.console, auto_refresh=False)
             self.live.start()
-        rows, self.rest = finished_rows(self.rest + delta, self.console.width)
+        rows, self.rest = finished_rows(self.rest + styled(pieces), self.console.width)
         self.status = status
         if rows:
-            self.console.print(Text("\n".join(rows)))
+            self.console.print(Text("\n").join(rows))
         else:
             self.live.refresh()
 
@@ -106,8 +178,8 @@ class PipedAnswer:
         self.out, self.notes = out, notes
         self.status = ""
 
-    def update(self, delta: str, status: str) -> None:
-        self.out.file.write(delta)
+    def update(self, pieces: list[Piece], status: str) -> None:
+        self.out.file.write("".join(piece for piece, _ in pieces))
         self.out.file.flush()
         self.status = status
 
@@ -122,22 +194,28 @@ class Chat:
     """One chat session over loaded models: answers go to `console`, status lines and notices to `notes`."""
 
     def __init__(
-        self, models: LoadedModels, settings: Settings, console: Console, notes: Console | None = None
+        self,
+        models: LoadedModels,
+        settings: Settings,
+        console: Console,
+        notes: Console | None = None,
+        thinking: bool | None = None,
     ) -> None:
+        """thinking: the mode the drafter was trained with (catalog); templates with a switch default to on."""
         if models.tokenizer is None:
             raise DFlashError("The model has no tokenizer.json, so it cannot chat.")
         self.models = models
         self.console = console
         self.notes = notes or console
-        self.state = ChatState(settings)
+        switch = uses_thinking(models.tokenizer.config)
+        self.state = ChatState(settings, (True if thinking is None else thinking) if switch else None)
 
     def fit(self, messages: list[dict[str, str]]) -> tuple[list[dict[str, str]], list[int]]:
         """The newest turns that fit with room for the answer, and their ids; the new message must fit alone."""
         room = self.models.target.max_context - self.state.settings.max_new_tokens
-        encode = self.models.tokenizer.encode_chat
-        ids = encode(messages, add_generation_prompt=True)
+        ids = self.encode(messages)
         if len(ids) > room:
-            alone = len(encode(messages[-1:], add_generation_prompt=True))
+            alone = len(self.encode(messages[-1:]))
             if alone > room:
                 raise DFlashError(
                     f"This message is {alone} tokens, and the {self.models.target.max_context}-token context keeps "
@@ -145,35 +223,46 @@ class Chat:
                 )
         while len(ids) > room:
             messages = messages[2:]
-            ids = encode(messages, add_generation_prompt=True)
+            ids = self.encode(messages)
         return messages, ids
+
+    def encode(self, messages: list[dict[str, str]]) -> list[int]:
+        """The messages rendered (with the thinking mode) and tokenized, ready for the answer."""
+        return self.models.tokenizer.encode_chat(messages, True, self.state.thinking)
 
     def answer(self, text: str) -> None:
         """Stream the answer to one user message; the turn joins the history only once the answer starts.
 
         Ctrl-C before the first token (rendering, prefill) leaves the history untouched and propagates;
-        Ctrl-C while decoding keeps the partial answer and returns.
+        Ctrl-C while decoding keeps the partial answer and returns. Thinking shows dimmed and stays out of the history.
+        The models' session reuses the caches for the conversation's prefix that the last turn left there.
         """
         candidate = [*self.state.messages, {"role": "user", "content": text}]
         messages, ids = self.fit(candidate)
-        settings, stats = self.state.settings, Stats()
+        settings, stats, tokenizer = self.state.settings, Stats(), self.models.tokenizer
         drafter = self.models.drafter if settings.draft else None
         policy = self.models.policy if settings.block_size is None else None
-        detok = Detokenizer(self.models.tokenizer)
+        detok = Detokenizer(tokenizer)
+        prompt_tail = tokenizer.decode(ids[-8:])  # a template may open the thinking itself
+        splitter = ThinkSplitter(prompt_tail.rfind(THINK_OPEN) > prompt_tail.rfind(THINK_CLOSE))
         view = TerminalAnswer(self.console) if self.console.is_terminal else PipedAnswer(self.console, self.notes)
         turn: dict[str, str] | None = None
+        steps = generate(self.models.target, drafter, ids, settings, policy, self.models.session)
         try:
             try:
-                for step in generate(self.models.target, drafter, ids, settings, policy):
-                    if turn is None:
-                        turn = self.commit(messages, (len(candidate) - len(messages)) // 2)
-                    stats.add(step)
-                    # the stop token's text never shows, even with --ignore-eos (which generates past it)
-                    delta = detok.add([t for t in step.token_ids if t not in self.models.stop_ids])
-                    turn["content"] += delta
-                    view.update(delta, status_line(stats, settings.draft))
+                with closing(steps):
+                    for step in steps:
+                        if turn is None:
+                            turn = self.commit(messages, (len(candidate) - len(messages)) // 2)
+                        stats.add(step)
+                        # the stop token's text never shows, even with --ignore-eos (which generates past it)
+                        delta = detok.add([t for t in step.token_ids if t not in self.models.stop_ids])
+                        view.update(splitter.feed(delta), status_line(stats, settings.draft, self.state.thinking))
+                view.update(splitter.flush(), status_line(stats, settings.draft, self.state.thinking))
             finally:
                 view.close()
+                if turn is not None:
+                    turn["content"] = splitter.answer()
         except KeyboardInterrupt:
             if turn is None:
                 raise
@@ -226,6 +315,13 @@ class Chat:
                 raise DFlashError("No drafter is loaded, so drafting cannot be turned on.")
             state.settings = replace(state.settings, draft=arg == "on")
             self.console.print(f"(drafting {arg})")
+        elif name == "/think":
+            if arg not in ("on", "off"):
+                raise DFlashError("Use /think on or /think off.")
+            if state.thinking is None:
+                raise DFlashError("This model's chat template has no thinking switch.")
+            state.thinking = arg == "on"
+            self.console.print(f"(thinking {arg})")
         else:
             self.console.print(f"unknown command {name}; /help lists them", markup=False)
         return True
@@ -238,8 +334,9 @@ class Chat:
         blocks = " ".join(f"{k}:{v}" for k, v in last.block_histogram().items())
         session_rate = self.state.session_tokens / max(self.state.session_decode_s, 1e-9)
         return (
-            f"last answer: {status_line(last, self.state.settings.draft)}\n"
-            f"  time to first token {last.prefill_s * 1000:.0f} ms · acceptance histogram {histogram or '-'}\n"
+            f"last answer: {status_line(last, self.state.settings.draft, self.state.thinking)}\n"
+            f"  time to first token {last.prefill_s * 1000:.0f} ms ({last.prefill_tokens} new prompt tokens prefilled)"
+            f" · acceptance histogram {histogram or '-'}\n"
             f"  steps by block size k (1 = plain): {blocks or '-'}\n"
             f"session: {self.state.session_tokens} tokens · {session_rate:.1f} tok/s"
         )
@@ -258,18 +355,18 @@ def piped_lines(stream: BinaryIO) -> Iterator[str]:
         yield raw.decode("utf-8", errors="replace")
 
 
-def run_chat(models: LoadedModels, settings: Settings, stdin: TextIO = sys.stdin) -> None:
-    """Interactive loop on a terminal; on a pipe, one answer per input line.
+def run_chat(models: LoadedModels, settings: Settings, stdin: TextIO = sys.stdin, thinking: bool | None = None) -> None:
+    """Interactive loop on a terminal; on a pipe, one answer per input line. thinking: as for Chat.
 
     On a pipe, answers go to stdout, status lines and `error: ...` lines to stderr, and the process exits
     with status 1 when the last line failed.
     """
     if stdin.isatty():
-        chat = Chat(models, settings, Console(highlight=False, force_terminal=True))
+        chat = Chat(models, settings, Console(highlight=False, force_terminal=True), thinking=thinking)
         _interactive(chat)
         return
     out, notes = Console(highlight=False, soft_wrap=True), Console(highlight=False, soft_wrap=True, stderr=True)
-    chat, failed = Chat(models, settings, out, notes), False
+    chat, failed = Chat(models, settings, out, notes, thinking), False
     for line in piped_lines(stdin.buffer):
         if line.strip():
             failed = _turn(chat, line.strip())

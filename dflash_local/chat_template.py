@@ -143,10 +143,19 @@ def _generate(source: str, variables: dict[str, Any]) -> str:
     return "".join(pieces)
 
 
+def uses_thinking(tokenizer_config: dict[str, Any]) -> bool:
+    """Whether the chat template reads `enable_thinking` (Qwen3-style thinking on/off)."""
+    return "enable_thinking" in (template_source(tokenizer_config) or "")
+
+
 def render_chat(
-    tokenizer_config: dict[str, Any], messages: list[dict[str, str]], add_generation_prompt: bool = True
+    tokenizer_config: dict[str, Any],
+    messages: list[dict[str, str]],
+    add_generation_prompt: bool = True,
+    enable_thinking: bool | None = None,
 ) -> str:
-    """Render messages with the config's chat template, as transformers would, within the bounds above."""
+    """Render messages with the config's chat template, as transformers would, within the bounds above;
+    enable_thinking, when given, is passed as that template variable (None leaves the template's default)."""
     source = template_source(tokenizer_config)
     if source is None:
         raise DFlashError("The model has no chat template (tokenizer_config.json has no chat_template).")
@@ -156,6 +165,8 @@ def render_chat(
         "bos_token": _token_text(tokenizer_config.get("bos_token")),
         "eos_token": _token_text(tokenizer_config.get("eos_token")),
     }
+    if enable_thinking is not None:
+        variables["enable_thinking"] = enable_thinking
     try:
         with _memory_cap(), _deadline(RENDER_SECONDS):
             return _generate(source, variables)

@@ -17,6 +17,7 @@ from .block_policy import BlockPolicy
 from .errors import DFlashError
 from .runtime import clock
 from .sampling import SamplingParams, accept_greedy, accept_sampled, pick, probabilities
+from .session import Session
 from .targets.base import Target
 
 
@@ -25,6 +26,7 @@ class Drafter(Protocol):
 
     block_size: int
     target_layer_ids: list[int]
+    length: int  # cached context positions; setting it lower rolls the cache back (the next propose drops the rest)
 
     def check_target(self, target: Target) -> None: ...
 
@@ -65,6 +67,7 @@ class Step:
     target_s: float
     block_size: int  # tokens this step verified (1: a plain step)
     finish_reason: str | None = None
+    prefill_tokens: int = 0  # prompt tokens the prefill step forwarded (the rest came from the session's caches)
 
 
 @dataclass
@@ -72,6 +75,7 @@ class Stats:
     """Running totals over a generation's steps."""
 
     prefill_s: float = 0.0
+    prefill_tokens: int = 0
     draft_s: float = 0.0
     target_s: float = 0.0
     acceptance_lengths: list[int] = field(default_factory=list)
@@ -86,6 +90,7 @@ class Stats:
         self.finish_reason = step.finish_reason or self.finish_reason
         if step.acceptance_length is None:
             self.prefill_s += step.target_s
+            self.prefill_tokens += step.prefill_tokens
             return
         self.acceptance_lengths.append(step.acceptance_length)
         self.block_sizes.append(step.block_size)
@@ -128,6 +133,7 @@ class Stats:
             "block_sizes": self.block_sizes,
             "block_histogram": self.block_histogram(),
             "prefill_s": self.prefill_s,
+            "prefill_tokens": self.prefill_tokens,
             "time_to_first_token_s": self.prefill_s,
             "decode_s": self.decode_s,
             "decode_tokens_per_s": self.decode_tokens_per_s,
@@ -157,11 +163,14 @@ def generate(
     prompt_ids: list[int],
     settings: Settings,
     policy: BlockPolicy | None = None,
+    session: Session | None = None,
 ) -> Iterator[Step]:
     """Yield the steps of one generation; their token_ids concatenated are the new tokens.
 
     With a policy (and drafting on) each step's verify size comes from it, the drafter drafting its trained block;
-    without one every step drafts and verifies the fixed block size (fewer near the end)."""
+    without one every step drafts and verifies the fixed block size (fewer near the end). With a session, the
+    prefill forwards only what follows the longest common prefix of the prompt and the caches' ids, and the
+    session records the caches' state after every step; without one, both caches start empty."""
     block_size = _block_size(drafter, settings)
     if not prompt_ids:
         raise DFlashError("The prompt is empty.")
@@ -175,13 +184,15 @@ def generate(
     drafting = block_size > 1
     if drafting:
         drafter.check_target(target)
-        drafter.reset()
         target.set_feature_layers(drafter.target_layer_ids)
     if not drafting:
         policy = None
     elif policy is not None:
         policy.start()
-    target.reset()
+    session = Session() if session is None else session
+    layers = tuple(drafter.target_layer_ids) if drafting else None
+    kept, pending = session.resume(target, drafter if drafting else None, prompt_ids, layers)
+    drafted_to = session.drafter_length  # positions the drafter's cache holds
     params = settings.sampling
     generator = None
     if settings.seed is not None:
@@ -192,18 +203,20 @@ def generate(
     length_reason = "length"
     if max_length > target.max_context:
         max_length, length_reason = target.max_context, "context"
-    ids = torch.tensor(prompt_ids, dtype=torch.long, device=target.device)
+    ids = torch.tensor(prompt_ids[kept:], dtype=torch.long, device=target.device)
 
     began = clock(target.device)
     out = target.forward(ids, all_logits=False, features=drafting)
     first = int(pick(out.logits[-1], params, generator))
     tokens = prompt_ids + [first]
-    pending = [] if out.features is None else [out.features]  # accepted positions' features the drafter lacks
+    if out.features is not None:
+        pending.append(out.features)  # accepted positions' features the drafter lacks
     start = prompt_len
+    session.record(tokens, start, drafted_to, pending)
     stopped = first in settings.stop_ids
     done = stopped or start + 1 >= max_length
     reason = ("stop" if stopped else length_reason) if done else None
-    yield Step([first], None, 0.0, clock(target.device) - began, block_size, reason)
+    yield Step([first], None, 0.0, clock(target.device) - began, block_size, reason, prompt_len - kept)
 
     while not done:
         left = max_length - start
@@ -215,16 +228,16 @@ def generate(
             new_features = (pending[0] if len(pending) == 1 else torch.cat(pending)) if pending else None
             draft_size = block_size if policy is not None else verify_size
             draft_logits = drafter.propose(target, new_features, tokens, start, draft_size, verify_size - 1)
-            pending = []
+            pending, drafted_to = [], start
             if params.greedy:
                 block[1:] = draft_logits.argmax(dim=-1)
             else:
                 draft_probs = probabilities(draft_logits, params)
                 block[1:] = torch.multinomial(draft_probs, 1, generator=generator)[:, 0]
         t1 = clock(target.device)
-        out = target.forward(block, all_logits=True, features=drafting)
+        out = target.forward(block, all_logits=True, features=drafting, greedy=params.greedy)
         if params.greedy:
-            accepted, made = accept_greedy(block[1:], out.logits)
+            accepted, made = accept_greedy(block[1:], out.logits if out.argmax is None else out.argmax)
         else:
             if verify_size > 1:
                 accepted, bonus = accept_sampled(block[1:], draft_probs, probabilities(out.logits, params), generator)
@@ -242,6 +255,7 @@ def generate(
         target.rollback(start)
         if out.features is not None:
             pending.append(out.features[:produced])
+        session.record(tokens, start, drafted_to, pending)
         t2 = clock(target.device)
         if policy is not None:
             policy.observe(verify_size, accepted, t1 - t0, t2 - t1)
@@ -258,11 +272,12 @@ def run(
     prompt_ids: list[int],
     settings: Settings,
     policy: BlockPolicy | None = None,
+    session: Session | None = None,
 ) -> tuple[list[int], Stats]:
     """Generate to the end; return the new token ids and the stats."""
     stats = Stats()
     new_ids: list[int] = []
-    for step in generate(target, drafter, prompt_ids, settings, policy):
+    for step in generate(target, drafter, prompt_ids, settings, policy, session):
         new_ids.extend(step.token_ids)
         stats.add(step)
     return new_ids, stats

@@ -40,9 +40,12 @@ class GGUFTokenizer:
         add_bos = add_special_tokens and self.config["add_bos_token"]
         return self.vocab.tokenize(text.encode(), add_bos=add_bos, special=True)
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, enable_thinking: bool | None = None
+    ) -> list[int]:
         """Token ids of messages rendered with the chat template from the GGUF metadata."""
-        return self.encode(render_chat(self.config, messages, add_generation_prompt), add_special_tokens=False)
+        text = render_chat(self.config, messages, add_generation_prompt, enable_thinking)
+        return self.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
         return self.vocab.detokenize(ids, special=True).decode("utf-8", "replace")

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer
 
 from .chat_template import render_chat
 from .errors import DFlashError
+
+if TYPE_CHECKING:
+    from .gguf_tokenizer import GGUFTokenizer
 
 
 class TextTokenizer:
@@ -34,9 +38,11 @@ class TextTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, enable_thinking: bool | None = None
+    ) -> list[int]:
         """Token ids of messages rendered with the model's chat template."""
-        text = render_chat(self.config, messages, add_generation_prompt)
+        text = render_chat(self.config, messages, add_generation_prompt, enable_thinking)
         return self.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
@@ -66,19 +72,39 @@ def stop_token_ids(folder: Path) -> frozenset[int]:
 
 
 class Detokenizer:
-    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8."""
+    """Turns a growing list of token ids into text deltas with constant work per step, holding back incomplete UTF-8.
 
-    def __init__(self, tokenizer: TextTokenizer) -> None:
+    Only a short window of ids is decoded each time: a few already shown ids (so that merges and leading-space
+    rules see their context), then the ids not shown yet. The deltas joined equal decoding every id at once.
+    """
+
+    CONTEXT = 4  # shown ids kept in front of the new ones
+    HOLD = 4  # a character's UTF-8 bytes span at most 4 ids, so one of the last 4 cuts ends on a whole character
+
+    def __init__(self, tokenizer: TextTokenizer | GGUFTokenizer) -> None:
         self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.emitted = ""
+        self.window: list[int] = []
+        self.shown = 0  # how many of the window's ids are already in the output
 
     def add(self, ids: list[int]) -> str:
         """Append ids; return the newly complete text."""
-        self.ids.extend(ids)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):
+        self.window.extend(ids)
+        end, text = self._complete()
+        if end <= self.shown:
             return ""
-        delta = text[len(self.emitted) :] if text.startswith(self.emitted) else text
-        self.emitted = text
+        delta = text[len(self.tokenizer.decode(self.window[: self.shown])) :]
+        keep = max(0, end - self.CONTEXT)
+        self.window, self.shown = self.window[keep:], end - keep
         return delta
+
+    def _complete(self) -> tuple[int, str]:
+        """The longest window prefix (of those leaving out fewer than HOLD ids) whose text ends on a whole character,
+        and its text; the whole window when none does though HOLD ids wait (the text itself holds U+FFFD)."""
+        total = len(self.window)
+        for end in range(total, max(self.shown, total - self.HOLD), -1):
+            text = self.tokenizer.decode(self.window[:end])
+            if not text.endswith("\ufffd"):
+                return end, text
+        if total - self.shown >= self.HOLD:
+            return total, self.tokenizer.decode(self.window)
+        return self.shown, ""

@@ -46,6 +46,26 @@ def drafters(tiny_dir, llama_target, qwen3_target) -> dict[tuple[str, int], Path
     return out
 
 
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory) -> dict[str, Path]:
+    """The bundled tiny target converted once per session to F16 and Q8_0 (test_gguf, test_session)."""
+    pytest.importorskip("gguf")
+    from dflash_local.gguf_convert import convert
+
+    root, tiny = tmp_path_factory.mktemp("gguf"), Path(__file__).resolve().parent.parent / "models" / "tiny"
+    return {kind: convert(tiny / "target", root / f"tiny-{kind}.gguf", kind, threads=1) for kind in ("f16", "q8_0")}
+
+
+@pytest.fixture
+def kernels_mode():
+    """kernels.set_kernel_mode for one test; the process's mode comes back afterwards."""
+    from dflash_local.kernels import kernel_mode, set_kernel_mode
+
+    before = kernel_mode()
+    yield set_kernel_mode
+    set_kernel_mode(before)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _state_home(tmp_path_factory):
     """dflash's own state (block-size calibrations, pull records) goes to this test run's folder, not the user's."""

@@ -17,9 +17,10 @@ from rich.console import Console
 
 from dflash_local import chat as chat_module
 from dflash_local.chat import Chat, piped_lines
-from dflash_local.decode import Settings, run
+from dflash_local.decode import Settings, Step, run
 from dflash_local.errors import DFlashError
 from dflash_local.generation import load_models
+from dflash_local.runtime import RuntimeConfig
 from dflash_local.tokenizer import TextTokenizer
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TERM": "xterm", "COLUMNS": "120"}
@@ -91,7 +92,7 @@ def terminal_states(raw: str, rows: int, cols: int) -> Iterator[list[str]]:
 
 @pytest.fixture(scope="module")
 def models():
-    return load_models(TINY / "target", TINY / "drafter", device="cpu", max_context=96)
+    return load_models(TINY / "target", TINY / "drafter", RuntimeConfig(device="cpu"), max_context=96)
 
 
 def piped_chat(models, max_new_tokens: int = 8) -> Chat:
@@ -175,7 +176,7 @@ def test_a_path_that_is_not_a_model():
 
 def test_a_long_answer_reaches_a_small_terminal_whole_and_once():
     args, message = ("--max-new-tokens", "200", "--ignore-eos", "--max-context", "512"), "def fibonacci(n):"
-    models = load_models(TINY / "target", TINY / "drafter", device="cpu", max_context=512)
+    models = load_models(TINY / "target", TINY / "drafter", RuntimeConfig(device="cpu"), max_context=512)
     ids = models.tokenizer.encode_chat([{"role": "user", "content": message}])
     new_ids, _ = run(models.target, models.drafter, ids, Settings(max_new_tokens=200))
     answer = "".join(models.tokenizer.decode([t for t in new_ids if t not in models.stop_ids]).split())
@@ -295,3 +296,88 @@ def test_a_piped_line_that_is_not_utf8_is_answered_with_replacement_characters()
     error, status = result.stderr.splitlines()
     assert error == "error: Use /draft on or /draft off." and status.startswith("4 tok · ")
     assert len(result.stdout.splitlines()) == 1
+
+
+QWEN3_LIKE = (
+    "{% for m in messages %}{% set content = m.content %}"
+    "{% if m.role == 'assistant' and '</think>' in content %}"
+    "{% set content = content.split('</think>')[-1].lstrip('\\n') %}{% endif %}"
+    "<|im_start|>{{ m.role }}\n{{ content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+THOUGHT = "<think>\nThey want a sum.\n</think>\n\n"
+
+
+def scripted_chat(models, monkeypatch, answer: str, thinking: bool | None, terminal: bool = False) -> tuple:
+    """A chat over a Qwen3-like template whose model answers `answer` (a few ids per step); returns the chat and
+    the prompts it rendered, as text."""
+    config = {**models.tokenizer.config, "chat_template": QWEN3_LIKE}
+    tokenizer = TextTokenizer(models.tokenizer.tokenizer, config)
+    ids, prompts = tokenizer.encode(answer, add_special_tokens=False), []
+
+    def answering(target, drafter, prompt_ids, settings, policy=None, session=None):
+        prompts.append(tokenizer.decode(prompt_ids))
+        for start in range(0, len(ids), 3):
+            yield Step(ids[start : start + 3], None if start == 0 else 3, 0.0, 0.0, 4)
+
+    monkeypatch.setattr(chat_module, "generate", answering)
+    settings = Settings(max_new_tokens=8, stop_ids=models.stop_ids)  # the fake answer ignores the limit
+    out = Console(file=io.StringIO(), force_terminal=terminal, width=60, soft_wrap=not terminal)
+    chat = Chat(replace(models, tokenizer=tokenizer), settings, out, Console(file=io.StringIO()), thinking=thinking)
+    return chat, prompts
+
+
+def test_thinking_follows_the_catalog_and_think_switches_it(models, monkeypatch):
+    chat, prompts = scripted_chat(models, monkeypatch, "Use a + b.", thinking=False)
+    chat.answer("Add two numbers.")
+    assert prompts[-1].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert "think off" in chat.stats_text() and chat.state.messages[-1]["content"] == "Use a + b."
+    assert chat_module._turn(chat, "/think maybe") is True and notes(chat)[-1] == "error: Use /think on or /think off."
+    assert chat.command("/think on") and chat.state.thinking is True
+    chat.answer("And subtract?")
+    assert prompts[-1].endswith("<|im_start|>user\nAnd subtract?<|im_end|>\n<|im_start|>assistant\n")
+    assert "think on" in chat.stats_text()
+    plain = piped_chat(models)  # the tiny template has no switch: no mode in the status, /think refused
+    assert plain.state.thinking is None and chat_module._turn(plain, "/think on") is True
+    assert notes(plain)[-1] == "error: This model's chat template has no thinking switch."
+
+
+def test_thinking_is_dimmed_and_kept_out_of_the_history(models, monkeypatch):
+    chat, prompts = scripted_chat(models, monkeypatch, THOUGHT + "Use a + b.", thinking=None)
+    assert chat.state.thinking is True  # the template's own default
+    chat.answer("Add two numbers.")
+    assert chat.console.file.getvalue() == THOUGHT + "Use a + b.\n"  # a pipe gets the exact text
+    assert chat.state.messages[-1] == {"role": "assistant", "content": "Use a + b."}
+    chat.answer("And subtract?")
+    assert "<|im_start|>assistant\nUse a + b.<|im_end|>\n<|im_start|>user\nAnd subtract?" in prompts[-1]
+    shown, _ = scripted_chat(models, monkeypatch, THOUGHT + "Use a + b.", thinking=True, terminal=True)
+    shown.answer("Add two numbers.")
+    screen = shown.console.file.getvalue().replace("\x1b[0m\x1b[2m", "")  # joins adjacent dim runs
+    assert "\x1b[2mThey want a sum.\x1b[0m" in screen and "\x1b[2m</think>\x1b[0m" in screen
+    assert "Use a + b." in screen and "\x1b[2mUse" not in screen
+
+
+def test_tags_split_across_deltas():
+    splitter, text = chat_module.ThinkSplitter(), THOUGHT + "Use <b> a + b.<thi"
+    pieces = [piece for n in range(0, len(text), 2) for piece in splitter.feed(text[n : n + 2])] + splitter.flush()
+    assert "".join(p for p, _ in pieces) == text
+    assert "".join(p for p, thinking in pieces if thinking) == "<think>\nThey want a sum.\n</think>"
+    assert splitter.answer() == "Use <b> a + b.<thi"
+    opened = chat_module.ThinkSplitter(thinking=True)  # the template opened the thinking in the prompt
+    assert opened.feed("hmm</think>\n\nok") == [("hmm</think>", True), ("\n\nok", False)] and opened.answer() == "ok"
+
+
+def test_the_catalog_says_how_the_drafter_thinks(tmp_path, monkeypatch):
+    from dflash_local.catalog import load_catalog, resolve
+
+    assert load_catalog()["qwen3-8b-q4"].thinking is False and load_catalog()["tiny"].thinking is None
+    (tmp_path / "t").mkdir(), (tmp_path / "d").mkdir()
+    catalog = tmp_path / "catalog.toml"
+    catalog.write_text('[mine]\ntarget = "bundled:t"\ndrafter = "bundled:d"\nthinking = false\n')
+    monkeypatch.setenv("DFLASH_CATALOG", str(catalog))
+    assert resolve("mine", None, None).thinking is False
+    assert resolve("mine", str(tmp_path / "d"), None).thinking is None  # another drafter: unknown
+    catalog.write_text('[mine]\ntarget = "bundled:t"\nthinking = "no"\n')
+    with pytest.raises(DFlashError, match=r"entry 'mine': thinking must be true or false, got 'no'\.$"):
+        load_catalog()

@@ -103,3 +103,22 @@ def test_ctrl_c_while_rendering_propagates_and_leaves_no_limits_behind():
         render_chat(TINY_CONFIG, [CtrlC()])
     assert resource.getrlimit(resource.RLIMIT_AS) == limits and sys.gettrace() is tracer
     assert render_chat(TINY_CONFIG, MESSAGES) == "<|user|>hi<|end|><|assistant|>"
+
+
+QWEN3_LIKE = (
+    "{% for m in messages %}{% set content = m.content %}"
+    "{% if m.role == 'assistant' and '</think>' in content %}"
+    "{% set content = content.split('</think>')[-1].lstrip('\\n') %}{% endif %}"
+    "<|im_start|>{{ m.role }}\n{{ content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def test_enable_thinking_reaches_templates_that_read_it():
+    config = {"chat_template": QWEN3_LIKE}
+    off = render_chat(config, MESSAGES, enable_thinking=False)
+    assert off == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert render_chat(config, MESSAGES, enable_thinking=True) == render_chat(config, MESSAGES) == off[:-19]
+    assert chat_template.uses_thinking(config) and not chat_template.uses_thinking(TINY_CONFIG)
+    assert render_chat(TINY_CONFIG, MESSAGES, enable_thinking=False) == "<|user|>hi<|end|><|assistant|>"

@@ -1,0 +1,181 @@
+"""Prefix reuse: the session's caches give the same answers as fresh ones, prefilling only what is new; the
+incremental detokenizer gives the text of decoding everything at once."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+
+from dflash_local.chat import Chat
+from dflash_local.decode import Settings, generate, run
+from dflash_local.generation import GenerationRequest, LoadedModels, load_models, run_request
+from dflash_local.runtime import RuntimeConfig
+from dflash_local.tokenizer import Detokenizer
+
+TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"
+CPU = RuntimeConfig(device="cpu")
+NEW_TOKENS = 24
+
+
+class Stop(Exception):
+    """What a consumer raises to abandon a generation (e.g. a server whose client went away)."""
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LoadedModels:
+    return load_models(TINY / "target", TINY / "drafter", CPU, max_context=512, auto_block=False)
+
+
+def first_prompt(models: LoadedModels) -> list[int]:
+    line = (TINY / "heldout_prompts.jsonl").read_text().splitlines()[0]
+    return models.tokenizer.encode(json.loads(line)["prompt"])[-40:]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((n for n, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def converse(models: LoadedModels, monkeypatch, reuse: bool, **sampling) -> list[tuple]:
+    """A scripted conversation: prompts extending the last prompt and answer (one replacing the answer's last two
+    ids), one editing the middle, drafting off and on again, a shorter one. With reuse, two generations are
+    abandoned midway on the way, and each turn prefills only what the caches lack; without, the session is emptied
+    before every turn. Returns each turn's answer, acceptance lengths and drafts (the drafter saw the same context)."""
+    encode, turns, cached, calls, drafts = models.tokenizer.encode, [], [], [], []
+    propose = models.drafter.propose
+
+    def spy(*args, **kwargs):
+        logits = propose(*args, **kwargs)
+        drafts.append(logits.float().clone())
+        return logits
+
+    monkeypatch.setattr(models.drafter, "propose", spy)
+
+    def ask(prompt: list[int], draft: bool = True) -> list[int]:
+        nonlocal cached
+        drafted = len(drafts)
+        if not reuse:
+            models.session.invalidate()
+            cached = []
+        request = GenerationRequest(prompt_ids=prompt, max_new_tokens=NEW_TOKENS, draft=draft, **sampling)
+        result = run_request(models, request)
+        assert result["prefill_tokens"] == len(prompt) - min(common_prefix(prompt, cached), len(prompt) - 1)
+        turns.append(
+            (result["output_ids"], result["acceptance_lengths"], torch.cat(drafts[drafted:] or [torch.empty(0)]))
+        )
+        cached = prompt + result["output_ids"][:-1]  # the answer's last id is never fed to the target
+        return result["output_ids"]
+
+    def stop_on_second_text(text: str) -> None:
+        calls.append(text)
+        if len(calls) == 2:
+            raise Stop
+
+    models.session.invalidate()
+    p1 = first_prompt(models)
+    p2 = p1 + ask(p1) + encode(" Tell me more about it.")
+    if reuse:
+        with pytest.raises(Stop):
+            run_request(models, GenerationRequest(prompt_ids=p2, max_new_tokens=NEW_TOKENS), stop_on_second_text)
+        cached = p2
+    then = encode(" And then?")
+    p3 = p2 + ask(p2) + then
+    p4 = p3 + ask(p3)[:-2] + then  # the cut falls among positions the drafter has not cached yet
+    answer = ask(p4)
+    if reuse:  # a generator closed after two steps
+        steps = generate(models.target, models.drafter, p4 + answer, Settings(NEW_TOKENS), session=models.session)
+        next(steps), next(steps)
+        steps.close()
+        cached = p4 + answer
+    middle = len(p1) // 2
+    edited = p4[:middle] + [(p4[middle] + 1) % models.target.vocab_size] + p4[middle + 1 :] + answer
+    ask(edited)
+    cached = []  # drafting off, then on again: nothing is reused
+    ask(edited, draft=False)
+    cached = []
+    ask(p3)
+    ask(p1[:middle])
+    monkeypatch.undo()
+    return turns
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.95, "seed": 7}], ids=["greedy", "seeded"])
+def test_reuse_answers_as_fresh_caches_do_on_the_bundled_pair(tiny, monkeypatch, sampling):
+    same_turns(converse(tiny, monkeypatch, True, **sampling), converse(tiny, monkeypatch, False, **sampling))
+
+
+@pytest.mark.parametrize("kind", ["torch", "native"])
+def test_reuse_answers_as_fresh_caches_do_on_a_gguf_target(tiny_gguf, monkeypatch, kind):
+    pytest.importorskip("llama_cpp")
+    runtime = RuntimeConfig(device="cpu", drafter=kind)
+    models = load_models(tiny_gguf["f16"], TINY / "drafter", runtime, max_context=512, auto_block=False)
+    assert type(models.drafter).__name__ == {"torch": "DFlashDrafter", "native": "NativeDrafter"}[kind]
+    same_turns(converse(models, monkeypatch, True), converse(models, monkeypatch, False))
+
+
+def test_caches_used_without_the_session_are_not_reused(tiny):
+    """A generation through the same models but another session (or none) leaves nothing this session may trust."""
+    p1 = first_prompt(tiny)
+    request = GenerationRequest(prompt_ids=p1, max_new_tokens=NEW_TOKENS)
+    first = run_request(tiny, request)["output_ids"]
+    run(tiny.target, tiny.drafter, p1[::-1] + first, Settings(NEW_TOKENS))  # same length, other ids
+    again = run_request(tiny, GenerationRequest(prompt_ids=p1 + first, max_new_tokens=NEW_TOKENS))
+    assert again["prefill_tokens"] == len(p1 + first)
+    tiny.session.invalidate()
+    assert again["output_ids"] == run_request(tiny, GenerationRequest(prompt_ids=p1 + first))["output_ids"][:NEW_TOKENS]
+
+
+def test_a_second_chat_turn_prefills_only_the_new_tokens(tiny):
+    settings = Settings(max_new_tokens=NEW_TOKENS, stop_ids=tiny.stop_ids)
+    chat = Chat(tiny, settings, Console(file=io.StringIO()), Console(file=io.StringIO()))
+    fresh = load_models(TINY / "target", TINY / "drafter", CPU, max_context=512, auto_block=False)
+    first_ids = chat.encode([{"role": "user", "content": "Write a function that adds two numbers."}])
+    chat.answer("Write a function that adds two numbers.")
+    assert chat.state.last.prefill_tokens == len(first_ids)
+    first_answer, _ = run(fresh.target, fresh.drafter, first_ids, settings)
+    second_ids = chat.encode([*chat.state.messages, {"role": "user", "content": "Now subtract them."}])
+    chat.answer("Now subtract them.")
+    cached = first_ids + first_answer[:-1]  # the answer's last token was never fed to the target
+    kept = common_prefix(second_ids, cached)
+    assert kept > len(first_ids) and chat.state.last.prefill_tokens == len(second_ids) - kept
+    second_answer, _ = run(fresh.target, fresh.drafter, second_ids, settings)
+    shown = fresh.tokenizer.decode([t for t in second_answer if t not in tiny.stop_ids])
+    assert chat.state.messages[-1]["content"] == shown
+
+
+MULTIBYTE = "naïve café — 日本語のテキストです 🙂🚀 ünïcödé · Ωμέγα "
+
+
+def tokenizers(tiny_gguf) -> list:
+    from dflash_local.gguf_tokenizer import GGUFTokenizer
+    from dflash_local.tokenizer import TextTokenizer
+
+    return [TextTokenizer.load(TINY / "target"), GGUFTokenizer.load(tiny_gguf["f16"])]
+
+
+def test_the_incremental_detokenizer_equals_decoding_the_whole_answer(tiny_gguf):
+    text = "".join(f"{MULTIBYTE}line {n} of a long answer\n" for n in range(60))
+    for tokenizer in tokenizers(tiny_gguf):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert sum(tokenizer.decode([i]).endswith("\ufffd") for i in ids) > 100  # characters split across ids
+        detokenizer, deltas, widest, at = Detokenizer(tokenizer), [], 0, 0
+        for size in [1, 2, 3, 1, 5] * len(ids):
+            if at >= len(ids):
+                break
+            deltas.append(detokenizer.add(ids[at : at + size]))
+            at += size
+            widest = max(widest, len(detokenizer.window))
+        assert "".join(deltas) == tokenizer.decode(ids) and text in tokenizer.decode(ids)
+        assert widest <= Detokenizer.CONTEXT + Detokenizer.HOLD + 5  # constant work per step
+
+
+def same_turns(got: list[tuple], expected: list[tuple]) -> None:
+    """Equal answers and acceptance lengths; draft logits equal up to float noise (the caches' K/V and features were
+    computed in other batches)."""
+    assert [turn[:2] for turn in got] == [turn[:2] for turn in expected]
+    for (_, _, logits), (_, _, reference) in zip(got, expected, strict=True):
+        torch.testing.assert_close(logits, reference, atol=0.02, rtol=0)
