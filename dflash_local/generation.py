@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import closing, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,8 +14,9 @@ from .block_policy import BlockPolicy, cost_key, load_policy, measure_costs
 from .decode import Drafter, Settings, Stats, generate
 from .drafter import DFlashDrafter
 from .errors import DFlashError
-from .runtime import pick_device, pick_dtype
+from .runtime import RuntimeConfig, pick_device, pick_dtype
 from .sampling import SamplingParams
+from .session import Session
 from .targets import load_target
 from .targets.base import Target
 from .tokenizer import Detokenizer, TextTokenizer, stop_token_ids
@@ -27,13 +27,14 @@ if TYPE_CHECKING:
 
 @dataclass
 class LoadedModels:
-    """A target, its optional drafter, tokenizer and end-of-sequence ids."""
+    """A target, its optional drafter, tokenizer and end-of-sequence ids, and the session their caches belong to."""
 
     target: Target
     drafter: Drafter | None
     tokenizer: TextTokenizer | GGUFTokenizer | None
     stop_ids: frozenset[int]
     policy: BlockPolicy | None = None  # picks each step's block size (--block-size auto)
+    session: Session = field(default_factory=Session)  # what the caches hold: every generation reuses it
 
 
 OUT_OF_MEMORY = (torch.OutOfMemoryError, MemoryError)
@@ -60,24 +61,24 @@ def memory_guard(what: str, device: str) -> Iterator[None]:
 def load_models(
     target_path: Path,
     drafter_path: Path | None,
+    runtime: RuntimeConfig = RuntimeConfig(),
     backend: str = "auto",
-    device: str = "auto",
-    dtype: str = "auto",
     max_context: int = 4096,
     quantize: str | None = None,
     drafter_quantize: str | None = None,
     auto_block: bool = True,
 ) -> LoadedModels:
-    """Load and cross-check a target and (optionally) a drafter from local paths; with auto_block, also the pair's
-    block policy (its costs measured on first load on this machine, then cached)."""
+    """Load and cross-check a target and (optionally) a drafter from local paths, running as `runtime` says; with
+    auto_block, also the pair's block policy (its costs measured on first load on this machine, then cached)."""
     if max_context < 1:
         raise DFlashError(f"The context (--max-context) must be at least 1 token, got {max_context}.")
-    device = pick_device(device)
-    torch_dtype = pick_dtype(dtype, device)
+    runtime.apply()
+    device = pick_device(runtime.device)
+    torch_dtype = pick_dtype(runtime.dtype, device)
     path = Path(target_path)
     gguf = path.suffix == ".gguf"
     with memory_guard(f"The target {path} with a {max_context}-token KV cache", device):
-        target = load_target(path, backend, torch_dtype, device, max_context, quantize)
+        target = load_target(path, backend, torch_dtype, device, max_context, quantize, runtime.cuda_graphs)
     drafter = None
     if drafter_path is not None:
         if not Path(drafter_path).exists():
@@ -86,10 +87,13 @@ def load_models(
             if gguf or backend == "llamacpp":
                 from .native_drafter import load_drafter  # llama.cpp's own drafter where it is faster (CPU)
 
-                kind = os.environ.get("DFLASH_DRAFTER", "auto")
-                drafter = load_drafter(drafter_path, target, torch_dtype, device, kind, drafter_quantize)
+                drafter = load_drafter(
+                    drafter_path, target, torch_dtype, device, runtime.drafter, drafter_quantize, runtime.cuda_graphs
+                )
             else:
-                drafter = DFlashDrafter.load(drafter_path, torch_dtype, device, target.max_context, drafter_quantize)
+                drafter = DFlashDrafter.load(
+                    drafter_path, torch_dtype, device, target.max_context, drafter_quantize, runtime.cuda_graphs
+                )
         drafter.check_target(target)
     policy = None
     if drafter is not None and auto_block:
@@ -117,6 +121,7 @@ def recalibrate(models: LoadedModels) -> BlockPolicy:
     """Measure the pair's costs per block size afresh (bench --calibrate) and keep them for later loads."""
     if models.policy is None or models.drafter is None:
         raise DFlashError("Calibration needs a drafter and --block-size auto.")
+    models.session.invalidate()  # the measurement runs its own forwards through both caches
     models.policy.costs = measure_costs(models.target, models.drafter)
     models.policy.save()
     return models.policy
@@ -155,8 +160,16 @@ def prompt_ids_of(models: LoadedModels, request: GenerationRequest) -> list[int]
     return models.tokenizer.encode(request.prompt)
 
 
+class StopGeneration(Exception):
+    """Raised by an on_text callback to end the generation after the current step, keeping what it made."""
+
+
 def run_request(models: LoadedModels, request: GenerationRequest, on_text: Callable[[str], None] | None = None) -> dict:
-    """Generate to the end, streaming text to on_text; return ids, text and stats as a dict."""
+    """Generate to the end, streaming text to on_text; return ids, text and stats as a dict.
+
+    The prompt's longest common prefix with what the models' caches hold is not prefilled again (`prefill_tokens`
+    says how many were). on_text raising StopGeneration ends the generation there with finish_reason "stop" and the
+    stats so far; any other exception propagates. Either way the session stays consistent."""
     settings = Settings(
         max_new_tokens=request.max_new_tokens,
         sampling=SamplingParams(request.temperature, request.top_p, request.top_k),
@@ -171,11 +184,14 @@ def run_request(models: LoadedModels, request: GenerationRequest, on_text: Calla
     output_ids: list[int] = []
     try:
         policy = models.policy if request.block_size is None else None
-        for step in generate(models.target, models.drafter, ids, settings, policy):
-            output_ids.extend(step.token_ids)
-            stats.add(step)
-            if detokenizer and on_text:
-                on_text(detokenizer.add(step.token_ids))
+        with closing(generate(models.target, models.drafter, ids, settings, policy, models.session)) as steps:
+            for step in steps:
+                output_ids.extend(step.token_ids)
+                stats.add(step)
+                if detokenizer and on_text:
+                    on_text(detokenizer.add(step.token_ids))
+    except StopGeneration:
+        stats.finish_reason = "stop"
     except OUT_OF_MEMORY:
         context = len(ids) + len(output_ids)
         raise out_of_memory(f"A decoding step at {context} tokens of context", models.target.device.type) from None

@@ -1,0 +1,265 @@
+"""`dflash serve tiny` as a live process on a loopback port, driven by the official `openai` client; and the
+server's parts that need no process (stop strings, the bounded queue, request checks, the exposure warning)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+
+import openai
+import pytest
+from typer.testing import CliRunner
+
+from dflash_local.cli import app
+from dflash_local.server import (
+    BadRequest,
+    Engine,
+    Job,
+    QueueFull,
+    Sampling,
+    StopCutter,
+    exposure_warning,
+    parse_sampling,
+)
+from dflash_local.tokenizer import TextTokenizer, stop_token_ids
+
+KEY = "test-key"
+TARGET = Path(__file__).resolve().parent.parent / "models" / "tiny" / "target"
+MESSAGES = [{"role": "user", "content": "def fibonacci(n):"}]
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def url():
+    """One `dflash serve tiny --api-key` process for the module: its base URL once /health answers."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = [sys.executable, "-m", "dflash_local", "serve", "tiny", "--port", "0", "--api-key", KEY]
+    process = subprocess.Popen(args, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = process.stderr.readline()
+        assert line.startswith("serving tiny on http://127.0.0.1:"), line
+        base = line.split()[3].removesuffix("/v1")
+        threading.Thread(target=process.stderr.read, daemon=True).start()  # keep the pipe drained
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                assert health(base)["status"] == "ok"
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert time.monotonic() < deadline and process.poll() is None, "the server did not come up"
+                time.sleep(0.2)
+        yield base
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def health(base: str) -> dict:
+    with urllib.request.urlopen(f"{base}/health", timeout=10) as response:
+        return json.loads(response.read())
+
+
+def post(base: str, path: str, data: bytes, headers: dict[str, str]) -> tuple[int, dict]:
+    request = urllib.request.Request(f"{base}{path}", data=data, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@pytest.fixture(scope="module")
+def client(url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict:
+    """`dflash generate`'s greedy answer to MESSAGES rendered by the tiny target's chat template."""
+    tokenizer = TextTokenizer.load(TARGET)
+    ids = tokenizer.encode_chat(MESSAGES, add_generation_prompt=True)
+    args = ["generate", "--target", "tiny", "--prompt-ids", ",".join(map(str, ids)), "--json"]
+    result = CliRunner().invoke(app, [*args, "--max-new-tokens", str(MAX_TOKENS)])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)["output_ids"]
+    ended = out[-1] in stop_token_ids(TARGET)
+    text = tokenizer.decode(out[:-1] if ended else out)
+    return {"prompt_ids": ids, "output_ids": out, "text": text, "finish": "stop" if ended else "length"}
+
+
+def test_greedy_chat_whole_and_streamed_equals_dflash_generate(client, expected):
+    answer = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=MAX_TOKENS)
+    assert answer.choices[0].message.content == expected["text"]
+    assert answer.choices[0].finish_reason == expected["finish"]
+    usage = answer.usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(expected["prompt_ids"]), len(expected["output_ids"]))
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    stats = usage.model_extra["dflash"]
+    assert len(stats["acceptance_lengths"]) == len(stats["block_sizes"]) > 0
+    assert stats["tau"] > 0 and stats["decode_tokens_per_s"] > 0
+    assert 1 <= stats["prefill_tokens"] <= usage.prompt_tokens
+
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,
+            temperature=0,
+            max_tokens=MAX_TOKENS,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected["text"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == expected["finish"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected["output_ids"])
+    assert chunks[-1].usage.model_extra["dflash"]["prefill_tokens"] < usage.prompt_tokens  # the prefix is reused
+
+
+def test_completions_cut_at_a_stop_string_whole_and_streamed(client):
+    def complete(**extra) -> tuple[str, str, int]:
+        answer = client.completions.create(model="tiny", prompt="The", temperature=0, max_tokens=24, **extra)
+        stats = answer.usage.model_extra["dflash"]
+        assert sum(stats["acceptance_lengths"]) + 1 == answer.usage.completion_tokens  # the steps' stats, cut or not
+        return answer.choices[0].text, answer.choices[0].finish_reason, answer.usage.completion_tokens
+
+    full, finish, made = complete()
+    assert len(full) > 8 and finish in ("stop", "length")
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    cut = full[: full.find(stop)]
+    text, finish, made_to_stop = complete(stop=[stop, "never in the text"])
+    assert (text, finish) == (cut, "stop") and made_to_stop < made
+    stream = client.completions.create(model="tiny", prompt="The", temperature=0, max_tokens=24, stop=stop, stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == cut
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_a_client_that_disconnects_cancels_its_generation(url, client, expected):
+    before = health(url)["cancelled"]
+    stream = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=1500, stream=True, extra_body={"ignore_eos": True}
+    )
+    received = 0
+    for chunk in stream:
+        received += bool(chunk.choices and chunk.choices[0].delta.content)
+        if received == 2:
+            break
+    stream.close()
+    deadline = time.monotonic() + 60
+    while health(url)["cancelled"] == before:
+        assert time.monotonic() < deadline, "the generation was not cancelled"
+        time.sleep(0.1)
+    answer = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=MAX_TOKENS)
+    assert answer.choices[0].message.content == expected["text"]
+
+
+def test_eight_concurrent_clients_are_all_answered(client):
+    prompts = ["The", "def main():"] * 4
+
+    def ask(prompt: str) -> str:
+        return client.completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=6).choices[0].text
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, prompts))
+    assert all(answers)
+    assert answers[0::2] == [answers[0]] * 4 and answers[1::2] == [answers[1]] * 4
+    assert answers[0] != answers[1]
+
+
+def test_a_bad_request_is_a_400_in_the_openai_error_shape(url, client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=5)
+    assert caught.value.status_code == 400
+    assert caught.value.param == "temperature" and caught.value.type == "invalid_request_error"
+    status, body = post(url, "/v1/chat/completions", b"{not json", {"Authorization": f"Bearer {KEY}"})
+    assert status == 400
+    assert body == {
+        "error": {
+            "message": "The request body is not valid JSON.",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": None,
+        }
+    }
+    status, body = post(url, "/v1/chat/completions", b'{"unknown": 1}', {"Authorization": f"Bearer {KEY}"})
+    assert (status, body["error"]["param"]) == (400, "messages")
+    failed = health(url)["failed"]
+    out_of_vocabulary = json.dumps({"prompt": [10**6], "max_tokens": 2}).encode()
+    status, body = post(url, "/v1/completions", out_of_vocabulary, {"Authorization": f"Bearer {KEY}"})
+    assert status == 400
+    assert body["error"]["message"].startswith("Prompt token id 1000000 is outside the vocabulary")
+    assert health(url)["failed"] == failed + 1
+    assert client.completions.create(model="tiny", prompt="The", max_tokens=2).choices[0].text
+
+
+def test_the_api_key_is_required(url, client):
+    status, body = post(url, "/v1/completions", b'{"prompt": "The"}', {})
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    wrong = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    assert [m.id for m in client.models.list()] == ["tiny"]
+
+
+def test_the_stop_cutter_never_sends_text_after_a_stop_string():
+    cutter = StopCutter(("STOP", "<|end|>"))
+    sent = [cutter.add(delta) for delta in ("Hello S", "T", "ill <", "|e", "nd|> more")]
+    assert sent == ["Hello ", "", "STill ", "", ""]
+    assert (cutter.text, cutter.hit, cutter.flush()) == ("Hello STill ", "<|end|>", "")
+    unfinished = StopCutter(("STOP",))
+    assert (unfinished.add("a ST"), unfinished.flush(), unfinished.hit) == ("a ", "ST", None)
+
+
+def test_a_full_queue_refuses_instead_of_waiting():
+    release = threading.Event()
+    models = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids: ""), stop_ids=frozenset())
+    engine = Engine(models, None, None, size=2)
+    loop = SimpleNamespace(call_soon_threadsafe=lambda *args: None)
+    busy = Job(lambda models: release.wait() and [], Sampling(), loop)
+    engine.submit(busy)
+    while not engine.busy:
+        time.sleep(0.01)
+    engine.submit(Job(lambda models: [], Sampling(), loop))
+    engine.submit(Job(lambda models: [], Sampling(), loop))
+    with pytest.raises(QueueFull):
+        engine.submit(Job(lambda models: [], Sampling(), loop))
+    release.set()
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"n": 2}, "n"),
+        ({"top_p": 0}, "top_p"),
+        ({"seed": -1}, "seed"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"stream": "yes"}, "stream"),
+    ],
+)
+def test_invalid_fields_name_themselves(body, param):
+    with pytest.raises(BadRequest) as caught:
+        parse_sampling(body)
+    assert caught.value.param == param
+
+
+def test_unknown_fields_are_ignored():
+    assert parse_sampling({"frequency_penalty": 0.5, "user": "x", "stop": "END"}) == Sampling(stop=("END",))
+
+
+def test_a_non_loopback_address_without_a_key_is_warned_about():
+    for host in ("127.0.0.1", "::1", "localhost"):
+        assert exposure_warning(host, None) is None
+    assert exposure_warning("0.0.0.0", "key") is None
+    assert exposure_warning("0.0.0.0", None).startswith("warning: listening on 0.0.0.0 without --api-key")
