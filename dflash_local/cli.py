@@ -22,6 +22,22 @@ app = typer.Typer(
 )
 
 
+# How models run (the runtime config): the same options on generate, chat, serve and bench; the environment
+# variables give their defaults.
+DEVICE_OPTION = typer.Option("auto", "--device", help="auto, cpu or cuda.")
+DTYPE_OPTION = typer.Option("auto", "--dtype", help="auto, float32, bfloat16 or float16.")
+KERNELS_OPTION = typer.Option(
+    "auto", "--kernels", envvar="DFLASH_KERNELS", help="auto (Triton on CUDA), triton or torch."
+)
+GRAPHS_OPTION = typer.Option(
+    True, "--cuda-graphs/--no-cuda-graphs", envvar="DFLASH_CUDA_GRAPHS", help="Replay fixed-shape steps on CUDA."
+)
+DRAFTER_KIND_OPTION = typer.Option(
+    "auto", "--drafter-kind", envvar="DFLASH_DRAFTER", help="GGUF targets: auto, native (llama.cpp's) or torch."
+)
+THREADS_OPTION = typer.Option(None, "--threads", envvar="DFLASH_THREADS", help="CPU threads (default: torch's).")
+
+
 def _print_version(wanted: bool) -> None:
     """--version: print the version and exit while parsing, before click asks for a command."""
     if wanted:
@@ -168,8 +184,12 @@ def generate(
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Do not stop at end-of-sequence tokens."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
     backend: str = typer.Option("auto", "--backend", help="auto (llamacpp for .gguf), torch or llamacpp."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto, float32, bfloat16 or float16."),
+    device: str = DEVICE_OPTION,
+    dtype: str = DTYPE_OPTION,
+    kernels: str = KERNELS_OPTION,
+    cuda_graphs: bool = GRAPHS_OPTION,
+    drafter_kind: str = DRAFTER_KIND_OPTION,
+    threads: Optional[int] = THREADS_OPTION,
     max_context: int = typer.Option(4096, "--max-context", help="KV cache length in tokens."),
     offline: bool = typer.Option(False, "--offline", help="Use only models already pulled."),
     quantize: str = typer.Option("auto", "--quantize", help="Torch targets: auto (the model's default), none or nf4."),
@@ -188,6 +208,7 @@ def generate(
         text = _prompt_text(prompt) if prompt is not None else None
 
         from .generation import GenerationRequest, load_models, run_request
+        from .runtime import RuntimeConfig
         from .sampling import SamplingParams
 
         SamplingParams(temperature, top_p, top_k)  # checks them before anything loads
@@ -201,9 +222,8 @@ def generate(
         models = load_models(
             resolved.target,
             drafter_path,
+            RuntimeConfig(device, dtype, kernels, cuda_graphs, drafter_kind, threads),
             backend,
-            device,
-            dtype,
             max_context,
             quantize,
             _drafter_quantize(drafter_quantize),
@@ -248,8 +268,12 @@ def chat(
     block_option: str = typer.Option("auto", "--block-size", help=BLOCK_HELP),
     no_draft: bool = typer.Option(False, "--no-draft", help="Start with drafting off."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Answer until --max-new-tokens, past end-of-turn."),
-    device: str = typer.Option("auto", "--device"),
-    dtype: str = typer.Option("auto", "--dtype"),
+    device: str = DEVICE_OPTION,
+    dtype: str = DTYPE_OPTION,
+    kernels: str = KERNELS_OPTION,
+    cuda_graphs: bool = GRAPHS_OPTION,
+    drafter_kind: str = DRAFTER_KIND_OPTION,
+    threads: Optional[int] = THREADS_OPTION,
     max_context: int = typer.Option(2048, "--max-context"),
     offline: bool = typer.Option(False, "--offline", help="Use only models already pulled."),
     quantize: str = typer.Option("auto", "--quantize", help="Torch targets: auto (the model's default), none or nf4."),
@@ -264,6 +288,7 @@ def chat(
         from .chat import run_chat
         from .decode import Settings
         from .generation import OUT_OF_MEMORY, load_models, out_of_memory
+        from .runtime import RuntimeConfig
         from .sampling import SamplingParams
 
         sampling = SamplingParams(temperature, top_p, top_k)
@@ -272,9 +297,8 @@ def chat(
         models = load_models(
             resolved.target,
             resolved.drafter,
+            RuntimeConfig(device, dtype, kernels, cuda_graphs, drafter_kind, threads),
             resolved.backend,
-            device,
-            dtype,
             max_context,
             quantize,
             _drafter_quantize(drafter_quantize),
@@ -288,9 +312,108 @@ def chat(
             stop_ids=frozenset() if ignore_eos else models.stop_ids,
         )
         try:
-            run_chat(models, settings)
+            run_chat(models, settings, thinking=resolved.thinking)
         except OUT_OF_MEMORY:
             raise out_of_memory("Answering in this conversation", models.target.device.type) from None
+
+
+@app.command()
+def serve(
+    model: str = typer.Argument("tiny", help="A model name (dflash models), a Hub repo, a folder or a .gguf file."),
+    drafter: Optional[str] = typer.Option(None, "--drafter", help="Drafter folder or Hub repo (default: the model's)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (other machines: 0.0.0.0)."),
+    port: int = typer.Option(8000, "--port", help="TCP port (0: any free one)."),
+    api_key: Optional[str] = typer.Option(
+        None, "--api-key", envvar="DFLASH_API_KEY", help="Require Authorization: Bearer KEY on /v1 requests."
+    ),
+    queue_size: int = typer.Option(16, "--queue-size", help="Requests that may wait; more are answered 503."),
+    max_new_tokens: Optional[int] = typer.Option(
+        None, "--max-new-tokens", help="Default answer length when a request has no max_tokens (default: the context)."
+    ),
+    block_option: str = typer.Option("auto", "--block-size", help=BLOCK_HELP),
+    no_draft: bool = typer.Option(False, "--no-draft", help="Plain autoregressive decoding (the baseline)."),
+    engine: Optional[str] = typer.Option(
+        None, "--engine", help="vllm or sglang: print that engine's launch command for this pair instead of serving."
+    ),
+    run_engine: bool = typer.Option(False, "--exec", help="With --engine: then run it (in place of dflash)."),
+    device: str = DEVICE_OPTION,
+    dtype: str = DTYPE_OPTION,
+    kernels: str = KERNELS_OPTION,
+    cuda_graphs: bool = GRAPHS_OPTION,
+    drafter_kind: str = DRAFTER_KIND_OPTION,
+    threads: Optional[int] = THREADS_OPTION,
+    max_context: int = typer.Option(4096, "--max-context", help="KV cache length in tokens."),
+    offline: bool = typer.Option(False, "--offline", help="Use only models already pulled."),
+    quantize: str = typer.Option("auto", "--quantize", help="Torch targets: auto (the model's default), none or nf4."),
+    drafter_quantize: str = typer.Option("none", "--drafter-quantize", help="Drafter linears: none, int8 or nf4."),
+    token: Optional[str] = typer.Option(None, "--token", help="Hugging Face token (default: HF_TOKEN)."),
+) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API (or print a vLLM/SGLang command for the same pair)."""
+    with user_errors():
+        block_size = _block_size(block_option)
+        if engine is not None:
+            _hand_off(engine, model, drafter, block_size, run_engine, offline, token)
+            return
+        if run_engine:
+            raise DFlashError("--exec runs an engine's command: use it with --engine vllm or --engine sglang.")
+        _check_numbers(1 if max_new_tokens is None else max_new_tokens, max_context)
+        if queue_size < 1:
+            raise DFlashError(f"--queue-size must be at least 1, got {queue_size}.")
+        if not 0 <= port < 2**16:
+            raise DFlashError(f"--port must be from 0 to 65535, got {port}.")
+
+        from .generation import load_models
+        from .runtime import RuntimeConfig
+        from .server import Engine, create_app, exposure_warning, listen, run_server
+
+        sock = listen(host, port)  # before loading: a taken port fails at once
+        resolved = _resolve(model, drafter, offline, token)
+        models = load_models(
+            resolved.target,
+            None if no_draft else resolved.drafter,
+            RuntimeConfig(device, dtype, kernels, cuda_graphs, drafter_kind, threads),
+            resolved.backend,
+            max_context,
+            _quantize(quantize, resolved.quantize),
+            _drafter_quantize(drafter_quantize),
+            auto_block=block_size is None,
+        )
+        worker = Engine(models, block_size, max_new_tokens, queue_size, resolved.thinking)
+        warning = exposure_warning(host, api_key)
+        if warning:
+            typer.echo(warning, err=True)
+        address = sock.getsockname()
+        shown = f"[{address[0]}]" if ":" in address[0] else address[0]
+        typer.echo(f"serving {model} on http://{shown}:{address[1]}/v1 (OpenAI API; Ctrl-C stops)", err=True)
+        run_server(create_app(worker, model, api_key), sock)
+
+
+def _hand_off(
+    engine: str, model: str, drafter: str | None, block_size: int | None, run: bool, offline: bool, token: str | None
+) -> None:
+    """serve --engine: print (or exec) the vLLM/SGLang launch command for the pair."""
+    import shlex
+
+    from .downloads import Downloader
+    from .handoff import ENGINES, engine_pair, launch_command
+    from .hub import cached_folder
+
+    if engine not in ENGINES:
+        raise DFlashError(f"--engine must be {' or '.join(ENGINES)}, got '{engine}'.")
+    downloader = Downloader(token, offline)
+
+    def fetch(source):
+        if not offline:
+            _check_storage()
+        return cached_folder(source) or downloader(source)
+
+    command = launch_command(engine, engine_pair(model, drafter, block_size, fetch))
+    typer.echo(shlex.join(command))
+    if run:
+        try:
+            os.execvp(command[0], command)
+        except OSError as exc:
+            raise DFlashError(f"Cannot run {command[0]} ({exc.strerror}): is {engine} installed here?") from None
 
 
 @app.command()
@@ -314,8 +437,12 @@ def bench(
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG: histogram and tokens/s."),
-    device: str = typer.Option("auto", "--device"),
-    dtype: str = typer.Option("auto", "--dtype"),
+    device: str = DEVICE_OPTION,
+    dtype: str = DTYPE_OPTION,
+    kernels: str = KERNELS_OPTION,
+    cuda_graphs: bool = GRAPHS_OPTION,
+    drafter_kind: str = DRAFTER_KIND_OPTION,
+    threads: Optional[int] = THREADS_OPTION,
     offline: bool = typer.Option(False, "--offline", help="Use only models already pulled."),
     quantize: str = typer.Option("auto", "--quantize", help="Torch targets: auto (the model's default), none or nf4."),
     drafter_quantize: str = typer.Option("none", "--drafter-quantize", help="Drafter linears: none, int8 or nf4."),
@@ -331,6 +458,7 @@ def bench(
         from .bench import plot, read_prompts, run_bench
         from .decode import Settings
         from .generation import OUT_OF_MEMORY, load_models, out_of_memory, recalibrate
+        from .runtime import RuntimeConfig
         from .sampling import SamplingParams
 
         if calibrate and block_size is not None:
@@ -348,9 +476,8 @@ def bench(
             models = load_models(
                 resolved.target,
                 resolved.drafter,
+                RuntimeConfig(device, dtype, kernels, cuda_graphs, drafter_kind, threads),
                 resolved.backend,
-                device,
-                dtype,
                 quantize=quantize_as,
                 drafter_quantize=_drafter_quantize(drafter_quantize),
                 auto_block=block_size is None,

@@ -1,17 +1,16 @@
 """CUDA graphs for fixed-shape steps: capture once per shape, then replay with new inputs copied into place.
 
-On by default for CUDA models; DFLASH_CUDA_GRAPHS=0 turns them off. Never used on CPU.
+On by default for CUDA models (the runtime config's cuda_graphs; `--no-cuda-graphs` turns them off). Never used on
+CPU.
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable, Hashable
 
 import torch
 
-GRAPHS_ENV = "DFLASH_CUDA_GRAPHS"
 Outputs = tuple[torch.Tensor | None, ...]
 
 
@@ -24,11 +23,6 @@ def cache_span(end: int, capacity: int, smallest: int = 256) -> int:
     while span < end:
         span *= 2
     return min(span, capacity)
-
-
-def graphs_wanted(device: torch.device) -> bool:
-    """True for CUDA devices unless DFLASH_CUDA_GRAPHS=0."""
-    return device.type == "cuda" and os.environ.get(GRAPHS_ENV, "1") != "0"
 
 
 class CapturedStep:

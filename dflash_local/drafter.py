@@ -11,10 +11,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from kernels import block_attention, visibility_mask
-
-from .cuda_graphs import StepGraphs, cache_span, graphs_wanted
+from .cuda_graphs import StepGraphs, cache_span
 from .errors import DFlashError
+from .kernels import block_attention, visibility_mask
 from .layers import MLP, RMSNorm, apply_rope, check_rope, rope_cos_sin, rope_inv_freq
 from .quant import DRAFTER_QUANT_TYPES, check_quantize, quantize_linears
 from .runtime import check_kernels
@@ -259,7 +258,7 @@ def check_fits(cfg: DrafterConfig, target: Target) -> None:
 class DFlashDrafter:
     """A loaded DFlash drafter with its context KV cache; proposes a block of tokens in one forward."""
 
-    def __init__(self, model: DFlashModel, max_context: int) -> None:
+    def __init__(self, model: DFlashModel, max_context: int, cuda_graphs: bool = True) -> None:
         self.model = model
         self.cfg = model.cfg
         param = model.fc.weight
@@ -268,7 +267,7 @@ class DFlashDrafter:
         self.cache_k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.cache_v = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.length = 0
-        self.graphs = StepGraphs() if graphs_wanted(self.device) else None
+        self.graphs = StepGraphs() if cuda_graphs and self.device.type == "cuda" else None
 
     @classmethod
     def load(
@@ -278,6 +277,7 @@ class DFlashDrafter:
         device: str = "cpu",
         max_context: int = 4096,
         quantize: str | None = None,
+        cuda_graphs: bool = True,
     ) -> DFlashDrafter:
         """Build the drafter from a published-layout folder (config.json + model.safetensors).
 
@@ -305,7 +305,7 @@ class DFlashDrafter:
         if quantize:
             quantize_linears(model, "layers", quantize, dtype)
             model.to(device)
-        return cls(model.eval(), max_context)
+        return cls(model.eval(), max_context, cuda_graphs)
 
     @property
     def block_size(self) -> int:

@@ -11,9 +11,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from kernels import rms_norm
-
 from .errors import DFlashError
+from .kernels import rms_norm
 from .weights import check_number
 
 

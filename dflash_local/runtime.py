@@ -1,14 +1,14 @@
-"""Choosing the device and dtype a model runs with."""
+"""How models run on this machine: the runtime config (device, dtype, kernels, CUDA graphs, drafter kind, threads)."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
-from kernels import check_triton, kernel_mode
-
 from .errors import DFlashError
+from .kernels import check_triton, kernel_mode, set_kernel_mode
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -45,7 +45,7 @@ def bf16_is_fast(device: str) -> bool:
 
 
 def check_kernels(device: str | torch.device) -> None:
-    """Fail early, in one sentence, when DFLASH_KERNELS is invalid or asks for Triton where it cannot run."""
+    """Fail early, in one sentence, when the kernels asked for are Triton where Triton cannot run."""
     try:
         if kernel_mode() == "triton":
             check_triton(torch.device(device).type == "cuda")
@@ -58,3 +58,35 @@ def clock(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+KERNEL_MODES = ("auto", "triton", "torch")
+DRAFTER_KINDS = ("auto", "torch", "native")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How models run here: device, dtype, kernels, CUDA graphs, drafter kind and threads. The CLI builds one (its
+    flags, with DFLASH_KERNELS / DFLASH_CUDA_GRAPHS / DFLASH_DRAFTER / DFLASH_THREADS as their defaults) and
+    passes it down; nothing below reads the environment."""
+
+    device: str = "auto"
+    dtype: str = "auto"
+    kernels: str = "auto"  # auto: Triton for CUDA tensors, the torch reference elsewhere
+    cuda_graphs: bool = True  # replay fixed-shape steps on CUDA
+    drafter: str = "auto"  # for GGUF targets: llama.cpp's native drafter or the torch one
+    threads: int | None = None  # CPU threads for torch and llama.cpp (None: torch's default)
+
+    def __post_init__(self) -> None:
+        if self.kernels not in KERNEL_MODES:
+            raise DFlashError(f"Unknown kernels '{self.kernels}' (use {', '.join(KERNEL_MODES)}).")
+        if self.drafter not in DRAFTER_KINDS:
+            raise DFlashError(f"Unknown drafter kind '{self.drafter}' (use {', '.join(DRAFTER_KINDS)}).")
+        if self.threads is not None and self.threads < 1:
+            raise DFlashError(f"--threads must be at least 1, got {self.threads}.")
+
+    def apply(self) -> None:
+        """Make the process-wide choices: the kernels of every call and torch's CPU threads."""
+        set_kernel_mode(self.kernels)
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)

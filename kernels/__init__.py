@@ -1,15 +1,15 @@
 """Kernels of the GPU path: Triton on CUDA, each beside the plain-torch reference it must match.
 
-`DFLASH_KERNELS=triton|torch|auto` (default auto: Triton for CUDA tensors) picks the implementation.
+`set_kernel_mode("auto" | "triton" | "torch")` picks the implementation (auto: Triton for CUDA tensors); the CLI sets
+it from its runtime config (`--kernels`, default DFLASH_KERNELS).
 """
 
 from .accept import greedy_accept, greedy_accept_reference
 from .attention import block_attention, block_attention_reference, visibility_mask
-from .backend import KERNELS_ENV, check_triton, kernel_mode, use_triton
+from .backend import check_triton, kernel_mode, set_kernel_mode, use_triton
 from .rmsnorm import rms_norm, rms_norm_reference
 
 __all__ = [
-    "KERNELS_ENV",
     "block_attention",
     "block_attention_reference",
     "check_triton",
@@ -18,6 +18,7 @@ __all__ = [
     "kernel_mode",
     "rms_norm",
     "rms_norm_reference",
+    "set_kernel_mode",
     "use_triton",
     "visibility_mask",
 ]

@@ -1,4 +1,4 @@
-"""Choosing Triton or the torch reference for one call, from DFLASH_KERNELS and the tensors' device."""
+"""Choosing Triton or the torch reference for one call, from the configured mode and the tensors' device."""
 
 from __future__ import annotations
 
@@ -8,16 +8,21 @@ import os
 
 import torch
 
-KERNELS_ENV = "DFLASH_KERNELS"
 MODES = ("auto", "triton", "torch")
+_mode = "auto"
+
+
+def set_kernel_mode(mode: str) -> None:
+    """Choose the kernels of every later call: auto (Triton for CUDA tensors), triton or torch."""
+    global _mode
+    if mode not in MODES:
+        raise ValueError(f"Unknown kernels '{mode}' (use {', '.join(MODES)}).")
+    _mode = mode
 
 
 def kernel_mode() -> str:
-    """The DFLASH_KERNELS setting: auto (default), triton or torch; ValueError for anything else."""
-    mode = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
-    if mode not in MODES:
-        raise ValueError(f"{KERNELS_ENV}={mode!r} is not one of {', '.join(MODES)}.")
-    return mode
+    """The mode set_kernel_mode chose (auto until then)."""
+    return _mode
 
 
 @functools.cache
@@ -28,14 +33,14 @@ def triton_installed() -> bool:
 def check_triton(on_cuda: bool) -> None:
     """ValueError unless Triton kernels can run here: installed, and on CUDA or under the Triton interpreter."""
     if not triton_installed():
-        raise ValueError(f"{KERNELS_ENV}=triton, but triton is not installed.")
+        raise ValueError("Triton kernels were asked for, but triton is not installed.")
     if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"{KERNELS_ENV}=triton off CUDA needs TRITON_INTERPRET=1 (the Triton interpreter).")
+        raise ValueError("Triton kernels off CUDA need TRITON_INTERPRET=1 (the Triton interpreter).")
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:
     """True when this call should run the Triton kernel; autograd always takes the reference."""
-    mode = kernel_mode()
+    mode = _mode
     if mode == "torch" or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
         return False
     on_cuda = tensors[0].is_cuda

@@ -21,6 +21,7 @@ import torch
 from dflash_local.generation import GenerationRequest, LoadedModels, load_models, run_request
 from dflash_local.gguf_convert import convert
 from dflash_local.native_drafter import load_drafter
+from dflash_local.runtime import RuntimeConfig
 from dflash_local.tokenizer import TextTokenizer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -59,7 +60,7 @@ def main() -> None:
     lines = (TINY / "heldout_prompts.jsonl").read_text().splitlines()[: args.prompts]
     prompts = [tokenizer.encode(json.loads(line)["prompt"]) for line in lines]
 
-    torch_models = load_models(TINY / "target", TINY / "drafter", device="cpu")
+    torch_models = load_models(TINY / "target", TINY / "drafter", RuntimeConfig(device="cpu"))
     torch_tau, _, _ = measure(torch_models, prompts, args, draft=True)
     print(
         f"{len(prompts)} held-out prompts, {args.max_new_tokens} new tokens, block {args.block_size}, "
@@ -71,7 +72,7 @@ def main() -> None:
         path = args.work / f"tiny-{kind}.gguf"
         if not path.is_file():
             convert(TINY / "target", path, kind)
-        base = load_models(path, None, device="cpu")
+        base = load_models(path, None, RuntimeConfig(device="cpu"))
         _, slow, expected = measure(base, prompts, args, draft=False)
         for drafter_kind in ("torch", "native"):
             drafter = load_drafter(TINY / "drafter", base.target, kind=drafter_kind)

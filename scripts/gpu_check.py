@@ -12,23 +12,23 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from dflash_local.kernels import set_kernel_mode
+from dflash_local.kernels.accept import greedy_accept_reference
+from dflash_local.kernels.accept_triton import greedy_accept_triton
+from dflash_local.kernels.attention import block_attention_reference
+from dflash_local.kernels.attention_triton import block_attention_triton
+from dflash_local.kernels.rmsnorm import rms_norm_reference
+from dflash_local.kernels.rmsnorm_triton import rms_norm_triton
 
 from dflash_local.decode import Settings, run
 from dflash_local.drafter import DFlashDrafter
 from dflash_local.targets.torch_llama import TorchLlamaTarget
-from kernels.accept import greedy_accept_reference
-from kernels.accept_triton import greedy_accept_triton
-from kernels.attention import block_attention_reference
-from kernels.attention_triton import block_attention_triton
-from kernels.rmsnorm import rms_norm_reference
-from kernels.rmsnorm_triton import rms_norm_triton
 
 TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}  # bf16: about two units in the last place
@@ -87,9 +87,9 @@ def check_kernels(device: str) -> dict[str, Any]:
 
 def generate_all(device: str, dtype: torch.dtype, kernels: str, graphs: bool, quantize: str | None, draft: bool):
     """Greedy ids and acceptance lengths on the bundled pair, loaded afresh with the given settings."""
-    os.environ["DFLASH_KERNELS"], os.environ["DFLASH_CUDA_GRAPHS"] = kernels, "1" if graphs else "0"
-    target = TorchLlamaTarget.load(TINY / "target", dtype=dtype, device=device, max_context=512, quantize=quantize)
-    drafter = DFlashDrafter.load(TINY / "drafter", dtype=dtype, device=device, max_context=512) if draft else None
+    set_kernel_mode(kernels)
+    target = TorchLlamaTarget.load(TINY / "target", dtype, device, 512, quantize, cuda_graphs=graphs)
+    drafter = DFlashDrafter.load(TINY / "drafter", dtype, device, 512, cuda_graphs=graphs) if draft else None
     results = []
     for prompt in PROMPTS:
         ids, stats = run(target, drafter, prompt, Settings(max_new_tokens=64, draft=draft))
@@ -144,7 +144,7 @@ def main() -> int:
     ]
     report["passed"] = all(hard)
     if not args.skip_bench:
-        os.environ["DFLASH_KERNELS"], os.environ["DFLASH_CUDA_GRAPHS"] = "auto", "1"
+        set_kernel_mode("auto")
         sys.path.insert(0, str(Path(__file__).parent))
         import gpu_bench
 

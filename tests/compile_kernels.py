@@ -10,12 +10,11 @@ import json
 import sys
 
 import triton
+from dflash_local.kernels.accept_triton import _greedy_accept_kernel
+from dflash_local.kernels.attention_triton import _block_attention_kernel
+from dflash_local.kernels.rmsnorm_triton import _rms_norm_kernel
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-
-from kernels.accept_triton import _greedy_accept_kernel
-from kernels.attention_triton import _block_attention_kernel
-from kernels.rmsnorm_triton import _rms_norm_kernel
 
 
 def build(fn, types: dict[str, str], constants: dict, sm: int) -> int:

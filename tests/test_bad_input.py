@@ -65,6 +65,8 @@ OPTION_CASES = {
     "no new tokens": (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1, got 0."),
     "seed over 64 bits": (["--seed", str(2**64)], f"--seed must be a whole number from 0 to {2**64 - 1}, got {2**64}."),
     "seed negative": (["--seed", "-1"], f"--seed must be a whole number from 0 to {2**64 - 1}, got -1."),
+    "threads 0": (["--threads", "0"], "--threads must be at least 1, got 0."),
+    "drafter kind": (["--drafter-kind", "gpu"], "Unknown drafter kind 'gpu' (use auto, torch, native)."),
 }
 
 
@@ -72,6 +74,12 @@ OPTION_CASES = {
 def test_generate_options_out_of_range(case):
     extra, message = OPTION_CASES[case]
     assert_one_error(dflash(*GENERATE, *extra), message)
+
+
+def test_runtime_defaults_come_from_the_environment():
+    """DFLASH_KERNELS sets --kernels' default: a bad value is refused like the flag's."""
+    result = dflash(*GENERATE, env={**ENV, "DFLASH_KERNELS": "cuda"})
+    assert_one_error(result, "Unknown kernels 'cuda' (use auto, triton, torch).")
 
 
 @pytest.mark.parametrize(
@@ -324,17 +332,17 @@ def test_convert_out_that_cannot_be_written(tmp_path):
 
 
 def test_killed_convert_leaves_nothing_after_the_next_run(tmp_path):
-    """SIGKILL a convert while it writes its F32 staging file; the next convert removes the leftover."""
+    """SIGKILL a convert while it writes its staging file; the next convert removes the leftover."""
     pytest.importorskip("llama_cpp")
     from dflash_local.gguf_file import read_gguf
 
     out = tmp_path / "tiny.gguf"
     argv = [sys.executable, "-m", "dflash_local", "convert", str(TINY / "target"), "--out", str(out), "--type", "f16"]
     process = subprocess.Popen(argv, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    staged = tmp_path / f"tiny.gguf.dflash-convert-{process.pid}" / "f32.gguf"
+    staged = tmp_path / f"tiny.gguf.dflash-convert-{process.pid}" / "staged.gguf"
     deadline = time.monotonic() + 120
     while not (staged.is_file() and staged.stat().st_size > 0) and process.poll() is None:
-        assert time.monotonic() < deadline, "the convert never staged its F32 file"
+        assert time.monotonic() < deadline, "the convert never staged its file"
         time.sleep(0.002)
     process.send_signal(signal.SIGKILL)
     process.wait()

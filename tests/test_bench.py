@@ -33,6 +33,7 @@ def test_bench_detects_differing_outputs(monkeypatch):
     from dflash_local.catalog import resolve
     from dflash_local.decode import Settings
     from dflash_local.generation import load_models
+    from dflash_local.runtime import RuntimeConfig
 
     real_run = bench.run
 
@@ -42,6 +43,6 @@ def test_bench_detects_differing_outputs(monkeypatch):
 
     monkeypatch.setattr(bench, "run", corrupting_run)
     tiny = resolve("tiny", None, fetch=None)
-    models = load_models(tiny.target, tiny.drafter, device="cpu")
+    models = load_models(tiny.target, tiny.drafter, RuntimeConfig(device="cpu"))
     report = bench.run_bench(models, bench.read_prompts(tiny.prompts, models, 1), Settings(max_new_tokens=8))
     assert report["all_identical"] is False

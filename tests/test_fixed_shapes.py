@@ -19,7 +19,6 @@ from dflash_local.decode import Settings, run  # noqa: E402
 from dflash_local.drafter import DFlashDrafter  # noqa: E402
 from dflash_local.targets.torch_llama import TorchLlamaTarget  # noqa: E402
 from dflash_local.tokenizer import TextTokenizer  # noqa: E402
-from kernels import KERNELS_ENV  # noqa: E402
 
 TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"
 
@@ -64,9 +63,9 @@ def sliding_drafter(tiny_dir, llama_target):
 @pytest.mark.parametrize("kernels,span", [("torch", 16), ("torch", 64), ("triton", 16), ("triton", 64)])
 @pytest.mark.parametrize("which", ["full", "sliding"])
 def test_drafter_propose_fixed_matches_eager(
-    monkeypatch, kernels: str, span: int, which: str, drafters, sliding_drafter, llama_target
+    kernels_mode, kernels: str, span: int, which: str, drafters, sliding_drafter, llama_target
 ) -> None:
-    monkeypatch.setenv(KERNELS_ENV, kernels)
+    kernels_mode(kernels)
     target = TorchLlamaTarget.load(llama_target, max_context=64)
     folder = drafters["llama", 2] if which == "full" else sliding_drafter
     eager, fixed = (DFlashDrafter.load(folder, max_context=64) for _ in range(2))

@@ -14,18 +14,19 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from dflash_local.kernels import use_triton  # noqa: E402
+from dflash_local.kernels.accept import greedy_accept_reference  # noqa: E402
+from dflash_local.kernels.accept_triton import greedy_accept_triton  # noqa: E402
+from dflash_local.kernels.attention import block_attention_reference  # noqa: E402
+from dflash_local.kernels.attention_triton import block_attention_triton  # noqa: E402
+from dflash_local.kernels.rmsnorm import rms_norm_reference  # noqa: E402
+from dflash_local.kernels.rmsnorm_triton import rms_norm_triton  # noqa: E402
 
 from dflash_local.decode import Settings, run  # noqa: E402
 from dflash_local.drafter import DFlashDrafter  # noqa: E402
 from dflash_local.errors import DFlashError  # noqa: E402
+from dflash_local.runtime import RuntimeConfig  # noqa: E402
 from dflash_local.targets.torch_llama import TorchLlamaTarget  # noqa: E402
-from kernels import KERNELS_ENV, use_triton  # noqa: E402
-from kernels.accept import greedy_accept_reference  # noqa: E402
-from kernels.accept_triton import greedy_accept_triton  # noqa: E402
-from kernels.attention import block_attention_reference  # noqa: E402
-from kernels.attention_triton import block_attention_triton  # noqa: E402
-from kernels.rmsnorm import rms_norm_reference  # noqa: E402
-from kernels.rmsnorm_triton import rms_norm_triton  # noqa: E402
 
 BUNDLED = Path(__file__).parent.parent / "models" / "tiny"
 
@@ -102,27 +103,25 @@ def test_greedy_accept_matches_reference(rows: int, vocab: int) -> None:
         assert got[0] == mismatch
 
 
-def test_backend_choice(monkeypatch) -> None:
+def test_backend_choice(kernels_mode) -> None:
     x = torch.zeros(2)
-    monkeypatch.delenv(KERNELS_ENV, raising=False)
+    kernels_mode("auto")
     assert not use_triton(x)  # auto: CPU tensors take the reference
-    monkeypatch.setenv(KERNELS_ENV, "triton")
+    kernels_mode("triton")
     assert use_triton(x)
     assert not use_triton(torch.zeros(2, requires_grad=True))  # autograd always takes the reference
-    monkeypatch.setenv(KERNELS_ENV, "torch")
+    kernels_mode("torch")
     assert not use_triton(x)
-    monkeypatch.setenv(KERNELS_ENV, "cuda")
-    with pytest.raises(ValueError, match="DFLASH_KERNELS"):
-        use_triton(x)
+    with pytest.raises(ValueError, match="Unknown kernels 'cuda'"):
+        kernels_mode("cuda")
 
 
-def test_bad_kernel_settings_fail_at_load_in_one_sentence(monkeypatch) -> None:
-    monkeypatch.setenv(KERNELS_ENV, "cuda")
-    with pytest.raises(DFlashError, match="DFLASH_KERNELS='cuda' is not one of auto, triton, torch"):
-        TorchLlamaTarget.load(BUNDLED / "target")
-    monkeypatch.setenv(KERNELS_ENV, "triton")
+def test_bad_kernel_settings_fail_in_one_sentence(kernels_mode, monkeypatch) -> None:
+    with pytest.raises(DFlashError, match="Unknown kernels 'cuda' \\(use auto, triton, torch\\)"):
+        RuntimeConfig(kernels="cuda")
+    kernels_mode("triton")
     monkeypatch.delenv("TRITON_INTERPRET")
-    with pytest.raises(DFlashError, match="off CUDA needs TRITON_INTERPRET=1"):
+    with pytest.raises(DFlashError, match="off CUDA need TRITON_INTERPRET=1"):
         DFlashDrafter.load(BUNDLED / "drafter")
 
 
@@ -131,24 +130,24 @@ def _greedy(target, drafter, prompt: list[int], tokens: int) -> tuple[list[int],
     return ids, stats.acceptance_lengths
 
 
-def _same_with_both_backends(monkeypatch, target, drafter, prompts: list[list[int]], tokens: int) -> list[int]:
+def _same_with_both_backends(kernels_mode, target, drafter, prompts: list[list[int]], tokens: int) -> list[int]:
     results = {}
     for mode in ("torch", "triton"):
-        monkeypatch.setenv(KERNELS_ENV, mode)
+        kernels_mode(mode)
         results[mode] = [_greedy(target, drafter, prompt, tokens) for prompt in prompts]
     assert results["triton"] == results["torch"]
     return [length for _, lengths in results["torch"] for length in lengths]
 
 
-def test_engine_ids_identical_on_bundled_models(monkeypatch) -> None:
+def test_engine_ids_identical_on_bundled_models(kernels_mode) -> None:
     target = TorchLlamaTarget.load(BUNDLED / "target", max_context=256)
     drafter = DFlashDrafter.load(BUNDLED / "drafter", max_context=256)
-    lengths = _same_with_both_backends(monkeypatch, target, drafter, [[10, 57, 300, 41, 12, 9, 77, 8]], 24)
+    lengths = _same_with_both_backends(kernels_mode, target, drafter, [[10, 57, 300, 41, 12, 9, 77, 8]], 24)
     assert max(lengths) > 1  # the trained drafter gets drafts accepted, so the multi-token path ran
 
 
 @pytest.mark.parametrize("name,depth", [("llama", 2), ("qwen3", 3)])
-def test_engine_ids_identical_on_tiny_models(monkeypatch, drafters, llama_target, qwen3_target, name, depth) -> None:
+def test_engine_ids_identical_on_tiny_models(kernels_mode, drafters, llama_target, qwen3_target, name, depth) -> None:
     target = TorchLlamaTarget.load(llama_target if name == "llama" else qwen3_target, max_context=128)
     drafter = DFlashDrafter.load(drafters[name, depth], max_context=128)
-    _same_with_both_backends(monkeypatch, target, drafter, [[1, 2, 3], [5, 9, 11, 2, 7, 30, 8, 1, 4]], 12)
+    _same_with_both_backends(kernels_mode, target, drafter, [[1, 2, 3], [5, 9, 11, 2, 7, 30, 8, 1, 4]], 12)

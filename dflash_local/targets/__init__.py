@@ -19,6 +19,7 @@ def load_target(
     device: str = "cpu",
     max_context: int = 4096,
     quantize: str | None = None,
+    cuda_graphs: bool = True,
 ) -> Target:
     """Load a target model from a local path with the named (or inferred) backend."""
     path = Path(path)
@@ -29,7 +30,9 @@ def load_target(
     if backend == "torch":
         from .torch_llama import TorchLlamaTarget
 
-        return TorchLlamaTarget.load(path, dtype=dtype, device=device, max_context=max_context, quantize=quantize)
+        return TorchLlamaTarget.load(
+            path, dtype=dtype, device=device, max_context=max_context, quantize=quantize, cuda_graphs=cuda_graphs
+        )
     if quantize is not None:
         raise DFlashError("--quantize applies to the torch backend; a GGUF file is already quantized.")
     if backend == "llamacpp":

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..cuda_graphs import StepGraphs, cache_span, graphs_wanted
+from ..cuda_graphs import StepGraphs, cache_span
 from ..errors import DFlashError
 from ..layers import MLP, RMSNorm, apply_rope, check_rope, rope_cos_sin, rope_inv_freq
 from ..quant import check_quantize, install_4bit, prequantized
@@ -217,7 +217,7 @@ class LlamaModel(nn.Module):
 class TorchLlamaTarget:
     """A target model plus its KV cache: feed tokens, read logits and context features, roll back."""
 
-    def __init__(self, model: LlamaModel, max_context: int) -> None:
+    def __init__(self, model: LlamaModel, max_context: int, cuda_graphs: bool = True) -> None:
         self.model = model
         self.cfg = model.cfg
         param = model.lm_head.weight
@@ -226,7 +226,7 @@ class TorchLlamaTarget:
         self.cache = model.new_cache(1, self.max_context)
         self.length = 0
         self.feature_layer_ids: list[int] = []
-        self.graphs = StepGraphs() if graphs_wanted(self.device) else None
+        self.graphs = StepGraphs() if cuda_graphs and self.device.type == "cuda" else None
 
     @classmethod
     def load(
@@ -236,6 +236,7 @@ class TorchLlamaTarget:
         device: str = "cpu",
         max_context: int = 4096,
         quantize: str | None = None,
+        cuda_graphs: bool = True,
     ) -> TorchLlamaTarget:
         """Build the model from an HF-layout folder (config.json + safetensors).
 
@@ -270,7 +271,7 @@ class TorchLlamaTarget:
                 )
         model.load_state_dict({name: tensors[name] for name in expected}, assign=True, strict=not swapped)
         model.inv_freq = rope_inv_freq(cfg.raw, cfg.head_dim).to(device)
-        return cls(model.eval(), max_context)
+        return cls(model.eval(), max_context, cuda_graphs)
 
     @property
     def vocab_size(self) -> int:
@@ -304,8 +305,11 @@ class TorchLlamaTarget:
         return self.model.lm_head(hidden)
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, all_logits: bool = True, features: bool = True) -> TargetOutput:
-        """Append ids at the cache end; return logits (all positions or the last) and layer features.
+    def forward(
+        self, ids: torch.Tensor, all_logits: bool = True, features: bool = True, greedy: bool = False
+    ) -> TargetOutput:
+        """Append ids at the cache end; return logits (all positions or the last) and layer features (greedy or not:
+        greedy acceptance reads the logits where they are, on CUDA in one kernel).
 
         On CUDA, decode and verify steps (all logits, at most GRAPH_MAX_STEPS tokens) replay graphs of `forward_fixed`.
         """
