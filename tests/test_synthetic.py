@@ -62,7 +62,21 @@ def test_bench_script_measures_a_small_pair(monkeypatch, tmp_path):
     monkeypatch.setattr(synthetic, "SHAPES", {"llama-small": shape})
     out = tmp_path / "bench.json"
     argv = ["llama-small", "--dir", str(tmp_path / "pair"), "--drafters", "none,native", "--context", "16"]
-    report = bench.main(argv + ["--max-context", "256", "--repeats", "1", "--threads", "1", "--json", str(out), "--markdown", str(tmp_path / "bench.md")])
+    report = bench.main(
+        argv
+        + [
+            "--max-context",
+            "256",
+            "--repeats",
+            "1",
+            "--threads",
+            "1",
+            "--json",
+            str(out),
+            "--markdown",
+            str(tmp_path / "bench.md"),
+        ]
+    )
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     assert (tmp_path / "pair" / "target-q4_k_m.gguf").is_file()
     none, native = report["rows"]
