@@ -152,8 +152,11 @@ class BlockPolicy:
         return self.current.rates(prior)
 
     def choose(self, limit: int) -> int:
-        """The verify size for the next step, at most `limit` (tokens left); 1 means a plain step, no drafter."""
-        top = min(self.block_size, limit, self.trial_limit())
+        """The verify size for the next step, at most `limit` (tokens left); 1 means a plain step, no drafter.
+
+        Whether to draft is decided over every k; a drafter with little history then runs it at trial_limit() at most.
+        """
+        top = min(self.block_size, limit)
         if top < 2:
             return 1
         tokens = expected_tokens(self.rates(), top)
@@ -161,12 +164,12 @@ class BlockPolicy:
         best_draft = max(range(2, top + 1), key=speeds.__getitem__)
         if speeds[best_draft] > speeds[1]:
             self.plain_run = 0
-            return best_draft
+            return min(best_draft, self.trial_limit())
         self.plain_run += 1
         if self.plain_run >= self.probe_interval(best_draft):
             self.plain_run = 0
             self.probes += 1
-            return best_draft
+            return min(best_draft, self.trial_limit())
         return 1
 
     def trial_limit(self) -> int:

@@ -55,6 +55,9 @@ def test_a_drafter_with_no_history_is_tried_with_small_blocks_first():
         choices.append(policy.choose(100))
         policy.observe(choices[-1], choices[-1] - 1, 0.1, 1.0)
     assert choices == [2, 4, 8, 16, 16]
+    # Drafting that pays only at large k (verify is cheap, the drafter step dear) is still tried, small first.
+    policy = BlockPolicy(16, CostTable(linear(1.0, 0.0), linear(1.5, 0.0, first=2)), AcceptanceEstimate.empty(15, 1.0))
+    assert policy.choose(100) == 2
 
 
 def test_plain_steps_when_drafting_loses_with_bounded_probes():
