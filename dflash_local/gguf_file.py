@@ -6,8 +6,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
-import numpy as np
-import torch
 
 from .errors import DFlashError
 
@@ -27,16 +25,6 @@ class GGUFModel:
     context_length: int
     eos_ids: frozenset[int]
     reader: object
-
-    def tensor(self, name: str, dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
-        """One tensor dequantized to fp32 and cast, shaped [rows, columns] like its HF counterpart."""
-        found = [t for t in self.reader.tensors if t.name == name]
-        if not found:
-            raise DFlashError(f"{self.path} lacks the tensor {name}.")
-        info = found[0]
-        array = gguf.quants.dequantize(info.data, info.tensor_type)
-        shape = tuple(int(n) for n in reversed(info.shape))
-        return torch.from_numpy(np.array(array, dtype=np.float32).reshape(shape)).to(device, dtype)
 
 
 def _field(reader, key: str, path: Path, required: bool = True):
