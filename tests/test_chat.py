@@ -14,6 +14,7 @@ from pathlib import Path
 import pexpect
 import pytest
 from rich.console import Console
+from test_chat_template import QWEN3_LIKE
 
 from dflash_local import chat as chat_module
 from dflash_local.chat import Chat, piped_lines
@@ -298,14 +299,6 @@ def test_a_piped_line_that_is_not_utf8_is_answered_with_replacement_characters()
     assert len(result.stdout.splitlines()) == 1
 
 
-QWEN3_LIKE = (
-    "{% for m in messages %}{% set content = m.content %}"
-    "{% if m.role == 'assistant' and '</think>' in content %}"
-    "{% set content = content.split('</think>')[-1].lstrip('\\n') %}{% endif %}"
-    "<|im_start|>{{ m.role }}\n{{ content }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
-)
 THOUGHT = "<think>\nThey want a sum.\n</think>\n\n"
 
 
