@@ -30,6 +30,8 @@ HISTORY_DECAY = 0.999  # per-step forgetting of the drafter's history across gen
 COST_WEIGHT = 0.2  # weight of one timed step in the running costs
 PROBE_SHARE = 0.03  # probes may cost at most this share of plain decoding time
 MAX_PROBE_INTERVAL = 4096  # plain steps between probes at most
+RECHECK = 8  # while plain steps win, the choice is made again every RECHECK steps (and before each probe): the
+# evidence moves by a few percent per step, and on a fast model the choice itself costs a few percent of a step
 CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 CALIBRATION_CONTEXT = 64
 
@@ -44,12 +46,13 @@ class CostTable:
     def step_s(self, k: int) -> float:
         return self.target_s[k] + (self.draft_s[k] if k > 1 else 0.0)
 
-    def observe(self, k: int, draft_s: float, target_s: float) -> None:
-        """Move the costs toward one timed step of size k: each part's level follows, its calibrated shape over k
-        stays (a slower context or a busy machine slows every k alike); one stall moves little (clamped, averaged)."""
-        _rescale(self.target_s, _blend(self.target_s[k], target_s) / self.target_s[k])
+    def observe(self, k: int, draft_s: float, target_s: float, steps: int = 1) -> None:
+        """Move the costs toward `steps` timed steps of size k (their mean times): each part's level follows, its
+        calibrated shape over k stays (a slower context or a busy machine slows every k alike); one stall moves
+        little (clamped, averaged)."""
+        _rescale(self.target_s, _blend(self.target_s[k], target_s, steps) / self.target_s[k])
         if k > 1:
-            _rescale(self.draft_s, _blend(self.draft_s[k], draft_s) / self.draft_s[k])
+            _rescale(self.draft_s, _blend(self.draft_s[k], draft_s, steps) / self.draft_s[k])
 
     def to_dict(self) -> dict:
         return {"target_s": self.target_s, "draft_s": self.draft_s}
@@ -67,9 +70,10 @@ def _rescale(costs: dict[int, float], factor: float) -> None:
         costs[k] *= factor
 
 
-def _blend(old: float, new: float) -> float:
+def _blend(old: float, new: float, steps: int) -> float:
     new = min(max(new, 0.5 * old), 2.0 * old)
-    return (1 - COST_WEIGHT) * old + COST_WEIGHT * new
+    weight = 1 - (1 - COST_WEIGHT) ** steps
+    return (1 - weight) * old + weight * new
 
 
 def interpolate(measured: dict[int, float], sizes: range) -> dict[int, float]:
@@ -99,11 +103,15 @@ class AcceptanceEstimate:
     def empty(cls, positions: int, decay: float) -> AcceptanceEstimate:
         return cls([0.0] * positions, [0.0] * positions, decay)
 
+    def fade(self, steps: int) -> None:
+        """Let the evidence fade by `steps` steps (plain steps do only this)."""
+        factor = self.decay**steps
+        self.reached = [r * factor for r in self.reached]
+        self.accepted = [a * factor for a in self.accepted]
+
     def observe(self, drafts: int, accepted: int) -> None:
-        """One step that verified `drafts` drafted positions and accepted the first `accepted` of them (a plain step,
-        drafts = 0, only lets older evidence fade)."""
-        self.reached = [r * self.decay for r in self.reached]
-        self.accepted = [a * self.decay for a in self.accepted]
+        """One step that verified `drafts` drafted positions and accepted the first `accepted` of them."""
+        self.fade(1)
         for j in range(min(drafts, accepted + 1)):
             self.reached[j] += 1.0
             self.accepted[j] += 1.0 if j < accepted else 0.0
@@ -137,6 +145,9 @@ class BlockPolicy:
     current: AcceptanceEstimate = field(init=False)
     plain_run: int = field(default=0, init=False)
     probes: int = field(default=0, init=False)
+    probe_at: int = field(default=0, init=False)  # the plain_run at which the next probe is due
+    unsettled_steps: int = field(default=0, init=False)  # plain steps not learnt from yet, and their total time
+    unsettled_s: float = field(default=0.0, init=False)
 
     def __post_init__(self) -> None:
         self.start()
@@ -146,6 +157,8 @@ class BlockPolicy:
         self.current = AcceptanceEstimate.empty(self.block_size - 1, DECAY)
         self.plain_run = 0
         self.probes = 0
+        self.probe_at = 0
+        self.unsettled_steps, self.unsettled_s = 0, 0.0
 
     def rates(self) -> list[float]:
         prior = self.history.rates([PRIOR_RATE] * (self.block_size - 1))
@@ -155,10 +168,15 @@ class BlockPolicy:
         """The verify size for the next step, at most `limit` (tokens left); 1 means a plain step, no drafter.
 
         Whether to draft is decided over every k; a drafter with little history then runs it at trial_limit() at most.
+        Within a run of plain steps the choice stands for RECHECK steps, or until the next probe is due.
         """
         top = min(self.block_size, limit)
         if top < 2:
             return 1
+        if self.plain_run % RECHECK and self.plain_run + 1 < self.probe_at:
+            self.plain_run += 1
+            return 1
+        self.settle()
         tokens = expected_tokens(self.rates(), top)
         speeds = [0.0] + [tokens[k] / self.costs.step_s(k) for k in range(1, top + 1)]
         best_draft = max(range(2, top + 1), key=speeds.__getitem__)
@@ -166,7 +184,8 @@ class BlockPolicy:
             self.plain_run = 0
             return min(best_draft, self.trial_limit())
         self.plain_run += 1
-        if self.plain_run >= self.probe_interval(best_draft):
+        self.probe_at = self.probe_interval(best_draft)
+        if self.plain_run >= self.probe_at:
             self.plain_run = 0
             self.probes += 1
             return min(best_draft, self.trial_limit())
@@ -184,17 +203,31 @@ class BlockPolicy:
         return min(max(1, round(steps)) << min(self.probes, 12), MAX_PROBE_INTERVAL)
 
     def observe(self, k: int, accepted: int, draft_s: float, target_s: float) -> None:
-        """Learn from one step: its verify size, how many drafts it accepted, and what it cost."""
+        """Learn from one step: its verify size, how many drafts it accepted, and what it cost (plain steps are
+        learnt from in bulk, at the next choice that is made afresh)."""
+        if k == 1:
+            self.unsettled_steps += 1
+            self.unsettled_s += target_s
+            return
+        self.settle()
         self.costs.observe(k, draft_s, target_s)
         self.current.observe(k - 1, accepted)
-        if k > 1:
-            self.history.observe(k - 1, accepted)
+        self.history.observe(k - 1, accepted)
+
+    def settle(self) -> None:
+        """Learn from the plain steps seen since the last time: their mean cost, and the fading of this text's
+        evidence."""
+        if self.unsettled_steps:
+            self.costs.observe(1, 0.0, self.unsettled_s / self.unsettled_steps, self.unsettled_steps)
+            self.current.fade(self.unsettled_steps)
+            self.unsettled_steps, self.unsettled_s = 0, 0.0
 
     def save(self) -> None:
         """Keep the costs and the drafter's history for the next load of the same pair on this machine (skipped
         where the folder cannot be written: the cache only saves a calibration)."""
         if self.path is None:
             return
+        self.settle()
         data = {
             "block_size": self.block_size,
             "costs": self.costs.to_dict(),

@@ -11,6 +11,7 @@ from test_lossless import PROMPTS, OracleDrafter, _autoregressive
 from dflash_local.block_policy import (
     HISTORY_DECAY,
     PROBE_SHARE,
+    RECHECK,
     AcceptanceEstimate,
     BlockPolicy,
     CostTable,
@@ -106,6 +107,33 @@ def test_costs_follow_timed_steps():
     assert slow.costs.draft_s[2] > 4.0  # every k's drafter cost follows
     assert slow.choose(100) == 1
     assert steady.choose(100) > 1
+
+
+def test_plain_steps_are_learnt_from_in_bulk_as_one_by_one():
+    """Plain steps settle at the next fresh choice: costs and fading as if each had been observed on its own."""
+    bulk, single = (policy_with(linear(1.0, 0.5), linear(2.0, 0.0, first=2), rate=0.3) for _ in range(2))
+    for policy in (bulk, single):
+        policy.observe(4, 2, 2.0, 2.5)
+    for _ in range(5):
+        bulk.observe(1, 0, 0.0, 1.6)
+    for _ in range(5):
+        single.costs.observe(1, 0.0, 1.6)
+        single.current.fade(1)
+    bulk.choose(100)
+    assert bulk.costs.target_s == pytest.approx(single.costs.target_s, rel=1e-12)
+    assert bulk.current.reached == pytest.approx(single.current.reached, rel=1e-12)
+    assert bulk.costs.target_s[1] > 1.3  # it did move toward the slower plain steps
+
+
+def test_a_plain_run_is_reconsidered_every_recheck_steps():
+    """Mid plain run the choice stands; once drafting starts paying, a drafting step comes within RECHECK steps."""
+    policy = policy_with(linear(1.0, 0.5), linear(2.0, 0.0, first=2), rate=0.3)
+    assert [policy.choose(100) for _ in range(3)] == [1, 1, 1]
+    policy.costs = CostTable(linear(1.0, 0.0), linear(0.1, 0.0, first=2))  # verification became free
+    waited = 0
+    while policy.choose(100) == 1:
+        waited += 1
+        assert waited < RECHECK
 
 
 def test_policy_is_cached_per_pair(tmp_path):

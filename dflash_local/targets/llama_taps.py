@@ -38,11 +38,19 @@ def _bind(names: tuple[str, ...], argtypes: list, restype) -> Callable:
 
 
 def tap_functions() -> tuple[Callable, Callable]:
-    """(set(ctx, layer, on), get(ctx, layer) -> float*) for llama.cpp's layer-input taps."""
+    """(set(ctx, layer, on), get(ctx, layer) -> address of the rows) for llama.cpp's layer-input taps."""
     ctx_type = llama_cpp.llama_context_p_ctypes
     set_tap = _bind(_SET_NAMES, [ctx_type, ctypes.c_uint32, ctypes.c_bool], None)
-    get_tap = _bind(_GET_NAMES, [ctx_type, ctypes.c_uint32], ctypes.POINTER(ctypes.c_float))
+    get_tap = _bind(_GET_NAMES, [ctx_type, ctypes.c_uint32], ctypes.c_void_p)
     return set_tap, get_tap
+
+
+def output_functions() -> tuple[Callable, Callable]:
+    """(logits(ctx), embeddings(ctx)) -> address of llama.cpp's output rows, as an int: bindings of our own, since
+    llama_cpp's return ctypes pointers, which cost more to turn into arrays than a small model's decode step."""
+    address_of = ctypes.CFUNCTYPE(ctypes.c_void_p, llama_cpp.llama_context_p_ctypes)
+    lib = llama_cpp.llama_cpp._lib
+    return address_of(("llama_get_logits", lib)), address_of(("llama_get_embeddings", lib))
 
 
 def _keep_errors(level: int, text: bytes, user_data) -> None:

@@ -15,7 +15,7 @@ import torch
 from ..errors import DFlashError
 from ..gguf_file import GGUFModel, read_gguf
 from .base import TargetOutput
-from .llama_taps import first_llama_error, quiet_llama_logs, tap_functions
+from .llama_taps import first_llama_error, output_functions, quiet_llama_logs, tap_functions
 
 BATCH = 512
 HEAD_CHUNK = 8192  # output-head rows dequantized at a time when the head is first materialized
@@ -47,6 +47,8 @@ class LlamaCppTarget:
         self._batch = llama_cpp.llama_batch_init(BATCH, 0, 1)
         weakref.finalize(self, _free, self._batch, ctx, model)
         self._set_tap, self._get_tap = tap_functions()
+        self._logits_at, self._embeddings_at = output_functions()
+        self._views: dict[tuple[int, int, int], np.ndarray] = {}
         self.device, self.dtype = torch.device(device), dtype
         self.max_context = max_context
         self.length = 0
@@ -167,14 +169,24 @@ class LlamaCppTarget:
         if status != 0:
             raise DFlashError(f"llama.cpp failed to evaluate the batch (status {status}).")
 
-    def _view(self, pointer, rows: int, width: int) -> np.ndarray:
-        """llama.cpp's float rows at pointer, in place (valid until its next decode)."""
-        return np.ctypeslib.as_array(ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), shape=(rows, width))
+    def _view(self, address: int | None, rows: int, width: int) -> np.ndarray:
+        """llama.cpp's float rows at address, in place (valid until its next decode). Views are kept per address:
+        llama.cpp reuses its output buffers, and making a view costs more than a small model's decode step."""
+        key = (address or 0, rows, width)
+        view = self._views.get(key)
+        if view is None:
+            if not address:
+                raise DFlashError("llama.cpp returned no output rows for the batch.")
+            if len(self._views) >= 256:
+                self._views.clear()
+            floats = (ctypes.c_float * (rows * width)).from_address(address)
+            view = self._views[key] = np.frombuffer(floats, dtype=np.float32).reshape(rows, width)
+        return view
 
     def _features(self, layer: int, rows: int) -> np.ndarray:
         """HF hidden_states[layer + 1] for the last decoded rows, in place."""
         if layer == self.num_layers - 1:
-            return self._view(llama_cpp.llama_get_embeddings(self._ctx), rows, self.hidden_size)
+            return self._view(self._embeddings_at(self._ctx), rows, self.hidden_size)
         return self._view(self._get_tap(self._ctx, layer + 1), rows, self.hidden_size)
 
     def forward(
@@ -194,7 +206,7 @@ class LlamaCppTarget:
             self._decode(chunk, start + offset, all_logits)
             if all_logits or offset + BATCH >= len(tokens):
                 rows = len(chunk) if all_logits or every_output else 1
-                view = self._view(llama_cpp.llama_get_logits(self._ctx), rows, self.vocab_size)
+                view = self._view(self._logits_at(self._ctx), rows, self.vocab_size)
                 view = view if all_logits else view[-1:]
                 logits.append(view.argmax(axis=1) if greedy else view.copy())
             if features and self.feature_layer_ids:
