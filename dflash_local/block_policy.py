@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from .atomic import write_text_atomic
-from .runtime import clock
+from .runtime import StepClock
 
 PRIOR_RATE = 0.8  # acceptance assumed for a drafter with no history: optimistic, so drafting is tried (small k
 # first, see BlockPolicy.trial_limit) and measured
@@ -277,17 +277,18 @@ def measure_costs(target, drafter, repeats: int = 2) -> CostTable:
     no_features = features[:0]
     target_s: dict[int, float] = {}
     draft_s: dict[int, float] = {}
+    timer = StepClock(target.device)
     for k in sizes:
         timings_t, timings_d = [], []
         for _ in range(repeats + 1):  # the first run warms up
-            began = clock(target.device)
+            began = timer.mark()
             target.forward(ids[CALIBRATION_CONTEXT : CALIBRATION_CONTEXT + k])
-            timings_t.append(clock(target.device) - began)
+            timings_t.append(timer.seconds(began, timer.mark()))
             target.rollback(CALIBRATION_CONTEXT)
             if k > 1:
-                began = clock(target.device)
+                began = timer.mark()
                 drafter.propose(target, no_features, tokens, CALIBRATION_CONTEXT, block, k - 1)
-                timings_d.append(clock(target.device) - began)
+                timings_d.append(timer.seconds(began, timer.mark()))
         target_s[k] = min(timings_t[1:])
         if k > 1:
             draft_s[k] = min(timings_d[1:])

@@ -15,7 +15,7 @@ import torch
 
 from .block_policy import BlockPolicy
 from .errors import DFlashError
-from .runtime import clock
+from .runtime import StepClock
 from .sampling import SamplingParams, accept_greedy, accept_sampled, pick, probabilities
 from .session import Session
 from .targets.base import Target
@@ -205,7 +205,8 @@ def generate(
         max_length, length_reason = target.max_context, "context"
     ids = torch.tensor(prompt_ids[kept:], dtype=torch.long, device=target.device)
 
-    began = clock(target.device)
+    timer = StepClock(target.device)
+    began = timer.mark()
     out = target.forward(ids, all_logits=False, features=drafting)
     first = int(pick(out.logits[-1], params, generator))
     tokens = prompt_ids + [first]
@@ -216,13 +217,13 @@ def generate(
     stopped = first in settings.stop_ids
     done = stopped or start + 1 >= max_length
     reason = ("stop" if stopped else length_reason) if done else None
-    yield Step([first], None, 0.0, clock(target.device) - began, block_size, reason, prompt_len - kept)
+    yield Step([first], None, 0.0, timer.seconds(began, timer.mark()), block_size, reason, prompt_len - kept)
 
     while not done:
         left = max_length - start
         verify_size = policy.choose(left) if policy is not None else min(block_size, left)
         block = torch.full((verify_size,), tokens[start], dtype=torch.long, device=target.device)
-        t0 = clock(target.device)
+        t0 = timer.mark()
         draft_probs = None
         if verify_size > 1:
             new_features = (pending[0] if len(pending) == 1 else torch.cat(pending)) if pending else None
@@ -234,7 +235,7 @@ def generate(
             else:
                 draft_probs = probabilities(draft_logits, params)
                 block[1:] = torch.multinomial(draft_probs, 1, generator=generator)[:, 0]
-        t1 = clock(target.device)
+        t1 = timer.mark()
         out = target.forward(block, all_logits=True, features=drafting, greedy=params.greedy)
         if params.greedy:
             accepted, made = accept_greedy(block[1:], out.logits if out.argmax is None else out.argmax)
@@ -256,12 +257,12 @@ def generate(
         if out.features is not None:
             pending.append(out.features[:produced])
         session.record(tokens, start, drafted_to, pending)
-        t2 = clock(target.device)
+        draft_s, target_s = timer.seconds(t0, t1), timer.seconds(t1, timer.mark())
         if policy is not None:
-            policy.observe(verify_size, accepted, t1 - t0, t2 - t1)
+            policy.observe(verify_size, accepted, draft_s, target_s)
         done = stopped or start + 1 >= max_length
         reason = ("stop" if stopped else length_reason) if done else None
-        yield Step(made, produced, t1 - t0, t2 - t1, verify_size, reason)
+        yield Step(made, produced, draft_s, target_s, verify_size, reason)
     if policy is not None:
         policy.save()
 

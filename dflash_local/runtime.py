@@ -53,11 +53,29 @@ def check_kernels(device: str | torch.device) -> None:
         raise DFlashError(str(exc)) from None
 
 
-def clock(device: torch.device) -> float:
-    """Seconds, after the device's queued work is done (one sync per call on CUDA)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
+class StepClock:
+    """Marks on the device's timeline: CUDA events on CUDA (recording one waits for nothing), the host clock elsewhere.
+
+    Work that llama.cpp runs on the GPU returns to the host before its outputs are read, so the events that follow
+    it are recorded after it, and the spans between marks hold it too."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> torch.cuda.Event | float:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, begin: torch.cuda.Event | float, end: torch.cuda.Event | float) -> float:
+        """Seconds from one mark to a later one. On CUDA this waits for `end`; a step marks its end after its own
+        host sync (reading the accepted tokens), so that wait is over at once."""
+        if self.cuda:
+            end.synchronize()
+            return begin.elapsed_time(end) / 1000
+        return end - begin
 
 
 KERNEL_MODES = ("auto", "triton", "torch")

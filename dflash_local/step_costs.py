@@ -4,26 +4,23 @@ the drafter step returning k-1 rows, the greedy acceptance; and the speedup they
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
+from .runtime import StepClock
 from .sampling import accept_greedy
 
 
 def milliseconds(fn, device: str, repeats: int) -> float:
-    """Median wall time of fn in ms, after warm-up, synchronizing CUDA around each call."""
+    """Median time of fn in ms after warm-up, between marks on the device's timeline (CUDA events on CUDA)."""
     for _ in range(3):
         fn()
+    timer = StepClock(torch.device(device))
     times = []
     for _ in range(repeats):
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        began = time.perf_counter()
+        began = timer.mark()
         fn()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - began) * 1000)
+        times.append(timer.seconds(began, timer.mark()) * 1000)
     return statistics.median(times)
 
 
