@@ -281,7 +281,7 @@ class DFlashDrafter:
     ) -> DFlashDrafter:
         """Build the drafter from a published-layout folder (config.json + model.safetensors).
 
-        quantize="int8" or "nf4" makes its layers' linears 8- or 4-bit (bitsandbytes); drafts may change, output not.
+        quantize="int8" or "nf4" makes its layers' linears 8- or 4-bit (see quant.py); drafts may change, output not.
         """
         folder = Path(folder)
         check_kernels(device)
@@ -303,7 +303,7 @@ class DFlashDrafter:
         model.load_state_dict({name: tensors[name] for name in expected}, assign=True)
         model.inv_freq = rope_inv_freq(cfg.raw, cfg.head_dim).to("cpu" if quantize else device)
         if quantize:
-            quantize_linears(model, "layers", quantize, dtype)
+            quantize_linears(model, "layers", quantize, dtype, device)
             model.to(device)
         return cls(model.eval(), max_context, cuda_graphs)
 

@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 from dflash_local.decode import Settings, run
 from dflash_local.drafter import DFlashDrafter
 from dflash_local.errors import DFlashError
+from dflash_local.quant import Int8Linear
 from dflash_local.targets.torch_llama import TorchLlamaTarget
 
 BUNDLED = Path(__file__).parent.parent / "models" / "tiny"
@@ -120,8 +121,9 @@ def test_malformed_quant_state_is_one_clear_error(tmp_path: Path, llama_target: 
         TorchLlamaTarget.load(folder)
 
 
-@pytest.mark.parametrize("kind,layer_type", [("int8", bnb.nn.Linear8bitLt), ("nf4", bnb.nn.Linear4bit)])
+@pytest.mark.parametrize("kind,layer_type", [("int8", Int8Linear), ("nf4", bnb.nn.Linear4bit)])
 def test_quantized_drafter_keeps_output_lossless(kind: str, layer_type: type) -> None:
+    """On the CPU int8 is torch's weight-only kernel, NF4 bitsandbytes'; either way the output stays the target's."""
     target = TorchLlamaTarget.load(BUNDLED / "target", max_context=256)
     drafter = DFlashDrafter.load(BUNDLED / "drafter", max_context=256, quantize=kind)
     linears = [m for name, m in drafter.model.layers.named_modules() if name.endswith("_proj")]
@@ -138,3 +140,18 @@ def test_quantized_drafter_keeps_output_lossless(kind: str, layer_type: type) ->
 def test_unknown_drafter_quantization_is_refused() -> None:
     with pytest.raises(DFlashError, match="Unknown quantization 'fp8' \\(supported: int8, nf4\\)"):
         DFlashDrafter.load(BUNDLED / "drafter", quantize="fp8")
+
+
+def test_int8_linear_matches_its_dequantized_weights() -> None:
+    """The CPU int8 linear computes x @ (int8 weight x row scale).T (+ bias), in the input's dtype and shape."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 48)
+    quantized = Int8Linear(layer)
+    x = torch.randn(2, 5, 64)
+    dequantized = quantized.weight.float() * quantized.scales.float()[:, None]
+    expected = x.to(torch.bfloat16).float() @ dequantized.T + layer.bias
+    out = quantized(x)
+    assert out.dtype == torch.float32 and out.shape == (2, 5, 48)
+    assert Int8Linear(torch.nn.Linear(64, 48, bias=False))(x).dtype == torch.float32
+    torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+    assert ((dequantized - layer.weight).abs() <= quantized.scales.float()[:, None] * 0.75).all()  # rounding only
