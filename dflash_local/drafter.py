@@ -337,58 +337,52 @@ class DFlashDrafter:
         """Cache the features of positions [length, start); draft [tokens[start], MASK x size-1] at start and return
         the logits of its first `rows` drafted positions (default all size-1): the LM head runs on those rows only.
 
-        On CUDA, steps with at most `size` new positions replay a CUDA graph of `propose_fixed`.
+        Runs `step`: eagerly over exactly the cached context, or on CUDA, for steps with at most `size` new positions,
+        as a replayed graph over a power-of-two span of the cache (the head on all size-1 rows, one graph per size).
         """
         rows = size - 1 if rows is None else rows
-        if self.length + new_features.shape[0] != start:
+        num_new = new_features.shape[0]
+        if self.length + num_new != start:
             raise ValueError(f"drafter cache holds {self.length} positions, got features up to {start}")
         block_ids = torch.full((size,), self.cfg.mask_token_id, dtype=torch.long, device=self.device)
         block_ids[0] = tokens[start]
-        num_new = new_features.shape[0]
-        if self.graphs is not None and num_new <= size:
+        block_positions = torch.arange(start, start + size, device=self.device)
+        if self.graphs is None or num_new > size:
+            context_positions = torch.arange(self.length, start, device=self.device)
+            features = new_features.to(self.dtype)
+            logits = self.step(target, features, block_ids, context_positions, block_positions, None, start, rows)
+        else:
             features = torch.zeros(size, new_features.shape[1], dtype=self.dtype, device=self.device)
             features[:num_new] = new_features
-            offsets = torch.arange(size, device=self.device)
+            capacity = self.cache_k.shape[3]
+            # Rows past the new ones land at or after start (clamped into the cache), where nothing reads them.
+            context_positions = (self.length + torch.arange(size, device=self.device)).clamp_max(capacity - 1)
             context_len = torch.tensor([start], device=self.device)
-            span = cache_span(start, self.cache_k.shape[3])
+            span = cache_span(start, capacity)
 
             def step(*inputs: torch.Tensor) -> tuple[torch.Tensor]:
-                return (self.propose_fixed(target, *inputs, span),)
+                return (self.step(target, *inputs, span, size - 1),)
 
             key = (size, id(target), span)
-            (logits,) = self.graphs.run(
-                key, step, features, block_ids, self.length + offsets, start + offsets, context_len
-            )
-            self.length = start
-            return logits[:rows]
-        model = self.model
-        positions = torch.arange(self.length, start + size, device=self.device)
-        cos, sin = (t[None, None] for t in rope_cos_sin(model.inv_freq, positions, self.dtype))
-        num_ctx = new_features.shape[0]
-        context = model.project_context(new_features.to(self.dtype))[None]
-        x = target.embed(block_ids).to(self.dtype)[None] * self.cfg.input_embedding_scale
-        for index, layer in enumerate(model.layers):
-            k, v = layer.self_attn.key_value(context, cos[..., :num_ctx, :], sin[..., :num_ctx, :])
-            self.cache_k[index, :, :, self.length : start] = k
-            self.cache_v[index, :, :, self.length : start] = v
-            past_k, past_v = self.cache_k[index, :, :, :start], self.cache_v[index, :, :, :start]
-            x = layer(x, cos[..., num_ctx:, :], sin[..., num_ctx:, :], past_k, past_v)
+            inputs = (features, block_ids, context_positions, block_positions, context_len)
+            logits = self.graphs.run(key, step, *inputs)[0][:rows]
         self.length = start
-        return model.logits(model.norm(x[0, 1 : rows + 1]), target.lm_head)
+        return logits
 
-    def propose_fixed(
+    def step(
         self,
         target: Target,
         features: torch.Tensor,
         block_ids: torch.Tensor,
         context_positions: torch.Tensor,
         block_positions: torch.Tensor,
-        context_len: torch.Tensor,
+        context_len: torch.Tensor | None,
         span: int,
+        rows: int,
     ) -> torch.Tensor:
-        """Fixed-shape drafter step (what CUDA graphs capture): cache the projected features at context_positions
-        (rows past the new ones land at or after context_len, where nothing reads them), then draft the block
-        against the first span cache positions (span >= context_len), of which context_len count. Leaves `length`."""
+        """The one drafter step, fixed-shape for CUDA graphs: cache the projected features at context_positions, draft
+        block_ids at block_positions against the first span cache positions (of which the first context_len count;
+        None: all), return the logits of drafted rows 1..rows. Leaves `length`."""
         model = self.model
         cos_c, sin_c = (t[None, None] for t in rope_cos_sin(model.inv_freq, context_positions, self.dtype))
         cos_b, sin_b = (t[None, None] for t in rope_cos_sin(model.inv_freq, block_positions, self.dtype))
@@ -400,4 +394,4 @@ class DFlashDrafter:
             cache_k.index_copy_(2, context_positions, k)
             cache_v.index_copy_(2, context_positions, v)
             x = layer(x, cos_b, sin_b, cache_k[:, :, :span], cache_v[:, :, :span], context_len=context_len)
-        return model.logits(model.norm(x[0, 1:]), target.lm_head)
+        return model.logits(model.norm(x[0, 1 : rows + 1]), target.lm_head)

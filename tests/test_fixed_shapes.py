@@ -1,5 +1,6 @@
-"""The fixed-shape steps that CUDA graphs capture (target forward, drafter step) match the eager ones on CPU, and the
-capture/replay routing runs end to end on CPU with a stand-in for torch.cuda.CUDAGraph (real capture is CUDA-only)."""
+"""Each model's one step function (target forward, drafter step) gives over a padded cache span, as CUDA graphs capture
+it, what it gives over the exact span of eager runs; the capture/replay routing runs end to end on CPU with a stand-in
+for torch.cuda.CUDAGraph (real capture is CUDA-only)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,9 @@ def test_cache_span_is_a_power_of_two_within_capacity() -> None:
 
 @pytest.mark.parametrize("span", [16, 64])
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_target_forward_fixed_matches_eager(kind: str, span: int, llama_target, qwen3_target) -> None:
+def test_target_step_over_a_padded_span_matches_eager(kind: str, span: int, llama_target, qwen3_target) -> None:
+    """`step` over a longer span than the used cache (what a graph captures) gives the eager forward's logits (all,
+    or the last row only) and features, and leaves the cache as the eager forward does."""
     target = TorchLlamaTarget.load(llama_target if kind == "llama" else qwen3_target, max_context=64)
     target.set_feature_layers([0, 2])
     prompt, block, after = torch.arange(3, 13), torch.tensor([7, 1, 30, 2, 9]), torch.tensor([4])
@@ -38,11 +41,26 @@ def test_target_forward_fixed_matches_eager(kind: str, span: int, llama_target, 
     eager = target.forward(block)
     eager_next = target.forward(after).logits
     target.rollback(len(prompt))
-    logits, features = target.forward_fixed(block, torch.arange(10, 15), [0, 2], span)
+    last, no_features = target.step(block, torch.arange(10, 15), (), span, 1)
+    assert last.shape == (1, target.vocab_size) and no_features is None
+    torch.testing.assert_close(last, eager.logits[-1:], atol=1e-5, rtol=1e-5)
+    logits, features = target.step(block, torch.arange(10, 15), (0, 2), span, 5)
     torch.testing.assert_close(logits, eager.logits, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(features, eager.features, atol=1e-5, rtol=1e-5)
-    target.length = 15  # the fixed forward wrote positions 10..14 of the cache, as the eager one did
+    target.length = 15  # the step wrote positions 10..14 of the cache, as the eager forward did
     torch.testing.assert_close(target.forward(after).logits, eager_next, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_runs_the_head_on_the_last_row_only(monkeypatch, llama_target) -> None:
+    """A forward without all_logits computes the LM head on one row, not on every prompt position."""
+    target = TorchLlamaTarget.load(llama_target, max_context=64)
+    want = target.forward(torch.arange(3, 43)).logits[-1:]
+    target.reset()
+    head_rows = []
+    head = target.lm_head
+    monkeypatch.setattr(target, "lm_head", lambda hidden: head_rows.append(hidden.shape[0]) or head(hidden))
+    torch.testing.assert_close(target.forward(torch.arange(3, 43), all_logits=False).logits, want)
+    assert head_rows == [1]
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +80,11 @@ def sliding_drafter(tiny_dir, llama_target):
 
 @pytest.mark.parametrize("kernels,span", [("torch", 16), ("torch", 64), ("triton", 16), ("triton", 64)])
 @pytest.mark.parametrize("which", ["full", "sliding"])
-def test_drafter_propose_fixed_matches_eager(
+def test_drafter_step_over_a_padded_span_matches_eager(
     kernels_mode, kernels: str, span: int, which: str, drafters, sliding_drafter, llama_target
 ) -> None:
+    """`step` with padded features, a padded span and a context length (what a graph captures) gives the eager
+    propose's logits (all rows, or the first few) and cache."""
     kernels_mode(kernels)
     target = TorchLlamaTarget.load(llama_target, max_context=64)
     folder = drafters["llama", 2] if which == "full" else sliding_drafter
@@ -80,9 +100,11 @@ def test_drafter_propose_fixed_matches_eager(
     padded[:3] = features[6:9]
     block_ids = torch.tensor([tokens[9]] + [fixed.cfg.mask_token_id] * 7)
     offsets = torch.arange(8)
-    got = fixed.propose_fixed(target, padded, block_ids, 6 + offsets, 9 + offsets, torch.tensor([9]), span)
+    inputs = (padded, block_ids, 6 + offsets, 9 + offsets, torch.tensor([9]), span)
+    got = fixed.step(target, *inputs, 7)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fixed.cache_k[:, :, :, :9], eager.cache_k[:, :, :, :9], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(fixed.step(target, *inputs, 2), want[:2], atol=1e-5, rtol=1e-5)
 
 
 class CpuReplay:
@@ -130,6 +152,22 @@ def test_graph_routing_replays_to_the_eager_ids(monkeypatch, block_size: int) ->
     assert sum(step.replays for step in CpuReplay.captures) > len(CpuReplay.captures)  # graphs were reused
     assert 0 < len(target.graphs.steps) < len(graph_stats.acceptance_lengths)  # one capture per shape, not per step
     assert drafter.graphs.steps
+
+
+def test_replayed_draft_at_the_end_of_the_cache(monkeypatch, drafters, llama_target) -> None:
+    """A replayed drafter step whose padding rows would run past the end of the cache drafts as the eager one."""
+    monkeypatch.setattr(cuda_graphs, "CapturedStep", CpuReplay)
+    target = TorchLlamaTarget.load(llama_target, max_context=24)
+    eager, graphed = (DFlashDrafter.load(drafters["llama", 2], max_context=24) for _ in range(2))
+    graphed.graphs = StepGraphs()
+    target.set_feature_layers(eager.target_layer_ids)
+    tokens = list(range(3, 25))
+    features = target.forward(torch.tensor(tokens[:21])).features
+    for drafter in (eager, graphed):
+        drafter.propose(target, features[:20], tokens, 20, 8)
+    want = eager.propose(target, features[20:], tokens, 21, 8)
+    torch.testing.assert_close(graphed.propose(target, features[20:], tokens, 21, 8), want, atol=1e-5, rtol=1e-5)
+    assert graphed.graphs.steps and graphed.length == 21
 
 
 def test_failed_capture_falls_back_to_eager(monkeypatch) -> None:

@@ -107,14 +107,11 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         cache_k: torch.Tensor,
         cache_v: torch.Tensor,
-        start: int | torch.Tensor,
-        mask: torch.Tensor | None,
+        slots: torch.Tensor,
+        mask: torch.Tensor,
     ) -> torch.Tensor:
-        """x [batch, steps, hidden]; caches [batch, kv_heads, max_len, head_dim]; writes at start.
-
-        A tensor `start` holds the steps' cache positions (fixed shapes): write there, then attend to the first
-        mask.shape[-1] cache positions.
-        """
+        """x [batch, steps, hidden]; caches [batch, kv_heads, max_len, head_dim]; K/V written at the cache slots
+        [steps], then every step attends to the first mask.shape[-1] cache positions under mask."""
         batch, steps, _ = x.shape
         q = self.q_proj(x).view(batch, steps, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(batch, steps, self.num_kv_heads, self.head_dim)
@@ -123,18 +120,15 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
-        if isinstance(start, torch.Tensor):
-            cache_k.index_copy_(2, start, k)
-            cache_v.index_copy_(2, start, v.transpose(1, 2))
-            span = mask.shape[-1]
-            keys, values = cache_k[:, :, :span], cache_v[:, :, :span]
-        else:
-            end = start + steps
-            cache_k[:, :, start:end] = k
-            cache_v[:, :, start:end] = v.transpose(1, 2)
-            keys, values = cache_k[:, :, :end], cache_v[:, :, :end]
+        cache_k.index_copy_(2, slots, k)
+        cache_v.index_copy_(2, slots, v.transpose(1, 2))
+        span = mask.shape[-1]
         out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads
+            q,
+            cache_k[:, :, :span],
+            cache_v[:, :, :span],
+            attn_mask=mask,
+            enable_gqa=self.num_heads != self.num_kv_heads,
         )
         return self.o_proj(out.transpose(1, 2).reshape(batch, steps, -1))
 
@@ -149,8 +143,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos, sin, cache_k, cache_v, start: int, mask) -> torch.Tensor:
-        attended = self.self_attn(self.input_layernorm(x), cos, sin, cache_k, cache_v, start, mask)
+    def forward(self, x: torch.Tensor, cos, sin, cache_k, cache_v, slots: torch.Tensor, mask) -> torch.Tensor:
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, cache_k, cache_v, slots, mask)
         normed, x = self.post_attention_layernorm.add_and_norm(attended, x)
         return x + self.mlp(normed)
 
@@ -189,11 +183,12 @@ class LlamaModel(nn.Module):
         ids: torch.Tensor,
         positions: torch.Tensor,
         cache: tuple[torch.Tensor, torch.Tensor],
-        start: int | torch.Tensor,
-        mask: torch.Tensor | None,
-        feature_layer_ids: list[int],
+        slots: torch.Tensor,
+        mask: torch.Tensor,
+        feature_layer_ids: list[int] | tuple[int, ...],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run ids [batch, steps] at positions [batch or 1, steps]; return the final-normed hidden
+        """Run ids [batch, steps] at positions [batch or 1, steps], K/V cached at slots [steps], attending under mask
+        [batch or 1, 1 or heads, steps, span] to the first span cache positions; return the final-normed hidden
         states and the concatenated outputs of feature_layer_ids (HF `hidden_states[id + 1]`)."""
         dtype = self.lm_head.weight.dtype
         batch, steps = ids.shape
@@ -203,7 +198,7 @@ class LlamaModel(nn.Module):
         captured: dict[int, torch.Tensor] = {}
         wanted = set(feature_layer_ids)
         for index, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache[0][index], cache[1][index], start, mask)
+            x = layer(x, cos, sin, cache[0][index], cache[1][index], slots, mask)
             if index in wanted:
                 captured[index] = x
         hidden = self.model.norm(x)
@@ -311,35 +306,34 @@ class TorchLlamaTarget:
         """Append ids at the cache end; return logits (all positions or the last) and layer features (greedy or not:
         greedy acceptance reads the logits where they are, on CUDA in one kernel).
 
-        On CUDA, decode and verify steps (all logits, at most GRAPH_MAX_STEPS tokens) replay graphs of `forward_fixed`.
+        Runs `step`: eagerly over exactly the used cache, or on CUDA for decode and verify (all logits, at most
+        GRAPH_MAX_STEPS tokens) as a replayed graph over a power-of-two span of it.
         """
         steps, start = ids.shape[0], self.length
-        if start + steps > self.max_context:
-            raise DFlashError(f"The context is full ({self.max_context} tokens).")
         end = start + steps
+        if end > self.max_context:
+            raise DFlashError(f"The context is full ({self.max_context} tokens).")
         positions = torch.arange(start, end, device=self.device)
-        layer_ids = self.feature_layer_ids if features else []
-        if self.graphs is not None and all_logits and steps <= GRAPH_MAX_STEPS:
+        layer_ids = tuple(self.feature_layer_ids) if features else ()
+        head_rows = steps if all_logits else 1
+        if self.graphs is None or not all_logits or steps > GRAPH_MAX_STEPS:
+            logits, feats = self.step(ids, positions, layer_ids, end, head_rows)
+        else:
             span = cache_span(end, self.max_context)
 
             def step(step_ids: torch.Tensor, step_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-                return self.forward_fixed(step_ids, step_positions, layer_ids, span)
+                return self.step(step_ids, step_positions, layer_ids, span, head_rows)
 
-            logits, feats = self.graphs.run((steps, tuple(layer_ids), span), step, ids, positions)
-            self.length = end
-            return TargetOutput(logits=logits, features=feats)
-        mask = None if steps == 1 else torch.arange(end, device=self.device)[None, :] <= positions[:, None]
-        hidden, feats = self.model.run_layers(ids[None], positions[None], self.cache, start, mask, layer_ids)
+            logits, feats = self.graphs.run((steps, layer_ids, span, head_rows), step, ids, positions)
         self.length = end
-        hidden = hidden[0] if all_logits else hidden[0, -1:]
-        return TargetOutput(logits=self.lm_head(hidden).float(), features=None if feats is None else feats[0])
+        return TargetOutput(logits=logits, features=feats)
 
-    def forward_fixed(
-        self, ids: torch.Tensor, positions: torch.Tensor, layer_ids: list[int], span: int
+    def step(
+        self, ids: torch.Tensor, positions: torch.Tensor, layer_ids: tuple[int, ...], span: int, head_rows: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Fixed-shape forward (what CUDA graphs capture): write K/V at positions (all below span), attend to the
-        first span cache positions under a position mask; return all logits and the features. Leaves `length`."""
-        keys = torch.arange(span, device=self.device)
-        mask = keys[None, :] <= positions[:, None]
+        """The one forward, fixed-shape for CUDA graphs: write K/V at positions (all below span), attend to the first
+        span cache positions under a position mask; return the logits of the last head_rows positions and the
+        features. Leaves `length`."""
+        mask = torch.arange(span, device=self.device)[None, :] <= positions[:, None]
         hidden, feats = self.model.run_layers(ids[None], positions[None], self.cache, positions, mask, layer_ids)
-        return self.lm_head(hidden[0]).float(), None if feats is None else feats[0]
+        return self.lm_head(hidden[0, -head_rows:]).float(), None if feats is None else feats[0]

@@ -56,7 +56,7 @@ def continue_batch(
     causal = slots[:longest, None] >= slots[None, :longest]
     mask = (causal[None] & valid[:, None, :longest]) | torch.eye(longest, dtype=torch.bool, device=device)[None]
     positions = (slots[None, :longest] - pad[:, None]).clamp_min(0)
-    hidden, feats = model.run_layers(ids[:, :longest], positions, cache, 0, mask[:, None], layer_ids)
+    hidden, feats = model.run_layers(ids[:, :longest], positions, cache, slots[:longest], mask[:, None], layer_ids)
     features.append(feats)
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     ends = torch.full((batch,), total, device=device)
@@ -71,7 +71,7 @@ def continue_batch(
             break
         positions = (step - pad)[:, None]
         mask = valid[:, None, None, : step + 1]
-        hidden, feats = model.run_layers(ids[:, step : step + 1], positions, cache, step, mask, layer_ids)
+        hidden, feats = model.run_layers(ids[:, step : step + 1], positions, cache, slots[step, None], mask, layer_ids)
         features.append(feats)
     features = torch.cat(features, dim=1)
     out = []
