@@ -113,7 +113,7 @@ def load_models(
     if gguf:
         from .gguf_tokenizer import GGUFTokenizer
 
-        return LoadedModels(target, drafter, GGUFTokenizer.load(path), target.stop_ids, policy)
+        return LoadedModels(target, drafter, GGUFTokenizer.of_target(target), target.stop_ids, policy)
     return LoadedModels(target, drafter, TextTokenizer.load(path), stop_token_ids(path), policy)
 
 

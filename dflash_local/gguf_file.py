@@ -1,21 +1,166 @@
-"""Reading and validating a GGUF file with the `gguf` package, before llama.cpp (which may abort) sees it."""
+"""Reading and validating a GGUF file's header (metadata and tensor table) before llama.cpp (which may abort) sees it.
+
+The header is parsed here rather than with gguf-py's GGUFReader, which builds numpy views of every string of a
+vocabulary (seconds per file at a 128K vocabulary); string arrays are skipped unless asked for.
+"""
 
 from __future__ import annotations
 
+import math
+import mmap
+import struct
+from collections.abc import Collection
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
-import gguf
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 
 from .errors import DFlashError
 
 # Architectures whose llama.cpp graphs expose the layer-input taps and that the converter writes.
 TAPPED_ARCHITECTURES = ("llama", "qwen3")
+_SCALARS = {
+    GGUFValueType.UINT8: "B",
+    GGUFValueType.INT8: "b",
+    GGUFValueType.UINT16: "H",
+    GGUFValueType.INT16: "h",
+    GGUFValueType.UINT32: "I",
+    GGUFValueType.INT32: "i",
+    GGUFValueType.FLOAT32: "f",
+    GGUFValueType.BOOL: "?",
+    GGUFValueType.UINT64: "Q",
+    GGUFValueType.INT64: "q",
+    GGUFValueType.FLOAT64: "d",
+}
+
+
+@dataclass(frozen=True)
+class UnreadStrings:
+    """A string array the header reader skipped (a vocabulary's tokens or merges): only its length."""
+
+    count: int
+
+    def __len__(self) -> int:
+        return self.count
+
+
+@dataclass
+class GGUFTensor:
+    """One entry of the tensor table: type, GGUF shape (row length first), absolute data offset and size."""
+
+    path: Path
+    name: str
+    tensor_type: GGMLQuantizationType
+    shape: tuple[int, ...]
+    data_offset: int
+    n_bytes: int
+
+    @cached_property
+    def data(self) -> np.ndarray:
+        """The tensor's bytes as rows x bytes per row, memory-mapped (the layout gguf.quants.dequantize takes)."""
+        rows = math.prod(self.shape[1:])
+        return np.memmap(self.path, np.uint8, "r", self.data_offset, (rows, self.n_bytes // rows))
+
+
+@dataclass
+class GGUFHeader:
+    """A GGUF file's metadata (string arrays as UnreadStrings unless asked for) and tensor table by name."""
+
+    fields: dict[str, object]
+    tensors: dict[str, GGUFTensor]
+
+
+class _Cursor:
+    """Little-endian reads from a buffer at a moving position; struct.error past its end."""
+
+    def __init__(self, view: mmap.mmap) -> None:
+        self.view, self.pos = view, 0
+
+    def take(self, code: str) -> int | float | bool:
+        (value,) = struct.unpack_from("<" + code, self.view, self.pos)
+        self.pos += struct.calcsize(code)
+        return value
+
+    def string(self) -> str:
+        size = self.take("Q")
+        if self.pos + size > len(self.view):
+            raise ValueError("a string runs past the end of the file")
+        text = self.view[self.pos : self.pos + size].decode("utf-8")
+        self.pos += size
+        return text
+
+    def skip_strings(self, count: int) -> None:
+        view, pos = self.view, self.pos
+        for _ in range(count):
+            pos += 8 + struct.unpack_from("<Q", view, pos)[0]
+        if pos > len(view):
+            raise ValueError("a string array runs past the end of the file")
+        self.pos = pos
+
+    def value(self, kind: int, read_strings: bool) -> object:
+        kind = GGUFValueType(kind)
+        if kind == GGUFValueType.STRING:
+            return self.string()
+        if kind != GGUFValueType.ARRAY:
+            return self.take(_SCALARS[kind])
+        item, count = GGUFValueType(self.take("I")), self.take("Q")
+        if item == GGUFValueType.STRING:
+            if read_strings:
+                return [self.string() for _ in range(count)]
+            self.skip_strings(count)
+            return UnreadStrings(count)
+        code = _SCALARS[item]  # KeyError for nested arrays, which no model key uses
+        values = np.frombuffer(self.view, np.dtype("<" + code), count, self.pos).tolist()
+        self.pos += struct.calcsize(code) * count
+        return values
+
+
+def read_header(path: Path, strings: Collection[str] = ()) -> GGUFHeader:
+    """Parse a GGUF file's metadata and tensor table, reading string arrays only for the keys in `strings`, and check
+    that every tensor lies inside the file. Raises ValueError, KeyError or OSError on a broken or truncated file."""
+    path = Path(path)
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as view:
+        cursor = _Cursor(view)
+        try:
+            if cursor.take("I") != GGUF_MAGIC:
+                raise ValueError("it does not start with the GGUF magic number")
+            version = cursor.take("I")
+            if version not in (2, 3):
+                raise ValueError(f"GGUF version {version} is not supported")
+            n_tensors, n_fields = cursor.take("Q"), cursor.take("Q")
+            fields: dict[str, object] = {}
+            for _ in range(n_fields):
+                key = cursor.string()
+                if key in fields:
+                    raise ValueError(f"the metadata key {key} appears twice")
+                fields[key] = cursor.value(cursor.take("I"), key in strings)
+            table = []
+            for _ in range(n_tensors):
+                name = cursor.string()
+                shape = tuple(cursor.take("Q") for _ in range(cursor.take("I")))
+                table.append((name, GGMLQuantizationType(cursor.take("I")), shape, cursor.take("Q")))
+        except struct.error:
+            raise ValueError("its header ends early") from None
+        alignment = int(fields.get("general.alignment", GGUF_DEFAULT_ALIGNMENT))
+        start = -(-cursor.pos // alignment) * alignment
+        size = len(view)
+    tensors: dict[str, GGUFTensor] = {}
+    for name, kind, shape, offset in table:
+        block, block_bytes = GGML_QUANT_SIZES[kind]
+        tensor = GGUFTensor(path, name, kind, shape, start + offset, math.prod(shape) // block * block_bytes)
+        if name in tensors:
+            raise ValueError(f"the tensor {name} appears twice")
+        if tensor.data_offset + tensor.n_bytes > size:
+            raise ValueError(f"tensor {name} runs past the end of the file")
+        tensors[name] = tensor
+    return GGUFHeader(fields, tensors)
 
 
 @dataclass
 class GGUFModel:
-    """A validated GGUF target: its hyperparameters and the reader for its tensors."""
+    """A validated GGUF target: its hyperparameters and tensor table."""
 
     path: Path
     architecture: str
@@ -24,16 +169,13 @@ class GGUFModel:
     vocab_size: int
     context_length: int
     eos_ids: frozenset[int]
-    reader: object
+    tensors: dict[str, GGUFTensor]
 
 
-def _field(reader, key: str, path: Path, required: bool = True):
-    field = reader.get_field(key)
-    if field is None:
-        if required:
-            raise DFlashError(f"{path} lacks the GGUF metadata key {key}.")
-        return None
-    return field.contents()
+def _field(fields: dict[str, object], key: str, path: Path, required: bool = True):
+    if key not in fields and required:
+        raise DFlashError(f"{path} lacks the GGUF metadata key {key}.")
+    return fields.get(key)
 
 
 def read_gguf(path: Path) -> GGUFModel:
@@ -42,31 +184,28 @@ def read_gguf(path: Path) -> GGUFModel:
     if not path.is_file():
         raise DFlashError(f"{path} is not a file.")
     try:
-        reader = gguf.GGUFReader(str(path))
-    except (ValueError, IndexError, KeyError, OSError, TypeError) as exc:
+        header = read_header(path)
+    except (ValueError, KeyError, OSError) as exc:
         raise DFlashError(f"{path} is not a complete, readable GGUF file ({exc}).") from None
-    size = path.stat().st_size
-    for info in reader.tensors:
-        if info.data_offset + info.n_bytes > size or info.data.nbytes != info.n_bytes:
-            raise DFlashError(f"{path} is truncated: tensor {info.name} runs past the end of the file.")
-    arch = _field(reader, "general.architecture", path)
+    fields = header.fields
+    arch = _field(fields, "general.architecture", path)
     if arch not in TAPPED_ARCHITECTURES:
         raise DFlashError(
             f"{path} holds a '{arch}' model; the llama.cpp backend reads layer features only from "
             f"{', '.join(TAPPED_ARCHITECTURES)} models."
         )
-    tokens = _field(reader, "tokenizer.ggml.tokens", path, required=False)
-    vocab = _field(reader, f"{arch}.vocab_size", path, required=False) or (len(tokens) if tokens else None)
+    tokens = _field(fields, "tokenizer.ggml.tokens", path, required=False)
+    vocab = _field(fields, f"{arch}.vocab_size", path, required=False) or (len(tokens) if tokens else None)
     if vocab is None:
         raise DFlashError(f"{path} states no vocabulary size.")
-    eos = _field(reader, "tokenizer.ggml.eos_token_id", path, required=False)
+    eos = _field(fields, "tokenizer.ggml.eos_token_id", path, required=False)
     return GGUFModel(
         path=path,
         architecture=arch,
-        num_layers=int(_field(reader, f"{arch}.block_count", path)),
-        hidden_size=int(_field(reader, f"{arch}.embedding_length", path)),
+        num_layers=int(_field(fields, f"{arch}.block_count", path)),
+        hidden_size=int(_field(fields, f"{arch}.embedding_length", path)),
         vocab_size=int(vocab),
-        context_length=int(_field(reader, f"{arch}.context_length", path)),
+        context_length=int(_field(fields, f"{arch}.context_length", path)),
         eos_ids=frozenset() if eos is None else frozenset([int(eos)]),
-        reader=reader,
+        tensors=header.tensors,
     )

@@ -1,44 +1,85 @@
-"""The tokenizer and chat template stored inside a GGUF file, used through llama.cpp (vocab only, no weights)."""
+"""The tokenizer and chat template stored inside a GGUF file, used through llama.cpp's vocabulary of a loaded model."""
 
 from __future__ import annotations
 
+import ctypes
+import weakref
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .chat_template import render_chat
 from .errors import DFlashError
 
+if TYPE_CHECKING:
+    from .targets.llamacpp import LlamaCppTarget
+
 
 class GGUFTokenizer:
-    """Same surface as TextTokenizer: encode, encode_chat, decode, token_id; built from GGUF metadata."""
+    """Same surface as TextTokenizer: encode, encode_chat, decode, token_id; over a llama.cpp model's vocabulary.
 
-    def __init__(self, vocab, config: dict) -> None:
-        self.vocab = vocab
-        self.config = config
+    `owner` keeps the model alive (the target whose weights it came with, or nothing for a vocabulary-only load)."""
+
+    def __init__(self, model, owner: object = None) -> None:
+        import llama_cpp
+
+        self._model, self._owner = model, owner
+        self._vocab = llama_cpp.llama_model_get_vocab(model)
+        self.config = {"chat_template": self._meta("tokenizer.chat_template")}
+        for name in ("bos", "eos"):
+            token = self._meta(f"tokenizer.ggml.{name}_token_id")
+            if token is not None:
+                self.config[f"{name}_token"] = self.decode([int(token)])
+        self.config["add_bos_token"] = self._meta("tokenizer.ggml.add_bos_token") == "true"
 
     @classmethod
     def load(cls, path: Path) -> GGUFTokenizer:
         """Read the vocabulary of a .gguf file (llama.cpp loads it without the weights)."""
         import llama_cpp
 
-        from .targets.llama_taps import quiet_llama_logs
+        from .targets.llama_taps import first_llama_error, quiet_llama_logs
 
         quiet_llama_logs()
-        try:
-            vocab = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
-        except (ValueError, RuntimeError) as exc:
-            raise DFlashError(f"{path}: llama.cpp cannot read its tokenizer ({exc}).") from None
-        metadata = vocab.metadata
-        config = {"chat_template": metadata.get("tokenizer.chat_template")}
-        for name in ("bos", "eos"):
-            token = metadata.get(f"tokenizer.ggml.{name}_token_id")
-            if token is not None:
-                config[f"{name}_token"] = vocab.detokenize([int(token)], special=True).decode("utf-8", "replace")
-        config["add_bos_token"] = metadata.get("tokenizer.ggml.add_bos_token", "false") == "true"
-        return cls(vocab, config)
+        params = llama_cpp.llama_model_default_params()
+        params.vocab_only = True
+        model = llama_cpp.llama_model_load_from_file(str(path).encode(), params) if Path(path).is_file() else None
+        if not model:
+            reason = first_llama_error() or "no reason given"
+            raise DFlashError(f"{path}: llama.cpp cannot read its tokenizer ({reason}).")
+        tokenizer = cls(model)
+        weakref.finalize(tokenizer, llama_cpp.llama_model_free, model)
+        return tokenizer
+
+    @classmethod
+    def of_target(cls, target: LlamaCppTarget) -> GGUFTokenizer:
+        """The vocabulary llama.cpp loaded with the target's weights (the file is not read again)."""
+        return cls(target._model, target)
+
+    def _meta(self, key: str) -> str | None:
+        """A metadata value as llama.cpp prints it, or None when the file lacks the key."""
+        import llama_cpp
+
+        size = 256
+        while True:
+            buffer = ctypes.create_string_buffer(size)
+            length = llama_cpp.llama_model_meta_val_str(self._model, key.encode(), buffer, size)
+            if length < 0:
+                return None
+            if length < size:
+                return buffer.value.decode("utf-8", "replace")
+            size = length + 1
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        import llama_cpp
+
+        data = text.encode()
         add_bos = add_special_tokens and self.config["add_bos_token"]
-        return self.vocab.tokenize(text.encode(), add_bos=add_bos, special=True)
+        size = len(data) + 2
+        while True:
+            ids = (llama_cpp.llama_token * size)()
+            count = llama_cpp.llama_tokenize(self._vocab, data, len(data), ids, size, add_bos, True)
+            if count >= 0:
+                return list(ids[:count])
+            size = -count
 
     def encode_chat(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True, enable_thinking: bool | None = None
@@ -48,8 +89,22 @@ class GGUFTokenizer:
         return self.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
-        return self.vocab.detokenize(ids, special=True).decode("utf-8", "replace")
+        """The pieces of ids, special tokens spelled out, joined (a leading space after BOS dropped)."""
+        import llama_cpp
+
+        pieces = []
+        buffer = ctypes.create_string_buffer(16)  # grown for longer pieces
+        for token in ids:
+            length = llama_cpp.llama_token_to_piece(self._vocab, token, buffer, len(buffer), 0, True)
+            if length < 0:  # the piece needs -length bytes
+                buffer = ctypes.create_string_buffer(-length)
+                length = llama_cpp.llama_token_to_piece(self._vocab, token, buffer, len(buffer), 0, True)
+            pieces.append(buffer.raw[: max(length, 0)])
+        text = b"".join(pieces)
+        if ids and ids[0] == llama_cpp.llama_vocab_bos(self._vocab) and text.startswith(b" "):
+            text = text[1:]
+        return text.decode("utf-8", "replace")
 
     def token_id(self, token: str) -> int | None:
-        ids = self.vocab.tokenize(token.encode(), add_bos=False, special=True)
+        ids = self.encode(token, add_special_tokens=False)
         return ids[0] if len(ids) == 1 else None

@@ -10,7 +10,7 @@ from .errors import DFlashError
 
 DEFAULT_CONTEXT = 4096  # the CLI's --max-context: what catalog and doctor figures assume
 WEIGHT_KINDS = ("q4_k_m", "q8_0", "f16", "bf16", "nf4")  # how a catalog target is stored: GGUF types, or torch
-LLAMA_BATCH = 512  # n_batch = n_ubatch of LlamaCppTarget: llama.cpp sizes its compute and output buffers for it
+LLAMA_BATCH = 512  # n_batch = n_ubatch of LlamaCppTarget and the native drafter: the most tokens a graph holds
 # Peak RSS of the process before any model: Python, torch, llama.cpp and this package imported (measured: 0.25 GB,
 # scripts/bench_synthetic.py). On a GPU this is host memory; CUDA's own context takes about as much VRAM.
 RUNTIME_BYTES = 250_000_000
@@ -62,6 +62,11 @@ class Sizes:
     def kv_bytes(self, context: int, element: int = 2) -> int:
         """K and V of every layer for context tokens (llama.cpp and torch both keep them in 16 bits)."""
         return 2 * self.layers * self.kv_heads * self.head_dim * context * element
+
+
+def activation_bytes(sizes: Sizes) -> int:
+    """The resident part of llama.cpp's compute buffer: a full batch of fp32 activations (see estimate)."""
+    return 4 * LLAMA_BATCH * (3 * sizes.intermediate + 5 * sizes.hidden)
 
 
 def _more_bits(layer: int, layers: int) -> bool:
@@ -124,27 +129,31 @@ def estimate(
     drafter: Sizes | None = None,
     block_size: int = 16,
     drafter_element: int = 2,
+    drafter_kind: str = "native",
 ) -> Estimate:
     """Peak memory of one generation: target weights as stored (LlamaCppTarget reads a GGUF into llama.cpp's
-    buffers once, the Q4_K matrices it repacks for its CPU kernels included), the drafter (16-bit weights given) in
-    drafter_element bytes per weight with a copy in that dtype of the embedding and head it borrows from a GGUF
-    target (native drafter: F16; torch drafter: its compute dtype), KV caches at the context length, llama.cpp's
-    compute buffer, a block's logits twice in fp32, and the process.
+    buffers once), the drafter (16-bit weights given) in drafter_element bytes per weight, KV caches at the context
+    length, llama.cpp's activations, a block's logits twice in fp32, and the process. On a GGUF target the native
+    drafter (llama.cpp's, F16) reads the target's embedding and head in place; the torch drafter keeps one copy of
+    the head in its dtype (embedding rows are dequantized per step).
 
-    The compute buffer is what llama.cpp reports at load ("CPU compute buffer size"): with flash attention its
-    largest graph holds a batch's logits and two hidden-size activations in fp32, 4 * 512 * (vocab + 2 * hidden)
-    bytes (258.5 MiB for the Llama-3.2-1B shape, 9.0 MiB for the bundled tiny target: both exact)."""
+    llama.cpp reserves a compute buffer for its largest graph (a 512-token batch with every row's logits: 258.5 MiB
+    at the Llama-3.2-1B shape) but the pages a generation touches are those of a full batch of activations, about
+    three intermediate-size and five hidden-size fp32 rows per token: activation_bytes (measured on that shape:
+    63 MB of peak RSS between 512- and 64-token batches; the formula gives 62 MB)."""
     context = -(-context // 256) * 256  # llama.cpp rounds the context up to 256 tokens
     parts = {"target weights": target_weights, "KV cache": target.kv_bytes(context)}
     if backend == "llamacpp":
-        parts["llama.cpp compute buffer"] = 4 * LLAMA_BATCH * (target.vocab + 2 * target.hidden)
+        parts["llama.cpp activations"] = activation_bytes(target)
     parts["logits"] = 2 * block_size * target.vocab * 4
     if drafter is not None:
+        native = drafter_kind == "native"
         parts["drafter weights"] = drafter_weights * drafter_element // 2
-        if backend == "llamacpp":  # a torch target lends its own tensors
-            borrowed = target.vocab * target.hidden * (1 if target.tied else 2)
-            parts["embedding + head for the drafter"] = borrowed * drafter_element
-        parts["drafter KV cache"] = drafter.kv_bytes(context)
+        if native:
+            parts["drafter activations"] = activation_bytes(drafter)
+        elif backend == "llamacpp":  # a torch target lends its own head
+            parts["output head for the drafter"] = target.vocab * target.hidden * drafter_element
+        parts["drafter KV cache"] = drafter.kv_bytes(context, 2 if native else drafter_element)
     parts["runtime"] = RUNTIME_BYTES
     return Estimate(parts)
 
@@ -172,19 +181,19 @@ def target_sizes(path: Path) -> Sizes:
 
 def _gguf_sizes(path: Path) -> Sizes:
     """Sizes from a GGUF file's metadata (the keys `dflash convert` and llama.cpp's converter write)."""
-    import gguf
+    from .gguf_file import read_header
 
     try:
-        reader = gguf.GGUFReader(str(path))
-        arch = reader.get_field("general.architecture").contents()
+        header = read_header(path)
+        arch = header.fields["general.architecture"]
 
         def field(key: str, default: int | None = None) -> int:
-            found = reader.get_field(f"{arch}.{key}")
-            if found is None and default is None:
+            found = header.fields.get(f"{arch}.{key}", default)
+            if found is None:
                 raise KeyError(f"{arch}.{key}")
-            return int(found.contents()) if found is not None else default
+            return int(found)
 
-        tokens = reader.get_field("tokenizer.ggml.tokens")
+        tokens = header.fields.get("tokenizer.ggml.tokens", ())
         hidden, heads = field("embedding_length"), field("attention.head_count")
         return Sizes(
             hidden=hidden,
@@ -193,16 +202,18 @@ def _gguf_sizes(path: Path) -> Sizes:
             heads=heads,
             kv_heads=field("attention.head_count_kv", heads),
             head_dim=field("attention.key_length", hidden // heads),
-            vocab=field("vocab_size", len(tokens.data) if tokens is not None else 0),
-            tied=not any(t.name == "output.weight" for t in reader.tensors),
+            vocab=field("vocab_size", len(tokens)),
+            tied="output.weight" not in header.tensors,
         )
     except (ValueError, IndexError, KeyError, OSError, TypeError, AttributeError) as exc:
         raise DFlashError(f"{path} is not a GGUF file whose shape can be read ({exc}).") from None
 
 
-def estimate_files(target: Path, drafter: Path | None, context: int, drafter_element: int = 2) -> Estimate:
-    """The estimate for model files on disk: weights as their files store them, the drafter in drafter_element bytes
-    per weight (2: the native drafter, or torch in bf16/fp16; 4: the torch drafter in fp32)."""
+def estimate_files(
+    target: Path, drafter: Path | None, context: int, drafter_element: int = 2, drafter_kind: str = "native"
+) -> Estimate:
+    """The estimate for model files on disk: weights as their files store them, the drafter (kind native or torch)
+    in drafter_element bytes per weight (2: the native drafter, or torch in bf16/fp16; 4: torch in fp32)."""
     sizes = target_sizes(target)
     gguf_file = target.suffix == ".gguf"
     backend = "llamacpp" if gguf_file else "torch"
@@ -213,7 +224,7 @@ def estimate_files(target: Path, drafter: Path | None, context: int, drafter_ele
     block = int(config.get("block_size", 16))
     draft = _weight_files_bytes(drafter)
     stored = _weight_files_bytes(target)
-    return estimate(sizes, stored, context, backend, draft, drafter_sizes, block, drafter_element)
+    return estimate(sizes, stored, context, backend, draft, drafter_sizes, block, drafter_element, drafter_kind)
 
 
 def estimate_shape(name: str, weights: str, context: int) -> Estimate:

@@ -24,6 +24,7 @@ from .drafter import DFlashDrafter, DrafterConfig, check_fits
 from .errors import DFlashError
 from .generation import _files_identity
 from .gguf_convert import LAYER_TENSORS, add_shape, rope_factors
+from .gguf_file import read_header
 from .hub import state_dir
 from .targets.llama_taps import first_llama_error, quiet_llama_logs
 from .targets.llamacpp import BATCH, LlamaCppTarget
@@ -49,12 +50,11 @@ def _free(batch, ctx, model) -> None:
 
 def _copy_tokenizer(writer: gguf.GGUFWriter, target: LlamaCppTarget) -> None:
     """The target's vocabulary metadata (llama.cpp loads a vocabulary for every model)."""
-    reader = gguf.GGUFReader(str(target.info.path))
+    fields = read_header(target.info.path, strings=_TOKENIZER_KEYS).fields
     for key in _TOKENIZER_KEYS:
-        field = reader.get_field(key)
-        if field is None:
+        value = fields.get(key)
+        if value is None:
             continue
-        value = field.contents()
         if isinstance(value, list):
             writer.add_array(key, value)
         elif isinstance(value, str):
@@ -104,12 +104,8 @@ def write_drafter_gguf(folder: Path, cfg: DrafterConfig, target: LlamaCppTarget,
 def _holds(path: Path, key: str) -> bool:
     """Whether path is a whole drafter GGUF written under this cache key (llama.cpp may abort on a broken one)."""
     try:
-        reader = gguf.GGUFReader(str(path))
-        field = reader.get_field(CACHE_KEY_FIELD)
-        size = path.stat().st_size
-        whole = all(t.data_offset + t.n_bytes <= size for t in reader.tensors)
-        return whole and field is not None and field.contents() == key
-    except (ValueError, IndexError, KeyError, OSError, TypeError):
+        return read_header(path).fields.get(CACHE_KEY_FIELD) == key
+    except (ValueError, KeyError, OSError):
         return False
 
 

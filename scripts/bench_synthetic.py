@@ -96,7 +96,7 @@ def child(target: Path, drafter: Path | None, kind: str, args) -> dict:
     if device.startswith("cuda"):
         row["peak_vram_gb"] = torch.cuda.max_memory_allocated() / 1e9
     fp32_drafter = kind == "torch" and next(drafter_.model.parameters()).dtype == torch.float32
-    estimate = estimate_files(target, drafter, args.max_context, 4 if fp32_drafter else 2)
+    estimate = estimate_files(target, drafter, args.max_context, 4 if fp32_drafter else 2, kind)
     row["estimate_gb"] = estimate.total_gb
     row["estimate_parts_gb"] = {part: b / 1e9 for part, b in estimate.parts.items()}
     return row

@@ -22,16 +22,15 @@ import tempfile
 import time
 from pathlib import Path
 
-import gguf
+from dflash_local.gguf_file import read_header
 
 GB = 1e9
 LLAMA_ALONE = """
 import sys, time, llama_cpp
+from dflash_local.targets.llamacpp import model_params  # as LlamaCppTarget loads it
 llama_cpp.llama_backend_init()
 began = time.perf_counter()
-params = llama_cpp.llama_model_default_params()
-params.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE  # as LlamaCppTarget loads it
-model = llama_cpp.llama_model_load_from_file(sys.argv[1].encode(), params)
+model = llama_cpp.llama_model_load_from_file(sys.argv[1].encode(), model_params("cpu"))
 params = llama_cpp.llama_context_default_params()
 params.n_ctx = int(sys.argv[2])
 params.n_threads = params.n_threads_batch = int(sys.argv[3])
@@ -75,12 +74,11 @@ def run_child(command: list[str], env: dict[str, str]) -> dict:
         return {"stdout": out.read().decode(), "wall_s": wall, "peak_rss_bytes": usage.ru_maxrss * 1024}
 
 
-def kv_bytes(reader: gguf.GGUFReader, prefix: str, context: int, element: int) -> int:
+def kv_bytes(fields: dict, prefix: str, context: int, element: int) -> int:
     """K and V cache bytes of a GGUF model's layers at a context length."""
 
     def field(key: str, default: int | None = None) -> int:
-        found = reader.get_field(f"{prefix}.{key}")
-        return default if found is None else int(found.contents())
+        return int(fields.get(f"{prefix}.{key}", default))
 
     heads = field("attention.head_count")
     head_dim = field("attention.key_length", field("embedding_length") // heads)
@@ -108,12 +106,12 @@ def main() -> None:
     env = os.environ | {"OMP_NUM_THREADS": str(args.threads)}
     home = tempfile.mkdtemp(prefix="dflash-measure-")  # a cold native-drafter cache for the first native load
     env["DFLASH_HOME"] = home
-    reader = gguf.GGUFReader(str(args.target))
-    arch = reader.get_field("general.architecture").contents()
+    fields = read_header(args.target).fields
+    arch = fields["general.architecture"]
     report: dict = {
         "target": str(args.target),
         "gguf_bytes": args.target.stat().st_size,
-        "kv_bytes": kv_bytes(reader, arch, args.max_context, 2),
+        "kv_bytes": kv_bytes(fields, arch, args.max_context, 2),
         "max_context": args.max_context,
         "threads": args.threads,
     }

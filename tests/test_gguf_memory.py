@@ -14,11 +14,15 @@ import torch
 pytest.importorskip("llama_cpp")
 gguf = pytest.importorskip("gguf")
 
+from dflash_local import generation  # noqa: E402
 from dflash_local.decode import Settings, run  # noqa: E402
 from dflash_local.drafter import DFlashDrafter  # noqa: E402
+from dflash_local.errors import DFlashError  # noqa: E402
 from dflash_local.gguf_convert import convert  # noqa: E402
+from dflash_local.gguf_file import UnreadStrings, read_gguf, read_header  # noqa: E402
 from dflash_local.hub import state_dir  # noqa: E402
 from dflash_local.native_drafter import NativeDrafter  # noqa: E402
+from dflash_local.runtime import RuntimeConfig  # noqa: E402
 from dflash_local.targets.llamacpp import LlamaCppTarget  # noqa: E402
 from dflash_local.tokenizer import TextTokenizer  # noqa: E402
 
@@ -121,3 +125,48 @@ def test_greedy_forward_returns_argmax_ids_and_native_drafter_rows_line_up(q8_gg
     want, got, first = drafts
     assert got.shape[0] == 7 and torch.equal(first, got[:3])
     assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max() < 0.01  # row i is position i (F16: 0.003 apart)
+
+
+def test_header_reader_matches_gguf_py_without_reading_the_vocabulary(q8_gguf, tmp_path):
+    """read_header gives gguf-py's metadata and tensor table, string arrays as their lengths unless asked for; a cut
+    file is refused naming the first tensor past its end."""
+    reader = gguf.GGUFReader(str(q8_gguf))
+    expected = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+    fields = read_header(q8_gguf).fields
+    unread = {key for key, value in fields.items() if isinstance(value, UnreadStrings)}
+    assert unread == {"tokenizer.ggml.tokens", "tokenizer.ggml.merges"}
+    assert {key: len(expected[key]) for key in unread} == {key: len(fields[key]) for key in unread}
+    assert {k: v for k, v in fields.items() if k not in unread} == {
+        k: v for k, v in expected.items() if k not in unread
+    }
+    assert read_header(q8_gguf, strings=unread).fields == expected
+    table = {t.name: (t.tensor_type, tuple(int(n) for n in t.shape), t.data_offset, t.n_bytes) for t in reader.tensors}
+    header = read_header(q8_gguf)
+    assert {t.name: (t.tensor_type, t.shape, t.data_offset, t.n_bytes) for t in header.tensors.values()} == table
+    cut = q8_gguf.stat().st_size * 2 // 3
+    first = next(t for t in reader.tensors if t.data_offset + t.n_bytes > cut)
+    broken = tmp_path / "cut.gguf"
+    broken.write_bytes(q8_gguf.read_bytes()[:cut])
+    with pytest.raises(DFlashError) as caught:
+        read_gguf(broken)
+    message = f"{broken} is not a complete, readable GGUF file (tensor {first.name} runs past the end of the file)."
+    assert str(caught.value) == message
+
+
+def test_second_load_parses_no_vocabulary_in_python_and_loads_it_once(q8_gguf, monkeypatch):
+    """With the native drafter's GGUF cached, loading the pair never runs gguf-py's reader (seconds per 128K vocabulary)
+    and llama.cpp loads two models, target and drafter: the tokenizer is the target's vocabulary."""
+    runtime = RuntimeConfig(drafter="native", threads=1)
+    generation.load_models(q8_gguf, TINY / "drafter", runtime, max_context=256, auto_block=False)
+    import llama_cpp
+
+    loads = []
+    load_model = llama_cpp.llama_model_load_from_file
+    monkeypatch.setattr(
+        llama_cpp, "llama_model_load_from_file", lambda *args: loads.append(args[0]) or load_model(*args)
+    )
+    monkeypatch.setattr(gguf, "GGUFReader", None)
+    models = generation.load_models(q8_gguf, TINY / "drafter", runtime, max_context=256, auto_block=False)
+    assert len(loads) == 2 and loads[0] == str(q8_gguf).encode()
+    text = "def main():\n    return 1"
+    assert models.tokenizer.encode(text) == TextTokenizer.load(TINY / "target").encode(text)

@@ -34,6 +34,8 @@ def test_gguf_tokenizer_matches_tokenizer_json(gguf_file):
     messages = [{"role": "user", "content": "Write a loop."}, {"role": "assistant", "content": "for i in x:"}]
     assert ours.encode_chat(messages) == reference.encode_chat(messages)
     assert ours.token_id("<|end|>") == reference.token_id("<|end|>") == 3
+    long = [i for i in range(4096) if len(reference.decode([i]).encode()) > 32]  # pieces past a 32-byte buffer
+    assert long and ours.decode(long) == reference.decode(long)
 
 
 def test_chat_with_a_gguf_file_uses_its_template(gguf_file):

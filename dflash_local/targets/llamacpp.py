@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import weakref
 from pathlib import Path
 
@@ -64,12 +63,11 @@ class LlamaCppTarget:
         max_context: int = 4096,
         threads: int | None = None,
     ) -> LlamaCppTarget:
-        """Validate the GGUF file with the gguf reader, then load it into llama.cpp (all layers on the GPU for cuda)."""
+        """Validate the GGUF file's header, then load it into llama.cpp (all layers on the GPU for cuda)."""
         info = read_gguf(Path(path))
-        tensors = {t.name: t for t in info.reader.tensors if t.name in ("token_embd.weight", "output.weight")}
+        tensors = {name: t for name, t in info.tensors.items() if name in ("token_embd.weight", "output.weight")}
         if "token_embd.weight" not in tensors:
             raise DFlashError(f"{path} lacks the tensor token_embd.weight.")
-        info = dataclasses.replace(info, reader=None)  # its parsed metadata (~0.25 GB for a 128K vocabulary) goes now
         quiet_llama_logs()
         llama_cpp.llama_backend_init()
         model_params = llama_cpp.llama_model_default_params()
