@@ -576,7 +576,7 @@ def _print_bench(report: dict) -> None:
 def convert(
     source: Path = typer.Argument(..., help="HF-layout Llama/Qwen3 target folder."),
     out: Path = typer.Option(..., "--out", help="The GGUF file to write."),
-    kind: str = typer.Option("f16", "--type", help="f16, bf16, q8_0 or q4_k_m."),
+    kind: str = typer.Option("f16", "--type", help="f16, bf16, q8_0, q6_k, q5_k_m, q4_k_m or q4_0."),
 ) -> None:
     """Convert a target to one GGUF file, quantized by llama.cpp's own quantizer."""
     with user_errors():

@@ -23,7 +23,7 @@ from .targets.torch_llama import TargetConfig
 from .weights import StoredTensor, read_config, read_stored, stored_tensors
 
 # llama_ftype values from llama.h.
-FILE_TYPES = {"f16": 1, "bf16": 32, "q8_0": 7, "q4_k_m": 15}
+FILE_TYPES = {"f16": 1, "bf16": 32, "q8_0": 7, "q6_k": 18, "q5_k_m": 17, "q4_k_m": 15, "q4_0": 2}
 
 LAYER_TENSORS = {
     "input_layernorm.weight": "attn_norm.weight",

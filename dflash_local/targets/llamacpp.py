@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import weakref
 from pathlib import Path
 
@@ -18,6 +19,25 @@ from .llama_taps import first_llama_error, output_functions, quiet_llama_logs, t
 
 BATCH = 512
 HEAD_CHUNK = 8192  # output-head rows dequantized at a time when the head is first materialized
+
+# The one place dflash sets a ggml environment variable. ggml's CPU backend reads it once, at the process's first
+# matmul, so it is set on import, before any llama.cpp compute. Its tiled matmul (Q4_0 and K-quants, batches of 8 rows
+# or more) sums in another order than the one-token path, so a verify batch's logits would differ from those of
+# one-token greedy decoding in the last bits, and near-ties would flip (scripts/batch_invariance.py). Set it to 1
+# before starting dflash to trade that for faster prefill.
+os.environ.setdefault("GGML_CPU_TILED_MM", "0")
+
+
+def model_params(device: str) -> llama_cpp.llama_model_params:
+    """llama.cpp's model parameters for a target: all layers on the GPU for cuda, the CPU's weights unrepacked."""
+    params = llama_cpp.llama_model_default_params()
+    params.n_gpu_layers = -1 if str(device).startswith("cuda") else 0
+    # Read into llama.cpp's own buffers (memory-mapped weights that llama.cpp repacked would count twice).
+    params.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE
+    # No repacking for the CPU's kernels (Q4_0 and Q4_K on AVX2): repacked Q4_K computes a batch (gemm) and one
+    # token (gemv) in different orders, so verification would not be batch-invariant.
+    params.use_extra_bufts = False
+    return params
 
 
 def _free(batch, ctx, model) -> None:
@@ -70,11 +90,7 @@ class LlamaCppTarget:
             raise DFlashError(f"{path} lacks the tensor token_embd.weight.")
         quiet_llama_logs()
         llama_cpp.llama_backend_init()
-        model_params = llama_cpp.llama_model_default_params()
-        model_params.n_gpu_layers = -1 if str(device).startswith("cuda") else 0
-        # Read into llama.cpp's own buffers: memory-mapped, the weights it repacks for the CPU (Q4_K) count twice.
-        model_params.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE
-        model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
+        model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params(device))
         if not model:
             raise DFlashError(f"llama.cpp could not load {path} ({first_llama_error() or 'no reason given'}).")
         max_context = min(max_context, info.context_length)

@@ -1,0 +1,94 @@
+"""Lossless on every GGUF quantization: DFlash's batched verification reproduces llama.cpp's one-token greedy run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("llama_cpp")
+pytest.importorskip("gguf")
+
+from dflash_local.block_policy import AcceptanceEstimate, BlockPolicy, CostTable  # noqa: E402
+from dflash_local.decode import Settings, run  # noqa: E402
+from dflash_local.drafter import DFlashDrafter  # noqa: E402
+from dflash_local.gguf_convert import convert  # noqa: E402
+from dflash_local.native_drafter import NativeDrafter  # noqa: E402
+from dflash_local.targets.llamacpp import LlamaCppTarget, model_params  # noqa: E402
+from dflash_local.tokenizer import TextTokenizer  # noqa: E402
+
+TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"
+NEW_TOKENS = 128
+K_QUANTS = ("q4_k_m", "q5_k_m", "q6_k")
+
+
+@pytest.fixture(scope="session")
+def gguf_types(tiny_gguf, tmp_path_factory) -> dict[str, Path]:
+    """The bundled target as F16 and Q8_0 (conftest's tiny_gguf) and, converted once here, Q4_K_M, Q5_K_M, Q6_K."""
+    root = tmp_path_factory.mktemp("gguf-types")
+    made = {kind: convert(TINY / "target", root / f"tiny-{kind}.gguf", kind, threads=1) for kind in K_QUANTS}
+    return {**tiny_gguf, **made}
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    tokenizer = TextTokenizer.load(TINY / "target")
+    lines = (TINY / "heldout_prompts.jsonl").read_text().splitlines()[:10]
+    return [tokenizer.encode(json.loads(line)["prompt"])[-48:] for line in lines]
+
+
+@pytest.fixture(scope="module")
+def drafter() -> DFlashDrafter:
+    return DFlashDrafter.load(TINY / "drafter", max_context=1024)
+
+
+def llamacpp_greedy(path: Path, prompts: list[list[int]], monkeypatch) -> list[list[int]]:
+    """llama.cpp's own greedy run (Llama.generate, top_k=1) under the target's model options; checks that every
+    token after the prompt went through llama_decode alone."""
+    from llama_cpp import Llama, llama_cpp
+
+    monkeypatch.setattr(llama_cpp, "llama_model_default_params", lambda: model_params("cpu"))
+    own = Llama(str(path), n_ctx=512, n_threads=1, n_threads_batch=1, flash_attn=True, verbose=False)
+    sizes: list[int] = []
+    decode = own._ctx.decode
+    monkeypatch.setattr(own._ctx, "decode", lambda batch: sizes.append(batch.n_tokens()) or decode(batch))
+    out = []
+    for prompt in prompts:
+        sizes.clear()
+        stream = own.generate(prompt, top_k=1, temp=0.0, reset=True)
+        out.append([next(stream) for _ in range(NEW_TOKENS)])
+        assert sizes == [len(prompt)] + [1] * (NEW_TOKENS - 1)
+    return out
+
+
+def auto_policy(block: int) -> BlockPolicy:
+    """--block-size auto's policy, with costs that make plain, short and full blocks all worth choosing."""
+    steps = {k: 1.0 + 0.3 * (k - 1) for k in range(1, block + 1)}
+    return BlockPolicy(
+        block, CostTable(steps, dict.fromkeys(range(2, block + 1), 0.2)), AcceptanceEstimate.empty(block - 1, 0.999)
+    )
+
+
+@pytest.mark.parametrize("kind", ["f16", "q8_0", *K_QUANTS])
+def test_dflash_equals_llamacpp_one_token_greedy(kind, gguf_types, prompts, drafter, monkeypatch):
+    """10 held-out prompts, 128 tokens, blocks 4, 16 and auto: the same ids as llama.cpp decoding one token per
+    llama_decode. The torch and native drafters take turns by prompt (each meets every block on 5 prompts)."""
+    expected = llamacpp_greedy(gguf_types[kind], prompts, monkeypatch)
+    target = LlamaCppTarget.load(gguf_types[kind], max_context=1024, threads=1)
+    drafters = (drafter, NativeDrafter.load(TINY / "drafter", target, threads=1))
+    for index, prompt in enumerate(prompts):
+        for block, policy in ((4, None), (16, None), (None, auto_policy(drafter.block_size))):
+            settings = Settings(max_new_tokens=NEW_TOKENS, block_size=block)
+            ids, _ = run(target, drafters[index % 2], prompt, settings, policy)
+            assert ids == expected[index], (kind, index, block, type(drafters[index % 2]).__name__)
+
+
+def test_convert_writes_the_new_types(gguf_types, tmp_path):
+    """`dflash convert --type` q6_k, q5_k_m and q4_0: llama.cpp's quantizer writes that type (a layer's q matrix)."""
+    import gguf
+
+    q4_0 = convert(TINY / "target", tmp_path / "tiny-q4_0.gguf", "q4_0", threads=1)
+    for path, want in ((gguf_types["q6_k"], "Q6_K"), (gguf_types["q5_k_m"], "Q5_K"), (q4_0, "Q4_0")):
+        types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+        assert types["blk.0.attn_q.weight"] == want, path
