@@ -260,5 +260,8 @@ def load_drafter(
     if kind == "native":
         return NativeDrafter.load(folder, target)
     if kind == "torch":
-        return DFlashDrafter.load(folder, dtype, device, target.max_context, quantize, cuda_graphs)
+        drafter = DFlashDrafter.load(folder, dtype, device, target.max_context, quantize, cuda_graphs)
+        if isinstance(target, LlamaCppTarget) and quantize == "int8" and drafter.device.type == "cpu":
+            target.int8_head = True  # the head it borrows in the same form as its layers
+        return drafter
     raise DFlashError(f"Unknown drafter kind '{kind}' (use auto, torch or native).")

@@ -148,22 +148,33 @@ def linear_int8(layer: nn.Linear) -> nn.Module:
     return new
 
 
+def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row absmax int8 quantization: (int8 weight, bf16 scales) with weight ~= int8 x scale."""
+    weight = weight.float()
+    scales = (weight.abs().amax(dim=1) / 127).to(torch.bfloat16).clamp_min(torch.finfo(torch.bfloat16).tiny)
+    return (weight / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8), scales
+
+
+def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [..., in] @ (weight x scales).T through torch's CPU int8 kernel (bf16 activations), in x's dtype: on AVX2
+    about 4x faster than fp32 for a drafter's few rows, at a quarter of the memory."""
+    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+    out = torch.ops.aten._weight_int8pack_mm(rows, weight, scales)
+    return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+
+
 class Int8Linear(nn.Module):
-    """Weight-only int8 linear for the CPU: per-row absmax scales, bf16 activations through torch's int8 kernel
-    (on AVX2 about 4x faster than fp32 for a drafter's few rows, at a quarter of the memory)."""
+    """Weight-only int8 linear for the CPU (int8_rows, int8_matmul)."""
 
     def __init__(self, layer: nn.Linear) -> None:
         super().__init__()
-        weight = layer.weight.data.float()
-        scales = (weight.abs().amax(dim=1) / 127).to(torch.bfloat16).clamp_min(torch.finfo(torch.bfloat16).tiny)
-        self.register_buffer("weight", (weight / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8))
+        weight, scales = int8_rows(layer.weight.data)
+        self.register_buffer("weight", weight)
         self.register_buffer("scales", scales)
         self.bias = None if layer.bias is None else nn.Parameter(layer.bias.data, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-        out = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales)
-        out = out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+        out = int8_matmul(x, self.weight, self.scales)
         return out if self.bias is None else out + self.bias
 
 
