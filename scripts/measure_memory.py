@@ -53,8 +53,10 @@ from dflash_local.generation import load_models
 from dflash_local.runtime import RuntimeConfig
 drafter = Path(sys.argv[2]) if sys.argv[2] else None
 runtime = RuntimeConfig(drafter=sys.argv[4])
+quantize = sys.argv[5] or None
 began = time.perf_counter()
-load_models(Path(sys.argv[1]), drafter, runtime, max_context=int(sys.argv[3]), auto_block=False)
+load_models(Path(sys.argv[1]), drafter, runtime, max_context=int(sys.argv[3]), drafter_quantize=quantize,
+            auto_block=False)
 print(time.perf_counter() - began)
 """
 
@@ -121,10 +123,11 @@ def main() -> None:
     base = [python, "-m", "dflash_local", "generate", "--target", str(args.target), "--json", "--ignore-eos"]
     base += ["--prompt-ids", ",".join(str(100 + i) for i in range(16)), "--max-new-tokens", str(args.new_tokens)]
     base += ["--max-context", str(args.max_context)]
-    modes = [("no-draft", ["--no-draft"], "auto")]
+    modes = [("no-draft", ["--no-draft"], "auto", "")]
     if args.drafter is not None:
         draft = ["--drafter", str(args.drafter), "--block-size", str(args.block_size)]
-        modes += [("native-first", draft, "native"), ("native", draft, "native"), ("torch", draft, "torch")]
+        modes += [("native-first", draft, "native", ""), ("native", draft, "native", ""), ("torch", draft, "torch", "")]
+        modes += [("torch-int8", draft + ["--drafter-quantize", "int8"], "torch", "int8")]
         stored = sum(p.stat().st_size for p in args.drafter.glob("*.safetensors"))
         read = run_child([python, "-c", READ_SAFETENSORS, str(args.drafter)], env)
         report["drafter"] = str(args.drafter)
@@ -132,9 +135,9 @@ def main() -> None:
         report["drafter_kv_bytes"] = drafter_kv_bytes(args.drafter, args.max_context, 2)
         report["safetensors_read_s"] = float(read["stdout"])
     runs = {}
-    for name, extra, kind in modes:
+    for name, extra, kind, quantize in modes:
         drafter = "" if name == "no-draft" else str(args.drafter)
-        load = [python, "-c", LOAD_PAIR, str(args.target), drafter, str(args.max_context), kind]
+        load = [python, "-c", LOAD_PAIR, str(args.target), drafter, str(args.max_context), kind, quantize]
         loaded = run_child(load, env)  # the first native load writes the drafter GGUF
         runs[name] = {"load_s": float(loaded["stdout"]), "load_peak_rss_bytes": loaded["peak_rss_bytes"]}
         if name == "native-first":
@@ -166,6 +169,8 @@ def checks(report: dict) -> dict:
         limits["native"] = (gguf_kv + drafter + 1 * GB, runs["native"]["peak_rss_bytes"])
         fp32 = 2 * report["drafter_stored_bytes"] + 2 * report["drafter_kv_bytes"]  # bf16 stored, fp32 compute
         limits["torch"] = (gguf_kv + fp32 + 1 * GB, runs["torch"]["peak_rss_bytes"])
+        int8 = report["drafter_stored_bytes"] // 2 + 2 * report["drafter_kv_bytes"]  # int8 weights, fp32 cache
+        limits["torch-int8"] = (gguf_kv + int8 + 1 * GB, runs["torch-int8"]["peak_rss_bytes"])
         second = 1.5 * report["llama_alone"]["load_s"] + report["safetensors_read_s"]
         limits["native second load_s"] = (second, runs["native"]["load_s"])
     out = {}
