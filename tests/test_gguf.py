@@ -212,4 +212,3 @@ def test_int8_drafter_borrows_an_int8_head(tiny_gguf, prompts):
     expected = run_ar(target, prompts[0])
     ids, stats = run(target, drafter, prompts[0], Settings(max_new_tokens=NEW_TOKENS, block_size=8))
     assert ids == expected and stats.tau > 1.5
-
