@@ -56,6 +56,27 @@ def tiny_gguf(tmp_path_factory) -> dict[str, Path]:
     return {kind: convert(tiny / "target", root / f"tiny-{kind}.gguf", kind, threads=1) for kind in ("f16", "q8_0")}
 
 
+@pytest.fixture(scope="session")
+def heldout() -> list[list[int]]:
+    """The bundled pair's first 10 held-out prompts, tokenized: their last 48 tokens (the GGUF tests)."""
+    import json
+
+    from dflash_local.tokenizer import TextTokenizer
+
+    tiny = Path(__file__).resolve().parent.parent / "models" / "tiny"
+    tokenizer = TextTokenizer.load(tiny / "target")
+    lines = (tiny / "heldout_prompts.jsonl").read_text().splitlines()[:10]
+    return [tokenizer.encode(json.loads(line)["prompt"])[-48:] for line in lines]
+
+
+@pytest.fixture(scope="session")
+def drafter():
+    """The bundled DFlash drafter, 2048-token context cache (the GGUF tests)."""
+    from dflash_local.drafter import DFlashDrafter
+
+    return DFlashDrafter.load(Path(__file__).resolve().parent.parent / "models" / "tiny" / "drafter", max_context=2048)
+
+
 @pytest.fixture
 def kernels_mode():
     """kernels.set_kernel_mode for one test; the process's mode comes back afterwards."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -18,26 +17,13 @@ from dflash_local.gguf_convert import convert  # noqa: E402
 from dflash_local.native_drafter import NativeDrafter, load_drafter  # noqa: E402
 from dflash_local.targets.llamacpp import LlamaCppTarget  # noqa: E402
 from dflash_local.targets.torch_llama import TorchLlamaTarget  # noqa: E402
-from dflash_local.tokenizer import TextTokenizer  # noqa: E402
 
 TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"
 NEW_TOKENS = 40
 
 
-@pytest.fixture(scope="module")
-def prompts() -> list[list[int]]:
-    tokenizer = TextTokenizer.load(TINY / "target")
-    lines = (TINY / "heldout_prompts.jsonl").read_text().splitlines()[:10]
-    return [tokenizer.encode(json.loads(line)["prompt"])[-48:] for line in lines]
-
-
-@pytest.fixture(scope="module")
-def drafter() -> DFlashDrafter:
-    return DFlashDrafter.load(TINY / "drafter", max_context=2048)
-
-
 @pytest.mark.parametrize("kind", ["f16", "q8_0"])
-def test_dflash_equals_llamacpp_greedy(kind, tiny_gguf, prompts, drafter):
+def test_dflash_equals_llamacpp_greedy(kind, tiny_gguf, heldout, drafter):
     """Both drafters (torch, llama.cpp-native) reproduce llama.cpp's greedy ids; they accept alike."""
     from llama_cpp import Llama
 
@@ -45,7 +31,7 @@ def test_dflash_equals_llamacpp_greedy(kind, tiny_gguf, prompts, drafter):
     native = NativeDrafter.load(TINY / "drafter", target, threads=1)
     own = Llama(str(tiny_gguf[kind]), n_ctx=512, n_threads=1, n_threads_batch=1, verbose=False)
     taus, native_taus = [], []
-    for index, prompt in enumerate(prompts):
+    for index, prompt in enumerate(heldout):
         expected, _ = run(target, None, prompt, Settings(max_new_tokens=NEW_TOKENS, draft=False))
         if index < 3:
             own.reset()
@@ -60,8 +46,8 @@ def test_dflash_equals_llamacpp_greedy(kind, tiny_gguf, prompts, drafter):
             native_taus.append(native_stats.tau)
     assert sum(taus) / len(taus) > 2.0, taus
     assert abs(sum(native_taus) - sum(taus)) / sum(taus) < 0.05, (native_taus, taus)
-    torch_drafts = [d for p in prompts[:4] for d in proposals(target, drafter, p, run_ar(target, p), 16)]
-    native_drafts = [d for p in prompts[:4] for d in proposals(target, native, p, run_ar(target, p), 16)]
+    torch_drafts = [d for p in heldout[:4] for d in proposals(target, drafter, p, run_ar(target, p), 16)]
+    native_drafts = [d for p in heldout[:4] for d in proposals(target, native, p, run_ar(target, p), 16)]
     pairs = [(a, b) for x, y in zip(torch_drafts, native_drafts, strict=True) for a, b in zip(x, y, strict=True)]
     agree = sum(a == b for a, b in pairs) / len(pairs)
     assert agree > 0.99, agree  # the trained pair: the drafters propose the same tokens (near-ties aside)
@@ -71,7 +57,7 @@ def run_ar(target, prompt: list[int]) -> list[int]:
     return run(target, None, prompt, Settings(max_new_tokens=NEW_TOKENS, draft=False))[0]
 
 
-def test_tapped_features_and_logits_match_torch(tiny_gguf, prompts):
+def test_tapped_features_and_logits_match_torch(tiny_gguf, heldout):
     """F16 weights and F16 KV cache against the fp32 torch backend: features within 0.2% (relative L2 per row).
 
     Layer 7 is the last: its feature is the final-normed hidden state (llama.cpp's output embeddings)."""
@@ -81,7 +67,7 @@ def test_tapped_features_and_logits_match_torch(tiny_gguf, prompts):
     for layer_ids in ([1, 3, 5], [2, 7]):
         for target in (gguf_target, torch_target):
             target.set_feature_layers(layer_ids)
-        for prompt in prompts[:3] + [long_prompt]:  # 700 tokens: llama.cpp decodes the prefill in 512-token chunks
+        for prompt in heldout[:3] + [long_prompt]:  # 700 tokens: llama.cpp decodes the prefill in 512-token chunks
             ids = torch.tensor(prompt)
             for all_logits in (True, False):
                 outs = []
@@ -97,10 +83,10 @@ def test_tapped_features_and_logits_match_torch(tiny_gguf, prompts):
                 assert ((got.logits - want.logits).abs().max() / want.logits.abs().max()) < 2e-3
 
 
-def test_rollback_leaves_the_state_of_a_fresh_run(tiny_gguf, prompts):
+def test_rollback_leaves_the_state_of_a_fresh_run(tiny_gguf, heldout):
     target = LlamaCppTarget.load(tiny_gguf["f16"], max_context=2048, threads=1)
     target.set_feature_layers([1, 3, 5])
-    prompt, block, tail = torch.tensor(prompts[0]), torch.tensor(prompts[1][:16]), torch.tensor(prompts[2][:6])
+    prompt, block, tail = torch.tensor(heldout[0]), torch.tensor(heldout[1][:16]), torch.tensor(heldout[2][:6])
     keep = len(prompt) + 5
 
     def continued(block_tokens: torch.Tensor):
@@ -197,7 +183,7 @@ def test_drafter_choice(tiny_gguf):
         native.check_target(other)
 
 
-def test_int8_drafter_borrows_an_int8_head(tiny_gguf, prompts):
+def test_int8_drafter_borrows_an_int8_head(tiny_gguf, heldout):
     """An int8 torch drafter on the CPU makes the GGUF target keep its head as int8 rows: logits within int8
     rounding of the file's head, output still llama.cpp's greedy ids."""
     from dflash_local.native_drafter import load_drafter
@@ -209,6 +195,6 @@ def test_int8_drafter_borrows_an_int8_head(tiny_gguf, prompts):
     logits = target.lm_head(hidden)
     assert target._head.dtype == torch.int8 and target._head.shape == (target.vocab_size, target.hidden_size)
     assert ((logits - exact).abs().max() / exact.abs().max()) < 2e-2
-    expected = run_ar(target, prompts[0])
-    ids, stats = run(target, drafter, prompts[0], Settings(max_new_tokens=NEW_TOKENS, block_size=8))
+    expected = run_ar(target, heldout[0])
+    ids, stats = run(target, drafter, heldout[0], Settings(max_new_tokens=NEW_TOKENS, block_size=8))
     assert ids == expected and stats.tau > 1.5

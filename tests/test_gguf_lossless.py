@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -12,11 +11,9 @@ pytest.importorskip("gguf")
 
 from dflash_local.block_policy import AcceptanceEstimate, BlockPolicy, CostTable  # noqa: E402
 from dflash_local.decode import Settings, run  # noqa: E402
-from dflash_local.drafter import DFlashDrafter  # noqa: E402
 from dflash_local.gguf_convert import convert  # noqa: E402
 from dflash_local.native_drafter import NativeDrafter  # noqa: E402
 from dflash_local.targets.llamacpp import LlamaCppTarget, model_params  # noqa: E402
-from dflash_local.tokenizer import TextTokenizer  # noqa: E402
 
 TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"
 NEW_TOKENS = 128
@@ -29,18 +26,6 @@ def gguf_types(tiny_gguf, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("gguf-types")
     made = {kind: convert(TINY / "target", root / f"tiny-{kind}.gguf", kind, threads=1) for kind in K_QUANTS}
     return {**tiny_gguf, **made}
-
-
-@pytest.fixture(scope="module")
-def prompts() -> list[list[int]]:
-    tokenizer = TextTokenizer.load(TINY / "target")
-    lines = (TINY / "heldout_prompts.jsonl").read_text().splitlines()[:10]
-    return [tokenizer.encode(json.loads(line)["prompt"])[-48:] for line in lines]
-
-
-@pytest.fixture(scope="module")
-def drafter() -> DFlashDrafter:
-    return DFlashDrafter.load(TINY / "drafter", max_context=1024)
 
 
 def llamacpp_greedy(path: Path, prompts: list[list[int]], monkeypatch) -> list[list[int]]:
@@ -71,13 +56,13 @@ def auto_policy(block: int) -> BlockPolicy:
 
 
 @pytest.mark.parametrize("kind", ["f16", "q8_0", *K_QUANTS])
-def test_dflash_equals_llamacpp_one_token_greedy(kind, gguf_types, prompts, drafter, monkeypatch):
+def test_dflash_equals_llamacpp_one_token_greedy(kind, gguf_types, heldout, drafter, monkeypatch):
     """10 held-out prompts, 128 tokens, blocks 4, 16 and auto: the same ids as llama.cpp decoding one token per
     llama_decode. The torch and native drafters take turns by prompt (each meets every block on 5 prompts)."""
-    expected = llamacpp_greedy(gguf_types[kind], prompts, monkeypatch)
+    expected = llamacpp_greedy(gguf_types[kind], heldout, monkeypatch)
     target = LlamaCppTarget.load(gguf_types[kind], max_context=1024, threads=1)
     drafters = (drafter, NativeDrafter.load(TINY / "drafter", target, threads=1))
-    for index, prompt in enumerate(prompts):
+    for index, prompt in enumerate(heldout):
         for block, policy in ((4, None), (16, None), (None, auto_policy(drafter.block_size))):
             settings = Settings(max_new_tokens=NEW_TOKENS, block_size=block)
             ids, _ = run(target, drafters[index % 2], prompt, settings, policy)
