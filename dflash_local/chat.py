@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Iterator
 from contextlib import closing
@@ -377,7 +378,16 @@ def run_chat(models: LoadedModels, settings: Settings, stdin: TextIO = sys.stdin
 
 
 def _interactive(chat: Chat) -> None:
-    """Read and answer lines until /quit or Ctrl-D."""
+    """Read and answer lines until /quit or Ctrl-D; Ctrl-C stops an answer even if our launcher ignored SIGINT."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _read_and_answer(chat)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _read_and_answer(chat: Chat) -> None:
+    """The terminal loop: one line read, one turn run, until /quit or Ctrl-D."""
     console = chat.console
     console.print("[dim]type a message, /help for commands, /quit to leave[/dim]")
     while True:
