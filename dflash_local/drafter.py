@@ -289,7 +289,9 @@ class DFlashDrafter:
         cfg = DrafterConfig.from_dict(read_config(folder), folder)
         with torch.device("meta"):
             model = DFlashModel(cfg)
-        tensors = load_weights(folder, dtype, "cpu" if quantize else device)
+        # linears to be quantized are read as stored and quantized one by one: never all of them in `dtype` at once
+        linears = {f"layers.{name}.weight" for name, m in model.layers.named_modules() if isinstance(m, nn.Linear)}
+        tensors = load_weights(folder, dtype, "cpu" if quantize else device, frozenset(linears if quantize else ()))
         expected = model.state_dict()
         for name, param in expected.items():
             tensor = tensors.get(name)
@@ -301,6 +303,7 @@ class DFlashDrafter:
                     f"the config implies {tuple(param.shape)}."
                 )
         model.load_state_dict({name: tensors[name] for name in expected}, assign=True)
+        del tensors  # the model holds them now: each stored linear is freed as soon as it is quantized
         model.inv_freq = rope_inv_freq(cfg.raw, cfg.head_dim).to("cpu" if quantize else device)
         if quantize:
             quantize_linears(model, "layers", quantize, dtype, device)

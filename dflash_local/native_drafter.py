@@ -261,7 +261,7 @@ def load_drafter(
         return NativeDrafter.load(folder, target)
     if kind == "torch":
         drafter = DFlashDrafter.load(folder, dtype, device, target.max_context, quantize, cuda_graphs)
-        if isinstance(target, LlamaCppTarget) and quantize == "int8" and drafter.device.type == "cpu":
-            target.int8_head = True  # the head it borrows in the same form as its layers
+        if isinstance(target, LlamaCppTarget) and drafter.device.type == "cpu":
+            target.int8_head = True  # it borrows the head as int8 rows: on the CPU 3x faster than fp32, 1/4 the size
         return drafter
     raise DFlashError(f"Unknown drafter kind '{kind}' (use auto, torch or native).")

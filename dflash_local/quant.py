@@ -188,14 +188,13 @@ def quantize_linears(
     """
     check_quantize(kind, DRAFTER_QUANT_TYPES)
     on_cpu = torch.device(device).type == "cpu"
-    parent_of = dict(model.named_modules())
-    for name, layer in list(model.get_submodule(scope).named_modules()):
-        if not isinstance(layer, nn.Linear):
-            continue
+    names = [name for name, layer in model.get_submodule(scope).named_modules() if isinstance(layer, nn.Linear)]
+    for name in names:  # looked up one at a time, so each replaced layer's weights are freed at once
+        layer = model.get_submodule(f"{scope}.{name}")
         if kind == "int8":
             new = Int8Linear(layer) if on_cpu else linear_int8(layer)
         else:
             bias = None if layer.bias is None else layer.bias.data
             new = linear_4bit(layer, layer.weight.data, bias, {}, compute_dtype, "cpu")
         owner_name, _, attr = f"{scope}.{name}".rpartition(".")
-        setattr(parent_of[owner_name], attr, new)
+        setattr(model.get_submodule(owner_name), attr, new)

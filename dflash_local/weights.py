@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import SafetensorError, safe_open
 
 from .errors import DFlashError
 
@@ -123,24 +122,30 @@ def _weight_files(folder: Path) -> list[Path]:
 
 
 def load_weights(
-    folder: Path, dtype: torch.dtype | None, device: torch.device | str = "cpu"
+    folder: Path, dtype: torch.dtype | None, device: torch.device | str = "cpu", as_stored: frozenset[str] = frozenset()
 ) -> dict[str, torch.Tensor]:
-    """Load every tensor of a folder's safetensors file(s), cast to dtype (None: as stored) on device."""
+    """Every tensor of a folder's safetensors file(s), cast to dtype (None: as stored; names in as_stored stay as
+    stored) on device; read one tensor at a time with plain file reads, so no mapped file counts in the RSS."""
     tensors: dict[str, torch.Tensor] = {}
-    for path in _weight_files(Path(folder)):
-        if not path.is_file():
-            raise DFlashError(f"Weight shard {path} is missing.")
-        try:
-            with safe_open(str(path), framework="pt", device="cpu") as handle:
-                for name in handle.keys():
-                    tensors[name] = handle.get_tensor(name).to(device=device, dtype=dtype)
-        except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
-            raise DFlashError(f"{path} is truncated or corrupted and cannot be read ({exc}).") from None
+    for name, stored in stored_tensors(Path(folder)).items():
+        array = read_stored(stored)
+        tensor = torch.from_numpy(array).view(torch.bfloat16) if stored.dtype == "BF16" else torch.from_numpy(array)
+        tensors[name] = tensor.to(device=device, dtype=None if name in as_stored else dtype)
     return tensors
 
 
 # safetensors dtype -> numpy dtype of its raw elements (bf16 as its uint16 bit patterns)
-STORED_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+STORED_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": np.uint16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+}
 
 
 @dataclass(frozen=True)
@@ -180,7 +185,7 @@ def stored_tensors(folder: Path) -> dict[str, StoredTensor]:
 def read_stored(tensor: StoredTensor) -> np.ndarray:
     """One tensor's elements as stored (bf16 as uint16 bit patterns), read with plain file reads."""
     if tensor.dtype not in STORED_DTYPES:
-        raise DFlashError(f"{tensor.path}: tensors of type {tensor.dtype} are not supported (F32, F16 or BF16).")
+        raise DFlashError(f"{tensor.path}: tensors of type {tensor.dtype} are not supported.")
     dtype = np.dtype(STORED_DTYPES[tensor.dtype])
     count = math.prod(tensor.shape)
     if count * dtype.itemsize != tensor.nbytes:

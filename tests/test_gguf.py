@@ -183,15 +183,16 @@ def test_drafter_choice(tiny_gguf):
         native.check_target(other)
 
 
-def test_int8_drafter_borrows_an_int8_head(tiny_gguf, heldout):
-    """An int8 torch drafter on the CPU makes the GGUF target keep its head as int8 rows: logits within int8
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_torch_drafter_borrows_an_int8_head(quantize, tiny_gguf, heldout):
+    """A torch drafter on the CPU (fp32 or int8) makes the GGUF target keep its head as int8 rows: logits within int8
     rounding of the file's head, output still llama.cpp's greedy ids."""
     from dflash_local.native_drafter import load_drafter
 
     target = LlamaCppTarget.load(tiny_gguf["q8_0"], max_context=512, threads=1)
     hidden = torch.randn(3, target.hidden_size, generator=torch.Generator().manual_seed(0))
     exact = hidden @ torch.from_numpy(target._dequantize(target._head_tensor, slice(None))).T
-    drafter = load_drafter(TINY / "drafter", target, kind="torch", quantize="int8")
+    drafter = load_drafter(TINY / "drafter", target, kind="torch", quantize=quantize)
     logits = target.lm_head(hidden)
     assert target._head.dtype == torch.int8 and target._head.shape == (target.vocab_size, target.hidden_size)
     assert ((logits - exact).abs().max() / exact.abs().max()) < 2e-2

@@ -155,3 +155,27 @@ def test_int8_linear_matches_its_dequantized_weights() -> None:
     assert Int8Linear(torch.nn.Linear(64, 48, bias=False))(x).dtype == torch.float32
     torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
     assert ((dequantized - layer.weight).abs() <= quantized.scales.float()[:, None] * 0.75).all()  # rounding only
+
+
+def test_int8_drafter_quantizes_each_linear_from_its_stored_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Linears are read as stored (bf16) and quantized one by one, never all held in fp32; the rest is fp32."""
+    from safetensors.torch import load_file
+
+    from dflash_local import quant
+
+    seen: list[torch.dtype] = []
+
+    class Recording(quant.Int8Linear):
+        def __init__(self, layer: torch.nn.Linear) -> None:
+            seen.append(layer.weight.dtype)
+            super().__init__(layer)
+
+    monkeypatch.setattr(quant, "Int8Linear", Recording)
+    drafter = DFlashDrafter.load(BUNDLED / "drafter", max_context=256, quantize="int8")
+    stored = load_file(BUNDLED / "drafter" / "model.safetensors")
+    assert seen == [torch.bfloat16] * 7 * drafter.cfg.num_layers
+    down = drafter.model.layers[0].mlp.down_proj
+    weight, scales = quant.int8_rows(stored["layers.0.mlp.down_proj.weight"].float())
+    assert torch.equal(down.weight, weight) and torch.equal(down.scales, scales)
+    others = [p for name, p in drafter.model.named_parameters() if "_proj" not in name]
+    assert others and all(p.dtype == torch.float32 for p in others)

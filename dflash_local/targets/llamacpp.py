@@ -75,7 +75,7 @@ class LlamaCppTarget:
         self.feature_layer_ids: list[int] = []
         self._head: torch.Tensor | None = None
         self._head_scales: torch.Tensor | None = None  # per-row scales of an int8 head
-        self.int8_head = False  # materialize the head as int8 rows (for an int8 torch drafter on the CPU)
+        self.int8_head = False  # materialize the head as int8 rows (for a torch drafter on the CPU)
 
     @classmethod
     def load(
