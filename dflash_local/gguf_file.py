@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 import struct
 from collections.abc import Collection
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -57,11 +57,21 @@ class GGUFTensor:
     data_offset: int
     n_bytes: int
 
-    @cached_property
-    def data(self) -> np.ndarray:
-        """The tensor's bytes as rows x bytes per row, memory-mapped (the layout gguf.quants.dequantize takes)."""
-        rows = math.prod(self.shape[1:])
-        return np.memmap(self.path, np.uint8, "r", self.data_offset, (rows, self.n_bytes // rows))
+    def read_rows(self, rows: slice | np.ndarray) -> np.ndarray:
+        """Some rows' bytes (rows x bytes per row, the layout gguf.quants.dequantize takes), read with plain file
+        reads: no mapped page stays resident, so reading a 128K-row head once adds nothing to the RSS after."""
+        count = math.prod(self.shape[1:])
+        width = self.n_bytes // count
+        with open(self.path, "rb", buffering=0) as handle:
+            if isinstance(rows, slice):
+                begin, end, _ = rows.indices(count)
+                handle.seek(self.data_offset + begin * width)
+                data = handle.read(max(end - begin, 0) * width)
+                return np.frombuffer(data, np.uint8).reshape(-1, width)
+            out = np.empty((len(rows), width), np.uint8)
+            for index, row in enumerate(np.asarray(rows).reshape(-1).tolist()):
+                out[index] = np.frombuffer(os.pread(handle.fileno(), width, self.data_offset + row * width), np.uint8)
+            return out
 
 
 @dataclass

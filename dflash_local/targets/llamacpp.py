@@ -19,7 +19,7 @@ from .base import TargetOutput
 from .llama_taps import first_llama_error, output_functions, quiet_llama_logs, tap_functions
 
 BATCH = 512
-HEAD_CHUNK = 8192  # output-head rows dequantized at a time when the head is first materialized
+HEAD_CHUNK = 2048  # output-head rows dequantized at a time when the head is first materialized (~0.1 GB transient)
 
 # The one place dflash sets a ggml environment variable. ggml's CPU backend reads it once, at the process's first
 # matmul, so it is set on import, before any llama.cpp compute. Its tiled matmul (Q4_0 and K-quants, batches of 8 rows
@@ -153,7 +153,7 @@ class LlamaCppTarget:
 
     def _dequantize(self, tensor, rows) -> np.ndarray:
         """fp32 [n, hidden] of the given rows (an index array or a slice) of a GGUF tensor, read from the file."""
-        values = gguf.quants.dequantize(tensor.data[rows], tensor.tensor_type)
+        values = gguf.quants.dequantize(tensor.read_rows(rows), tensor.tensor_type)
         return np.asarray(values, dtype=np.float32).reshape(-1, self.hidden_size)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
