@@ -15,10 +15,10 @@ from .cuda_graphs import StepGraphs, cache_span
 from .errors import DFlashError
 from .kernels import block_attention, visibility_mask
 from .layers import MLP, RMSNorm, apply_rope, check_rope, rope_cos_sin, rope_inv_freq
-from .quant import DRAFTER_QUANT_TYPES, check_quantize, quantize_linears
+from .quant import DRAFTER_QUANT_TYPES, check_quantize, quantized_linear
 from .runtime import check_kernels
 from .targets.base import Target
-from .weights import check_attention_shape, check_int, check_number, check_optional, load_weights, need, read_config
+from .weights import check_attention_shape, check_int, check_number, check_optional, need, read_config, read_weights
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -289,25 +289,38 @@ class DFlashDrafter:
         cfg = DrafterConfig.from_dict(read_config(folder), folder)
         with torch.device("meta"):
             model = DFlashModel(cfg)
-        # linears to be quantized are read as stored and quantized one by one: never all of them in `dtype` at once
-        linears = {f"layers.{name}.weight" for name, m in model.layers.named_modules() if isinstance(m, nn.Linear)}
-        tensors = load_weights(folder, dtype, "cpu" if quantize else device, frozenset(linears if quantize else ()))
         expected = model.state_dict()
-        for name, param in expected.items():
-            tensor = tensors.get(name)
-            if tensor is None:
-                raise DFlashError(f"{folder} lacks the drafter tensor {name}.")
+        # linears to quantize are read as stored and quantized as soon as read: never all held at once, nor in dtype
+        linears = {f"layers.{n}" for n, m in model.layers.named_modules() if isinstance(m, nn.Linear)}
+        unquantized = linears if quantize else set()
+        stored = frozenset(f"{owner}.weight" for owner in unquantized)
+        tensors: dict[str, torch.Tensor] = {}
+        seen: set[str] = set()
+        for name, tensor in read_weights(folder, dtype, "cpu" if quantize else device, stored):
+            param = expected.get(name)
+            if param is None:
+                continue
             if tensor.shape != param.shape:
                 raise DFlashError(
                     f"{folder}: drafter tensor {name} has shape {tuple(tensor.shape)}, "
                     f"the config implies {tuple(param.shape)}."
                 )
-        model.load_state_dict({name: tensors[name] for name in expected}, assign=True)
-        del tensors  # the model holds them now: each stored linear is freed as soon as it is quantized
+            seen.add(name)
+            owner, _, attr = name.rpartition(".")
+            if owner not in unquantized:
+                tensors[name] = tensor
+                continue
+            layer = model.get_submodule(owner)
+            setattr(layer, attr, nn.Parameter(tensor, requires_grad=False))
+            if not any(p.is_meta for p in layer.parameters()):
+                model.set_submodule(owner, quantized_linear(layer, quantize, dtype, device))
+                unquantized.discard(owner)
+        missing = [name for name in expected if name not in seen]
+        if missing:
+            raise DFlashError(f"{folder} lacks the drafter tensor {missing[0]}.")
+        model.load_state_dict(tensors, assign=True, strict=False)
         model.inv_freq = rope_inv_freq(cfg.raw, cfg.head_dim).to("cpu" if quantize else device)
-        if quantize:
-            quantize_linears(model, "layers", quantize, dtype, device)
-            model.to(device)
+        model.to(device)
         return cls(model.eval(), max_context, cuda_graphs)
 
     @property

@@ -181,20 +181,19 @@ class Int8Linear(nn.Module):
 def quantize_linears(
     model: nn.Module, scope: str, kind: str, compute_dtype: torch.dtype, device: str | torch.device = "cpu"
 ) -> None:
-    """Swap each nn.Linear under model.<scope> (weights on the CPU) for an int8 or NF4 one, for `device`: int8 runs
-    torch's own kernel on the CPU and bitsandbytes' on CUDA, NF4 bitsandbytes'.
-
-    Move the model to its device afterwards: bitsandbytes carries the quantized weights and their statistics.
-    """
+    """Swap each nn.Linear under model.<scope> (weights on the CPU) for its quantized_linear, one at a time (each
+    replaced layer's weights are freed at once). Move the model to its device afterwards."""
     check_quantize(kind, DRAFTER_QUANT_TYPES)
-    on_cpu = torch.device(device).type == "cpu"
     names = [name for name, layer in model.get_submodule(scope).named_modules() if isinstance(layer, nn.Linear)]
-    for name in names:  # looked up one at a time, so each replaced layer's weights are freed at once
-        layer = model.get_submodule(f"{scope}.{name}")
-        if kind == "int8":
-            new = Int8Linear(layer) if on_cpu else linear_int8(layer)
-        else:
-            bias = None if layer.bias is None else layer.bias.data
-            new = linear_4bit(layer, layer.weight.data, bias, {}, compute_dtype, "cpu")
-        owner_name, _, attr = f"{scope}.{name}".rpartition(".")
-        setattr(model.get_submodule(owner_name), attr, new)
+    for name in names:
+        full = f"{scope}.{name}"
+        model.set_submodule(full, quantized_linear(model.get_submodule(full), kind, compute_dtype, device))
+
+
+def quantized_linear(layer: nn.Linear, kind: str, compute_dtype: torch.dtype, device: str | torch.device) -> nn.Module:
+    """An int8 or NF4 copy of a linear whose weights are on the CPU, for `device`: int8 runs torch's own kernel on
+    the CPU and bitsandbytes' on CUDA, NF4 bitsandbytes' (which carries its statistics along when moved)."""
+    if kind == "int8":
+        return Int8Linear(layer) if torch.device(device).type == "cpu" else linear_int8(layer)
+    bias = None if layer.bias is None else layer.bias.data
+    return linear_4bit(layer, layer.weight.data, bias, {}, compute_dtype, "cpu")

@@ -121,17 +121,22 @@ def _weight_files(folder: Path) -> list[Path]:
     raise DFlashError(f"{folder} has no model.safetensors (or sharded index) to load weights from.")
 
 
-def load_weights(
+def read_weights(
     folder: Path, dtype: torch.dtype | None, device: torch.device | str = "cpu", as_stored: frozenset[str] = frozenset()
-) -> dict[str, torch.Tensor]:
-    """Every tensor of a folder's safetensors file(s), cast to dtype (None: as stored; names in as_stored stay as
-    stored) on device; read one tensor at a time with plain file reads, so no mapped file counts in the RSS."""
-    tensors: dict[str, torch.Tensor] = {}
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of a folder's safetensors file(s), one at a time, cast to dtype (None: as
+    stored; names in as_stored stay as stored) on device; plain file reads, so no mapped file counts in the RSS."""
     for name, stored in stored_tensors(Path(folder)).items():
         array = read_stored(stored)
         tensor = torch.from_numpy(array).view(torch.bfloat16) if stored.dtype == "BF16" else torch.from_numpy(array)
-        tensors[name] = tensor.to(device=device, dtype=None if name in as_stored else dtype)
-    return tensors
+        yield name, tensor.to(device=device, dtype=None if name in as_stored else dtype)
+
+
+def load_weights(
+    folder: Path, dtype: torch.dtype | None, device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """Every tensor of a folder's safetensors file(s) by name (see read_weights)."""
+    return dict(read_weights(folder, dtype, device))
 
 
 # safetensors dtype -> numpy dtype of its raw elements (bf16 as its uint16 bit patterns)

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from dflash_local.gguf_file import read_header
+from dflash_local.memory_estimate import estimate_files
 
 GB = 1e9
 LLAMA_ALONE = """
@@ -101,7 +102,7 @@ def main() -> None:
     parser.add_argument("--max-context", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=8)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--block-size", type=int, help="fixed verify block (default: the drafter's trained one)")
     args = parser.parse_args()
 
     python = sys.executable
@@ -125,7 +126,8 @@ def main() -> None:
     base += ["--max-context", str(args.max_context)]
     modes = [("no-draft", ["--no-draft"], "auto", "")]
     if args.drafter is not None:
-        draft = ["--drafter", str(args.drafter), "--block-size", str(args.block_size)]
+        block = args.block_size or json.loads((args.drafter / "config.json").read_text()).get("block_size", 16)
+        draft = ["--drafter", str(args.drafter), "--block-size", str(block)]
         modes += [("native-first", draft, "native", ""), ("native", draft, "native", ""), ("torch", draft, "torch", "")]
         modes += [("torch-int8", draft + ["--drafter-quantize", "int8"], "torch", "int8")]
         stored = sum(p.stat().st_size for p in args.drafter.glob("*.safetensors"))
@@ -156,6 +158,7 @@ def main() -> None:
         report["drafter_gguf_bytes"] = cached[0].stat().st_size
     shutil.rmtree(home)
     report["checks"] = checks(report)
+    report["estimates"] = estimates(args.target, args.drafter, args.max_context, runs)
     print(json.dumps(report, indent=1))
 
 
@@ -177,6 +180,21 @@ def checks(report: dict) -> dict:
     for name, (limit, got) in limits.items():
         unit = 1 if name.endswith("_s") else GB
         out[name] = {"limit": round(limit / unit, 3), "measured": round(got / unit, 3), "ok": got <= limit}
+    return out
+
+
+def estimates(target: Path, drafter: Path | None, context: int, runs: dict) -> dict:
+    """memory_estimate's figure (what the catalog and doctor use) against each measured peak, GB and relative error
+    (the issue's bar: within 15%)."""
+    kinds = {"no-draft": (None, 2, "native"), "native": (drafter, 2, "native"), "torch": (drafter, 4, "torch")}
+    out = {}
+    for name, (folder, element, kind) in kinds.items():
+        if name in runs:
+            estimate = estimate_files(target, folder, context, element, kind).total_gb
+            measured = runs[name]["peak_rss_bytes"] / GB
+            error = estimate / measured - 1
+            out[name] = {"estimate": round(estimate, 3), "measured": round(measured, 3), "error": round(error, 3)}
+            out[name]["ok"] = abs(error) <= 0.15
     return out
 
 

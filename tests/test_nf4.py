@@ -179,3 +179,21 @@ def test_int8_drafter_quantizes_each_linear_from_its_stored_weights(monkeypatch:
     assert torch.equal(down.weight, weight) and torch.equal(down.scales, scales)
     others = [p for name, p in drafter.model.named_parameters() if "_proj" not in name]
     assert others and all(p.dtype == torch.float32 for p in others)
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_a_missing_or_misshapen_drafter_tensor_is_one_clear_error(tmp_path: Path, quantize: str | None) -> None:
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "drafter"
+    shutil.copytree(BUNDLED / "drafter", folder)
+    tensors = load_file(folder / "model.safetensors")
+    name = "layers.1.mlp.up_proj.weight"
+    shape = tuple(tensors.pop(name).shape)
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(DFlashError, match=rf"^{folder} lacks the drafter tensor {name}\.$"):
+        DFlashDrafter.load(folder, quantize=quantize)
+    save_file(tensors | {name: torch.zeros(3, 4, dtype=torch.bfloat16)}, folder / "model.safetensors")
+    message = rf"^{folder}: drafter tensor {name} has shape \(3, 4\), the config implies \({shape[0]}, {shape[1]}\)\.$"
+    with pytest.raises(DFlashError, match=message):
+        DFlashDrafter.load(folder, quantize=quantize)
