@@ -19,7 +19,8 @@ from .base import TargetOutput
 from .llama_taps import first_llama_error, output_functions, quiet_llama_logs, tap_functions
 
 BATCH = 512
-HEAD_CHUNK = 2048  # output-head rows dequantized at a time when the head is first materialized (~0.1 GB transient)
+HEAD_CHUNK = 512  # output-head rows dequantized at a time when the head is first built (gguf-py dequantizes via
+# int and float intermediates several times the rows' fp32 size: 2048 rows of a 1B head peaked 0.3 GB above the rest)
 
 # The one place dflash sets a ggml environment variable. ggml's CPU backend reads it once, at the process's first
 # matmul, so it is set on import, before any llama.cpp compute. Its tiled matmul (Q4_0 and K-quants, batches of 8 rows
