@@ -28,7 +28,7 @@ PRIOR_WEIGHT = 2.0  # pseudo-observations the prior (the drafter's history) is w
 DECAY = 0.95  # per-step forgetting of this text's evidence (plain steps too): back toward the history when not drafting
 HISTORY_DECAY = 0.999  # per-step forgetting of the drafter's history across generations
 COST_WEIGHT = 0.2  # weight of one timed step in the running costs
-PROBE_SHARE = 0.03  # probes may cost at most this share of plain decoding time
+PROBE_SHARE = 0.01  # probes may cost at most this share of plain decoding time
 MAX_PROBE_INTERVAL = 4096  # plain steps between probes at most
 RECHECK = 8  # while plain steps win, the choice is made again every RECHECK steps (and before each probe): the
 # evidence moves by a few percent per step, and on a fast model the choice itself costs a few percent of a step
