@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -138,3 +139,19 @@ def test_catalog_figures_come_from_shapes(monkeypatch, tmp_path):
         with pytest.raises(DFlashError) as error:
             load_catalog()
         assert str(error.value).startswith(f"{mine}: entry 'mine': {message}")
+
+
+@pytest.mark.parametrize("shape,report", [("llama3.2-1b", "synth-1b"), ("llama3.1-8b", "synth-8b")])
+def test_catalog_figures_are_within_15_percent_of_the_measured_peaks(shape, report):
+    """The catalog's figure for a shape (Q4_K_M, its drafter, native: the CPU default) and the same without a
+    drafter, against the peak RSS measured on the synthetic model of that shape (scripts/measure_memory.py)."""
+    from dflash_local.shapes import SHAPES, target_config
+
+    measured = json.loads((TINY.parent.parent / "results" / "memory" / f"{report}-q4_k_m-ctx4096.json").read_text())
+    context, runs = measured["max_context"], measured["runs"]
+    sizes = memory_estimate.Sizes.from_config(target_config(SHAPES[shape]))
+    alone = memory_estimate.estimate(sizes, memory_estimate.gguf_bytes(sizes, "q4_k_m"), context, "llamacpp")
+    paired = memory_estimate.estimate_shape(shape, "q4_k_m", context)
+    assert abs(measured["gguf_bytes"] / memory_estimate.gguf_bytes(sizes, "q4_k_m") - 1) < 0.02  # that shape's file
+    for estimate, run in ((alone, "no-draft"), (paired, "native")):
+        assert abs(estimate.total_gb * 1e9 / runs[run]["peak_rss_bytes"] - 1) <= 0.15, (run, estimate.total_gb)
