@@ -37,15 +37,15 @@ def expect(ok: bool, what: str, result: subprocess.CompletedProcess) -> bool:
     return ok
 
 
-def check_version() -> bool:
+def check_version() -> list[bool]:
     result = dflash("--version")
-    return expect(result.returncode == 0 and result.stdout.startswith("dflash-local "), "dflash --version", result)
+    return [expect(result.returncode == 0 and result.stdout.startswith("dflash-local "), "dflash --version", result)]
 
 
-def check_pipe_chat() -> bool:
+def check_pipe_chat() -> list[bool]:
     result = dflash("chat", stdin="hello\n", env={"OMP_NUM_THREADS": "1"})
     answered = result.returncode == 0 and result.stdout.strip() != ""
-    return expect(answered, "echo hello | dflash chat (bundled pair)", result)
+    return [expect(answered, "echo hello | dflash chat (bundled pair)", result)]
 
 
 def one_error_line(result: subprocess.CompletedProcess) -> bool:
@@ -54,7 +54,7 @@ def one_error_line(result: subprocess.CompletedProcess) -> bool:
     return result.returncode == 1 and len(errors) == 1 and "Traceback" not in result.stderr
 
 
-def check_pull(home: Path) -> bool:
+def check_pull(home: Path) -> list[bool]:
     """Pull from the loopback Hub, check the files, then pull again with that Hub gone."""
     env = {"HF_HOME": str(home / "hf"), "DFLASH_HOME": str(home / "dflash"), "HF_HUB_DISABLE_TELEMETRY": "1"}
     served = repo_of(REPO / "models" / "tiny" / "drafter")
@@ -67,20 +67,22 @@ def check_pull(home: Path) -> bool:
     ok = expect(pulled and landed == served, f"dflash pull {REPO_ID} from a loopback Hub: files land, verified", first)
     again = dflash("pull", REPO_ID, env=env)
     whole = f"{REPO_ID}: the Hub is unreachable, so no update check; the pulled copy is whole."
-    return ok & expect(again.returncode == 0 and whole in again.stdout, "dflash pull again, the Hub stopped", again)
+    return [ok, expect(again.returncode == 0 and whole in again.stdout, "dflash pull again, the Hub stopped", again)]
 
 
-def check_unreachable(home: Path) -> bool:
+def check_unreachable(home: Path) -> list[bool]:
     env = {"HF_HOME": str(home / "empty-hf"), "DFLASH_HOME": str(home / "empty-dflash"), "HF_ENDPOINT": UNREACHABLE}
     result = dflash("pull", REPO_ID, env=env)
-    return expect(one_error_line(result), f"dflash pull with HF_ENDPOINT={UNREACHABLE}: one error line, exit 1", result)
+    return [
+        expect(one_error_line(result), f"dflash pull with HF_ENDPOINT={UNREACHABLE}: one error line, exit 1", result)
+    ]
 
 
 def main() -> int:
     for inherited in ("HF_TOKEN", "HF_HUB_OFFLINE"):  # the checks need the anonymous, online Hub client
         os.environ.pop(inherited, None)
     with tempfile.TemporaryDirectory(prefix="dflash-user-check-") as home:
-        results = [check_version(), check_pipe_chat(), check_pull(Path(home)), check_unreachable(Path(home))]
+        results = check_version() + check_pipe_chat() + check_pull(Path(home)) + check_unreachable(Path(home))
     print(f"user install: {sum(results)} of {len(results)} checks passed")
     return 0 if all(results) else 1
 
