@@ -255,7 +255,7 @@ def generate(
         start += produced
         target.rollback(start)
         if out.features is not None:
-            pending.append(out.features if produced == len(out.features) else out.features[:produced])
+            pending.append(out.features[:produced])
         session.record(tokens, start, drafted_to, pending)
         draft_s, target_s = timer.seconds(t0, t1), timer.seconds(t1, timer.mark())
         if policy is not None:

@@ -291,8 +291,7 @@ class DFlashDrafter:
             model = DFlashModel(cfg)
         expected = model.state_dict()
         # linears to quantize are read as stored and quantized as soon as read: never all held at once, nor in dtype
-        linears = {f"layers.{n}" for n, m in model.layers.named_modules() if isinstance(m, nn.Linear)}
-        unquantized = linears if quantize else set()
+        unquantized = {f"layers.{n}" for n, m in model.layers.named_modules() if isinstance(m, nn.Linear) and quantize}
         stored = frozenset(f"{owner}.weight" for owner in unquantized)
         tensors: dict[str, torch.Tensor] = {}
         seen: set[str] = set()

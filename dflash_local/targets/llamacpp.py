@@ -243,11 +243,9 @@ class LlamaCppTarget:
             if features and self.feature_layer_ids:
                 feats.append(np.concatenate([self._features(i, len(chunk)) for i in self.feature_layer_ids], axis=1))
             self.length = start + offset + len(chunk)
-        out = torch.from_numpy(logits[0] if len(logits) == 1 else np.concatenate(logits))
+        out = torch.from_numpy(logits[0] if len(logits) == 1 else np.concatenate(logits)).to(self.device)
         out_feats = None
         if feats:
-            out_feats = torch.from_numpy(feats[0] if len(feats) == 1 else np.concatenate(feats))
-        if self.device.type != "cpu" or self.dtype != torch.float32:  # on the CPU in fp32 they are ready as they are
-            out = out.to(self.device)
-            out_feats = None if out_feats is None else out_feats.to(self.device, self.dtype)
+            joined = feats[0] if len(feats) == 1 else np.concatenate(feats)
+            out_feats = torch.from_numpy(joined).to(self.device, self.dtype)
         return TargetOutput(logits=None, features=out_feats, argmax=out) if greedy else TargetOutput(out, out_feats)
