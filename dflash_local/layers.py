@@ -96,7 +96,8 @@ def rope_inv_freq(config: dict[str, Any], head_dim: int) -> torch.Tensor:
     kind = params["rope_type"]
     base = float(params["rope_theta"])
     dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    # on the CPU even inside a meta-device model build: a meta arange imports torch._dynamo (2-3 s)
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     if kind == "default":
         return inv_freq
     if kind == "linear":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import torch
 from reference import reference_layer_ids, reference_save_sharded
@@ -56,3 +57,20 @@ def test_rollback_recomputes_identically(llama_target):
     target.rollback(3)
     again = target.forward(IDS[3:]).logits
     torch.testing.assert_close(again, whole[3:], atol=1e-6, rtol=1e-5)
+
+
+def test_loading_the_bundled_pair_never_imports_torch_dynamo() -> None:
+    """Models are built on the meta device without random init or meta factories: either would import torch._dynamo
+    (2-3 s of every start on this CPU)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from pathlib import Path; from dflash_local.drafter import DFlashDrafter;"
+        "from dflash_local.targets.torch_llama import TorchLlamaTarget;"
+        "TorchLlamaTarget.load(Path(sys.argv[1]) / 'target'); DFlashDrafter.load(Path(sys.argv[1]) / 'drafter');"
+        "print('torch._dynamo' in sys.modules)"
+    )
+    bundled = Path(__file__).resolve().parent.parent / "models" / "tiny"
+    result = subprocess.run([sys.executable, "-c", code, str(bundled)], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
