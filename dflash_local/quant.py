@@ -1,5 +1,5 @@
 """Quantized linear layers: NF4 targets through bitsandbytes (quantized on load, or pre-quantized bnb-4bit
-checkpoints), NF4 or int8 drafters (int8 on the CPU through torch's weight-only kernel).
+checkpoints), NF4 or int8 drafters (int8 on the CPU through fbgemm's dynamic int8 linear).
 
 Pre-quantized checkpoints use the Hugging Face layout: per quantized linear, `weight` (packed uint8) plus
 `weight.absmax`, `weight.quant_map`, optional `weight.nested_*`, and `weight.quant_state.bitsandbytes__nf4`.
@@ -8,6 +8,8 @@ Pre-quantized checkpoints use the Hugging Face layout: per quantized linear, `we
 from __future__ import annotations
 
 import logging
+import warnings
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -148,34 +150,58 @@ def linear_int8(layer: nn.Linear) -> nn.Module:
     return new
 
 
-def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row absmax int8 quantization: (int8 weight, bf16 scales) with weight ~= int8 x scale."""
-    weight = weight.float()
-    scales = (weight.abs().amax(dim=1) / 127).to(torch.bfloat16).clamp_min(torch.finfo(torch.bfloat16).tiny)
-    return (weight / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8), scales
+INT8_PART_ROWS = 8192  # rows packed per fbgemm matrix: a 128K-row head packs in parts, never held twice
 
 
-def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [..., in] @ (weight x scales).T through torch's CPU int8 kernel (bf16 activations), in x's dtype: on AVX2
-    about 4x faster than fp32 for a drafter's few rows, at a quarter of the memory."""
-    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-    out = torch.ops.aten._weight_int8pack_mm(rows, weight, scales)
+def int8_pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Any:
+    """weight quantized per row (absmax / 127 scales) to int8 and prepacked for fbgemm's dynamic int8 linear."""
+    low, high = torch.aminmax(weight, dim=1)
+    scales = (torch.maximum(-low, high).float() / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    rows = torch.div(weight, scales[:, None]).round_().to(torch.int8)  # |row / scale| <= 127 by construction
+    with warnings.catch_warnings():  # torch deprecates quantized tensors; this one lives only until it is packed
+        warnings.simplefilter("ignore", UserWarning)
+        zeros = torch.zeros(len(scales), dtype=torch.long)
+        rows = torch._make_per_channel_quantized_tensor(rows, scales.double(), zeros, 0)
+    return torch.ops.quantized.linear_prepack(rows, None if bias is None else bias.float())
+
+
+def int8_matmul(x: torch.Tensor, packed: Any) -> torch.Tensor:
+    """x [..., in] @ W.T (+ bias) for a packed int8 W: fbgemm quantizes x per call (7-bit, per tensor), sums in int32.
+    An 8192 x 2048 W on this AVX2 CPU, 4-16 rows: 4x faster than torch's weight-only int8 kernel, 9-30x than fp32."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    out = torch.ops.quantized.linear_dynamic(rows, packed, True)
     return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
 
 
+class Int8Matrix:
+    """A matrix as int8_pack'ed parts of INT8_PART_ROWS rows."""
+
+    def __init__(self, chunks: Iterable[torch.Tensor]) -> None:
+        """Pack float row chunks, in order, holding at most one part's rows unpacked."""
+        self.parts: list[Any] = []
+        pending: list[torch.Tensor] = []
+        for chunk in chunks:
+            pending.append(chunk)
+            if sum(map(len, pending)) >= INT8_PART_ROWS:
+                self.parts.append(int8_pack(torch.cat(pending)))
+                pending = []
+        if pending:
+            self.parts.append(int8_pack(torch.cat(pending)))
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] @ matrix.T: [..., rows]."""
+        return torch.cat([int8_matmul(x, part) for part in self.parts], dim=-1)
+
+
 class Int8Linear(nn.Module):
-    """Weight-only int8 linear for the CPU (int8_rows, int8_matmul)."""
+    """Dynamic int8 linear for the CPU: per-row int8 weights, activations quantized per call (int8_matmul)."""
 
     def __init__(self, layer: nn.Linear) -> None:
         super().__init__()
-        weight, scales = int8_rows(layer.weight.data)
-        self.register_buffer("weight", weight)
-        self.register_buffer("scales", scales)
-        self.bias = None if layer.bias is None else nn.Parameter(layer.bias.data, requires_grad=False)
+        self.packed = int8_pack(layer.weight.data, None if layer.bias is None else layer.bias.data)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = int8_matmul(x, self.weight, self.scales)
-        return out if self.bias is None else out + self.bias
+        return int8_matmul(x, self.packed)
 
 
 def quantize_linears(

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from dflash_local.gguf_file import read_header
-from dflash_local.memory_estimate import estimate_files
+from dflash_local.memory_estimate import estimate_files, target_sizes
 
 GB = 1e9
 LLAMA_ALONE = """
@@ -136,6 +136,8 @@ def main() -> None:
         report["drafter_stored_bytes"] = stored
         report["drafter_kv_bytes"] = drafter_kv_bytes(args.drafter, args.max_context, 2)
         report["safetensors_read_s"] = float(read["stdout"])
+        sizes = target_sizes(args.target)
+        report["int8_head_bytes"] = sizes.vocab * (sizes.hidden + 4)  # int8 rows and fp32 scales
     runs = {}
     for name, extra, kind, quantize in modes:
         drafter = "" if name == "no-draft" else str(args.drafter)
@@ -170,9 +172,10 @@ def checks(report: dict) -> dict:
     if "native" in runs:
         drafter = report["drafter_stored_bytes"] + report["drafter_kv_bytes"]
         limits["native"] = (gguf_kv + drafter + 1 * GB, runs["native"]["peak_rss_bytes"])
-        fp32 = 2 * report["drafter_stored_bytes"] + 2 * report["drafter_kv_bytes"]  # bf16 stored, fp32 compute
+        head = report["int8_head_bytes"]  # the torch drafter's one copy of the output head, in its compute dtype
+        fp32 = 2 * report["drafter_stored_bytes"] + 2 * report["drafter_kv_bytes"] + head  # bf16 stored, fp32 compute
         limits["torch"] = (gguf_kv + fp32 + 1 * GB, runs["torch"]["peak_rss_bytes"])
-        int8 = report["drafter_stored_bytes"] // 2 + 2 * report["drafter_kv_bytes"]  # int8 weights, fp32 cache
+        int8 = report["drafter_stored_bytes"] // 2 + 2 * report["drafter_kv_bytes"] + head  # int8 weights, fp32 cache
         limits["torch-int8"] = (gguf_kv + int8 + 1 * GB, runs["torch-int8"]["peak_rss_bytes"])
         second = 1.5 * report["llama_alone"]["load_s"] + report["safetensors_read_s"]
         limits["native second load_s"] = (second, runs["native"]["load_s"])
