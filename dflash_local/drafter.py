@@ -282,6 +282,7 @@ class DFlashDrafter:
         """Build the drafter from a published-layout folder (config.json + model.safetensors).
 
         quantize="int8" or "nf4" makes its layers' linears 8- or 4-bit (see quant.py); drafts may change, output not.
+        Unquantized in fp32 on the CPU, 16-bit stored linears run as quant.Fp16Linear (the same weights, faster).
         """
         folder = Path(folder)
         check_kernels(device)
@@ -291,11 +292,13 @@ class DFlashDrafter:
             model = DFlashModel(cfg)
         expected = model.state_dict()
         # linears to quantize are read as stored and quantized as soon as read: never all held at once, nor in dtype
-        unquantized = {f"layers.{n}" for n, m in model.layers.named_modules() if isinstance(m, nn.Linear) and quantize}
+        cpu_fp32 = torch.device(device).type == "cpu" and dtype == torch.float32
+        kind = quantize or ("fp16" if cpu_fp32 else None)
+        unquantized = {f"layers.{n}" for n, m in model.layers.named_modules() if isinstance(m, nn.Linear) and kind}
         stored = frozenset(f"{owner}.weight" for owner in unquantized)
         tensors: dict[str, torch.Tensor] = {}
         seen: set[str] = set()
-        for name, tensor in read_weights(folder, dtype, "cpu" if quantize else device, stored):
+        for name, tensor in read_weights(folder, dtype, "cpu" if kind else device, stored):
             param = expected.get(name)
             if param is None:
                 continue
@@ -312,13 +315,13 @@ class DFlashDrafter:
             layer = model.get_submodule(owner)
             setattr(layer, attr, nn.Parameter(tensor, requires_grad=False))
             if not any(p.is_meta for p in layer.parameters()):
-                model.set_submodule(owner, quantized_linear(layer, quantize, dtype, device))
+                model.set_submodule(owner, quantized_linear(layer, kind, dtype, device))
                 unquantized.discard(owner)
         missing = [name for name in expected if name not in seen]
         if missing:
             raise DFlashError(f"{folder} lacks the drafter tensor {missing[0]}.")
         model.load_state_dict(tensors, assign=True, strict=False)
-        model.inv_freq = rope_inv_freq(cfg.raw, cfg.head_dim).to("cpu" if quantize else device)
+        model.inv_freq = rope_inv_freq(cfg.raw, cfg.head_dim).to("cpu" if kind else device)
         model.to(device)
         return cls(model.eval(), max_context, cuda_graphs)
 

@@ -135,7 +135,7 @@ def estimate(
     buffers once), the drafter (16-bit weights given) in drafter_element bytes per weight, KV caches at the context
     length, llama.cpp's activations, a block's logits twice in fp32, and the process. On a GGUF target the native
     drafter (llama.cpp's, F16) reads the target's embedding and head in place; the torch drafter on the CPU keeps
-    one copy of the head as int8 rows (embedding rows are dequantized per step).
+    one copy of the head as packed int8 rows (embedding rows are dequantized per step).
 
     llama.cpp reserves a compute buffer for its largest graph (a 512-token batch with every row's logits: 258.5 MiB
     at the Llama-3.2-1B shape) but the pages a generation touches are those of a full batch of activations, about
@@ -151,8 +151,8 @@ def estimate(
         parts["drafter weights"] = drafter_weights * drafter_element // 2
         if native:
             parts["drafter activations"] = activation_bytes(drafter)
-        elif backend == "llamacpp":  # int8 rows and bf16 scales (the CPU); a torch target lends its own head
-            parts["output head for the drafter"] = target.vocab * (target.hidden + 2)
+        elif backend == "llamacpp":  # packed int8 rows, fp32 scales and offsets (the CPU); a torch target lends its own
+            parts["output head for the drafter"] = target.vocab * (target.hidden + 8)
         parts["drafter KV cache"] = drafter.kv_bytes(context, 2 if native else drafter_element)
     parts["runtime"] = RUNTIME_BYTES
     return Estimate(parts)

@@ -223,3 +223,29 @@ def test_a_missing_or_misshapen_drafter_tensor_is_one_clear_error(tmp_path: Path
     message = rf"^{folder}: drafter tensor {name} has shape \(3, 4\), the config implies \({shape[0]}, {shape[1]}\)\.$"
     with pytest.raises(DFlashError, match=message):
         DFlashDrafter.load(folder, quantize=quantize)
+
+
+def test_cpu_fp32_drafter_runs_its_16bit_linears_through_fp16_gemm(tmp_path: Path) -> None:
+    """Unquantized on the CPU in fp32, bf16-stored linears become Fp16Linear computing with the same weights (fp32
+    sums); fp32-stored ones, or any fp16 cannot hold, stay plain fp32 linears."""
+    from safetensors.torch import load_file
+
+    from dflash_local.quant import Fp16Linear
+
+    drafter = DFlashDrafter.load(BUNDLED / "drafter", max_context=256)
+    linears = [m for name, m in drafter.model.layers.named_modules() if name.endswith("_proj")]
+    assert len(linears) == 7 * drafter.cfg.num_layers and all(isinstance(m, Fp16Linear) for m in linears)
+    stored = load_file(BUNDLED / "drafter" / "model.safetensors")
+    x = torch.randn(2, 5, drafter.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    expected = torch.nn.functional.linear(x.double(), stored["layers.0.mlp.up_proj.weight"].double())
+    torch.testing.assert_close(drafter.model.layers[0].mlp.up_proj(x).double(), expected, atol=1e-5, rtol=1e-5)
+
+    folder = tmp_path / "drafter"
+    shutil.copytree(BUNDLED / "drafter", folder)
+    wide = {name: tensor.float() for name, tensor in stored.items()}
+    wide["layers.0.mlp.up_proj.weight"] = stored["layers.0.mlp.up_proj.weight"]
+    wide["layers.0.mlp.up_proj.weight"][0, 0] = 1e5  # bf16 holds it, fp16 does not
+    save_file(wide, folder / "model.safetensors")
+    plain = DFlashDrafter.load(folder, max_context=256)
+    assert not any(isinstance(m, Fp16Linear) for m in plain.model.layers.modules())
+    assert plain.model.layers[0].mlp.up_proj.weight.dtype == torch.float32

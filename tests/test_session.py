@@ -175,8 +175,8 @@ def test_the_incremental_detokenizer_equals_decoding_the_whole_answer(tiny_gguf)
 
 def same_turns(got: list[tuple], expected: list[tuple]) -> None:
     """Equal answers and acceptance lengths; draft logits equal up to float noise (the caches' K/V and features were
-    computed in other batches), and one bf16 step where the head is int8 rows (a torch drafter on a CPU GGUF
-    target: torch's int8 kernel returns bf16)."""
+    computed in other batches), which moves a value by a 7-bit step where the head is int8 rows (a torch drafter on
+    a CPU GGUF target: fbgemm rounds the hidden state to 7 bits per call)."""
     assert [turn[:2] for turn in got] == [turn[:2] for turn in expected]
     for (_, _, logits), (_, _, reference) in zip(got, expected, strict=True):
-        torch.testing.assert_close(logits, reference, atol=0.02, rtol=2**-7)
+        torch.testing.assert_close(logits, reference, atol=0.05, rtol=2**-7)
