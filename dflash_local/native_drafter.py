@@ -250,7 +250,9 @@ def load_drafter(
 ) -> DFlashDrafter | NativeDrafter:
     """The torch drafter or llama.cpp's native one; auto takes the one measured faster for the device.
 
-    Measured on CPU (scripts/bench_gguf.py): native for GGUF targets. CUDA is unmeasured, so auto keeps torch there.
+    On the CPU native for GGUF targets: faster on small models (scripts/bench_gguf.py), and at real sizes it loads in
+    a quarter of the time of the torch drafter (which packs its linears), whose steps are faster there (README).
+    CUDA is unmeasured, so auto keeps torch there.
     """
     if kind == "auto":
         native_fits = isinstance(target, LlamaCppTarget) and target.device.type == "cpu" and quantize is None
