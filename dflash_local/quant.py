@@ -1,5 +1,6 @@
 """Quantized linear layers: NF4 targets through bitsandbytes (quantized on load, or pre-quantized bnb-4bit
-checkpoints), NF4 or int8 drafters (int8 on the CPU through fbgemm's dynamic int8 linear).
+checkpoints), NF4 or int8 drafters (int8 on the CPU through fbgemm's dynamic int8 linear), and the CPU's fp32
+drafter layers through fbgemm's fp16 GEMM.
 
 Pre-quantized checkpoints use the Hugging Face layout: per quantized linear, `weight` (packed uint8) plus
 `weight.absmax`, `weight.quant_map`, optional `weight.nested_*`, and `weight.quant_state.bitsandbytes__nf4`.

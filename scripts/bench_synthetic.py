@@ -98,8 +98,9 @@ def child(target: Path, drafter: Path | None, kind: str, args) -> dict:
     row["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
     if device.startswith("cuda"):
         row["peak_vram_gb"] = torch.cuda.max_memory_allocated() / 1e9
-    fp32_drafter = kind == "torch" and next(drafter_.model.parameters()).dtype == torch.float32
-    estimate = estimate_files(target, drafter, args.max_context, 4 if fp32_drafter else 2, kind)
+    layer = drafter_.model.layers[0].mlp.up_proj if kind == "torch" else None  # fp16-packed on the CPU (Fp16Linear)
+    fp32_layers = isinstance(layer, torch.nn.Linear) and layer.weight.dtype == torch.float32
+    estimate = estimate_files(target, drafter, args.max_context, 4 if fp32_layers else 2, kind)
     row["estimate_gb"] = estimate.total_gb
     row["estimate_parts_gb"] = {part: b / 1e9 for part, b in estimate.parts.items()}
     return row
@@ -113,6 +114,7 @@ def targets_met(row: dict, target: Path, drafter: Path | None, alone_s: float) -
     if drafter is not None:
         stored = sum(p.stat().st_size for p in drafter.glob("*.safetensors")) / 1e9
         budget += stored * (2 if row["drafter"] == "torch" and not torch.cuda.is_available() else 1)
+        budget += parts.get("output head for the drafter", 0.0)  # the torch drafter's one copy, in its compute dtype
     out = {"rss_budget_gb": budget, "rss_ok": row["peak_rss_gb"] <= budget}
     if drafter is not None:
         limit = 1.5 * (alone_s + row["drafter_read_s"])
