@@ -291,7 +291,8 @@ class DFlashDrafter:
         with torch.device("meta"):
             model = DFlashModel(cfg)
         expected = model.state_dict()
-        # linears to quantize are read as stored and quantized as soon as read: never all held at once, nor in dtype
+        # linears to quantize (or pack as fp16) are read as stored and converted as soon as read: never all held at
+        # once, nor in dtype
         cpu_fp32 = torch.device(device).type == "cpu" and dtype == torch.float32
         kind = quantize or ("fp16" if cpu_fp32 else None)
         unquantized = {f"layers.{n}" for n, m in model.layers.named_modules() if isinstance(m, nn.Linear) and kind}
