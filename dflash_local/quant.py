@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -167,12 +167,16 @@ def int8_pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Any:
     return torch.ops.quantized.linear_prepack(rows, None if bias is None else bias.float())
 
 
+def on_rows(x: torch.Tensor, op: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """op applied to x [..., in] as fp32 rows [n, in] (what fbgemm's linears take), back in x's shape and dtype."""
+    out = op(x.reshape(-1, x.shape[-1]).float())
+    return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+
+
 def int8_matmul(x: torch.Tensor, packed: Any) -> torch.Tensor:
     """x [..., in] @ W.T (+ bias) for a packed int8 W: fbgemm quantizes x per call (7-bit, per tensor), sums in int32.
     An 8192 x 2048 W on this AVX2 CPU, 4-16 rows: 4x faster than torch's weight-only int8 kernel, 9-30x than fp32."""
-    rows = x.reshape(-1, x.shape[-1]).float()
-    out = torch.ops.quantized.linear_dynamic(rows, packed, True)
-    return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+    return on_rows(x, lambda rows: torch.ops.quantized.linear_dynamic(rows, packed, True))
 
 
 class Int8Matrix:
@@ -226,8 +230,7 @@ class Fp16Linear(nn.Module):
         self.packed = torch.ops.quantized.linear_prepack_fp16(layer.weight.data.float(), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.quantized.linear_dynamic_fp16(x.reshape(-1, x.shape[-1]).float(), self.packed)
-        return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+        return on_rows(x, lambda rows: torch.ops.quantized.linear_dynamic_fp16(rows, self.packed))
 
 
 def quantize_linears(
