@@ -2,7 +2,8 @@
 # One-command setup: ./install.sh [--dev]
 # Creates .venv, installs the right torch (CUDA build where nvidia-smi works, else the CPU
 # build torch==2.13.0), then dflash-local itself with GGUF support (llama-cpp-python, built with
-# CUDA where nvidia-smi works; the build takes several minutes). Every install goes through the lock,
+# CUDA where nvidia-smi works; the build takes several minutes; on CPU machines a second libllama build without
+# llamafile, for lossless F16 verification). Every install goes through the lock,
 # constraints.txt, so users get the versions CI tested. --dev adds the test tools to .venv and creates
 # .venv-oracle: the reference implementation (PyPI dflash + transformers) the tests call as an oracle.
 set -euo pipefail
@@ -55,6 +56,11 @@ if [ "$dev" = 1 ]; then
 else
   echo "==> installing dflash-local (with GGUF support: llama-cpp-python, gguf)"
   "${pip[@]}" -e ".[gguf]"
+fi
+# On the CPU, DFlash is bitwise lossless on F16/BF16/F32 GGUFs only with a libllama built without llamafile's
+# tinyBLAS: build it once per llama-cpp-python version into .venv/lib/dflash-libllama (a few minutes).
+if [ "$gpu" = 0 ] && [ "$(uname -s)" = Linux ]; then
+  scripts/build_libllama.sh .venv
 fi
 if [ "$dev" = 0 ] && [ "$gpu" = 1 ]; then
   echo "==> adding the GPU path: Triton kernels, bitsandbytes NF4 targets"

@@ -136,9 +136,14 @@ def _llama_cpp_check() -> Check:
     if version is None:
         return Check("llama-cpp-python", "not installed (no GGUF targets): pip install 'dflash-local[gguf]'", None)
     try:
-        import llama_cpp
+        from .llama_lib import INVARIANT_LIB, llama_cpp, loaded_library
 
         gpu = bool(llama_cpp.llama_supports_gpu_offload())
     except Exception as exc:  # a broken native build raises anything from OSError to RuntimeError
         return Check("llama-cpp-python", f"{version}, fails to load: {exc}", False)
-    return Check("llama-cpp-python", f"{version}, {'GPU offload' if gpu else 'CPU-only build'}")
+    if gpu:
+        return Check("llama-cpp-python", f"{version}, GPU offload")
+    if loaded_library().parent == INVARIANT_LIB:
+        return Check("llama-cpp-python", f"{version}, CPU-only build; batch-invariant libllama ({INVARIANT_LIB})")
+    stock = "CPU-only build; stock libllama: F16/BF16/F32 verification may differ in the last bits (./install.sh)"
+    return Check("llama-cpp-python", f"{version}, {stock}", None)

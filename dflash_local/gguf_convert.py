@@ -11,13 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
-import llama_cpp
 import numpy as np
 import torch
 
 from .atomic import unwritable_reason
 from .errors import DFlashError
 from .layers import rope_inv_freq, rope_parameters
+from .llama_lib import llama_cpp
 from .targets.llama_taps import quiet_llama_logs
 from .targets.torch_llama import TargetConfig
 from .weights import StoredTensor, read_config, read_stored, stored_tensors

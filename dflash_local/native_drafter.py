@@ -15,7 +15,6 @@ import weakref
 from pathlib import Path
 
 import gguf
-import llama_cpp
 import numpy as np
 import torch
 
@@ -26,6 +25,7 @@ from .generation import _files_identity
 from .gguf_convert import LAYER_TENSORS, add_shape, rope_factors
 from .gguf_file import read_header
 from .hub import state_dir
+from .llama_lib import llama_cpp
 from .targets.llama_taps import first_llama_error, quiet_llama_logs
 from .targets.llamacpp import BATCH, LlamaCppTarget
 from .weights import load_weights, read_config

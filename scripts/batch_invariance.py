@@ -1,11 +1,12 @@
 """Which llama.cpp CPU switch makes a B-token forward bitwise equal to B one-token forwards, per GGUF type.
 
-For each configuration a fresh process (the ggml env switches are read once per process) loads each GGUF, decodes a
-random prefix, then compares the logits of one B-token llama_decode with those of B one-token llama_decodes from the
-same prefix. A 600-token prefix exercises flash attention's split-KV path (one query, >= 512 KV cells); 40 does not.
+For each configuration a fresh process (libllama and the ggml env switches are set once per process) loads each
+GGUF, decodes a random prefix, then compares the logits of one B-token llama_decode with those of B one-token
+llama_decodes from the same prefix. A 600-token prefix exercises flash attention's split-KV path (one query,
+>= 512 KV cells); 40 does not.
 
     .venv/bin/python scripts/batch_invariance.py                 # the tiny target's types, every configuration
-    .venv/bin/python scripts/batch_invariance.py --synth /work/synth/after/synth-1b-q4_k_m.gguf --configs default,dflash
+    .venv/bin/python scripts/batch_invariance.py --types "" --synth x.gguf,y.gguf --configs default,dflash
 """
 
 from __future__ import annotations
@@ -26,16 +27,19 @@ BATCHES = (4, 16)
 PREFILL = 256  # --speed: prompt tokens in the timed prefill
 TILED_OFF = {"GGML_CPU_TILED_MM": "0"}
 FUSION_OFF = {"GGML_CPU_DISABLE_FUSION": "1"}
-# name -> (environment, model params, context params); "dflash": what dflash_local.targets.llamacpp sets and loads with
+# name -> (libllama, environment, model params, context params); libllama: "stock" (llama-cpp-python's) or
+# "invariant" (scripts/build_libllama.sh's, llamafile off); "dflash": what dflash_local.llama_lib sets and
+# targets.llamacpp loads with
 CONFIGS = {
-    "dflash": (None, None, {}),
-    "default": ({}, {}, {}),
-    "tiled-off": (TILED_OFF, {}, {}),
-    "fusion-off": (FUSION_OFF, {}, {}),
-    "no-repack": ({}, {"use_extra_bufts": False}, {}),
-    "fa-off": ({}, {}, {"flash_attn_type": 0}),
-    "tiled-off+no-repack": (TILED_OFF, {"use_extra_bufts": False}, {}),
-    "all": ({**TILED_OFF, **FUSION_OFF}, {"use_extra_bufts": False}, {"flash_attn_type": 0}),
+    "dflash": (None, None, None, {}),
+    "default": ("stock", {}, {}, {}),
+    "tiled-off": ("stock", TILED_OFF, {}, {}),
+    "fusion-off": ("stock", FUSION_OFF, {}, {}),
+    "no-repack": ("stock", {}, {"use_extra_bufts": False}, {}),
+    "fa-off": ("stock", {}, {}, {"flash_attn_type": 0}),
+    "llamafile-off": ("invariant", {}, {}, {}),
+    "tiled-off+no-repack": ("stock", TILED_OFF, {"use_extra_bufts": False}, {}),
+    "all": ("invariant", {**TILED_OFF, **FUSION_OFF}, {"use_extra_bufts": False}, {"flash_attn_type": 0}),
 }
 
 
@@ -45,7 +49,7 @@ class Context:
     def __init__(self, path: str, config: str, threads: int, n_ctx: int = 1024) -> None:
         import llama_cpp
 
-        _, model_fields, ctx_fields = CONFIGS[config]
+        *_, model_fields, ctx_fields = CONFIGS[config]
         if model_fields is None:
             from dflash_local.targets.llamacpp import model_params as project_params
 
@@ -93,15 +97,18 @@ class Context:
         llama_cpp.llama_model_free(self.model)
 
 
-def start(config: str) -> None:
-    """This process's ggml environment for config (before llama.cpp's first compute: ggml reads it once)."""
-    os.environ.pop("GGML_CPU_TILED_MM", None)
-    os.environ.pop("GGML_CPU_DISABLE_FUSION", None)
-    env = CONFIGS[config][0]
+def start(config: str, libraries: dict[str, str]) -> None:
+    """This process's libllama and ggml environment for config (before llama_cpp's import, which loads the library,
+    and llama.cpp's first compute: ggml reads its variables once)."""
+    for name in ("GGML_CPU_TILED_MM", "GGML_CPU_DISABLE_FUSION", "LLAMA_CPP_LIB_PATH"):
+        os.environ.pop(name, None)
+    library, env = CONFIGS[config][:2]
     if env is None:
-        import dflash_local.targets.llamacpp  # noqa: F401  (sets the library's environment)
+        import dflash_local.llama_lib  # noqa: F401  (sets dflash's environment and loads its libllama)
     else:
-        os.environ.update(env)
+        # tiled matmul on unless the config turns it off: dflash_local.llama_lib, imported below for the log switch,
+        # would otherwise turn it off
+        os.environ.update({"GGML_CPU_TILED_MM": "1", **env, "LLAMA_CPP_LIB_PATH": libraries[library]})
     import llama_cpp
 
     from dflash_local.targets.llama_taps import quiet_llama_logs
@@ -110,11 +117,11 @@ def start(config: str) -> None:
     llama_cpp.llama_backend_init()
 
 
-def invariance(paths: dict[str, str], config: str, threads: int) -> dict:
+def invariance(paths: dict[str, str], config: str, threads: int, libraries: dict[str, str]) -> dict:
     """{type: {f"{prefix}/{batch}": rows of the batch whose logits differ bitwise from one-token decodes}}."""
     import numpy as np
 
-    start(config)
+    start(config, libraries)
     results = {}
     for kind, path in paths.items():
         model = Context(path, config, threads)
@@ -136,11 +143,11 @@ def invariance(paths: dict[str, str], config: str, threads: int) -> dict:
     return results
 
 
-def speed(paths: dict[str, str], config: str, threads: int) -> dict:
+def speed(paths: dict[str, str], config: str, threads: int, libraries: dict[str, str]) -> dict:
     """{type: tokens/s of a 512-token prefill, of 16-token verify batches and of one-token decodes}."""
     import numpy as np
 
-    start(config)
+    start(config, libraries)
     results = {}
     for kind, path in paths.items():
         model = Context(path, config, threads)
@@ -175,19 +182,18 @@ def main() -> None:
     parser.add_argument("--types", default=",".join(TYPES))
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--threads", default="1,2", help="comma-separated thread counts")
-    parser.add_argument("--synth", help="also this GGUF (e.g. the real-shape synthetic 1B Q4_K_M)")
+    parser.add_argument("--synth", default="", help="also these GGUFs, comma-separated (e.g. real-shape synthetics)")
     parser.add_argument("--speed", action="store_true", help="measure tokens/s per configuration instead")
     parser.add_argument("--rounds", type=int, default=3, help="--speed: runs per configuration (best kept)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        job, config, threads, paths = json.loads(args.worker)
-        print(json.dumps({"invariance": invariance, "speed": speed}[job](paths, config, threads)))
+        job, config, threads, paths, libraries = json.loads(args.worker)
+        print(json.dumps({"invariance": invariance, "speed": speed}[job](paths, config, threads, libraries)))
         return
     with tempfile.TemporaryDirectory() as tmp:
         paths = convert_all(Path(tmp), [t for t in args.types.split(",") if t])
-        if args.synth:
-            paths["synth"] = args.synth
+        paths.update({Path(path).stem: path for path in args.synth.split(",") if path})
         configs, thread_counts = args.configs.split(","), [int(t) for t in args.threads.split(",")]
         if args.speed:
             report_speed(paths, configs, thread_counts, args.rounds)
@@ -201,9 +207,16 @@ def main() -> None:
                 print(f"threads={threads} {config:<20} {cells}", flush=True)
 
 
+def libraries() -> dict[str, str]:
+    """The libllama folders: llama-cpp-python's own and the one scripts/build_libllama.sh makes."""
+    from dflash_local.llama_lib import INVARIANT_LIB, llama_cpp
+
+    return {"stock": str(Path(llama_cpp.__file__).parent / "lib"), "invariant": str(INVARIANT_LIB)}
+
+
 def measure(job: str, config: str, threads: int, paths: dict[str, str]) -> dict:
     """Run one worker process and return its results."""
-    command = [sys.executable, __file__, "--worker", json.dumps([job, config, threads, paths])]
+    command = [sys.executable, __file__, "--worker", json.dumps([job, config, threads, paths, libraries()])]
     out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -1,4 +1,5 @@
-"""CI's check of a plain `./install.sh` (no --dev): the CLI answers, chats through a pipe, and pulls from a Hub.
+"""CI's check of a plain `./install.sh` (no --dev): the CLI answers, loads the batch-invariant libllama, chats through a
+pipe, and pulls from a Hub.
 
     .venv/bin/python scripts/check_user_install.py      # after ./install.sh; uses the standard library only
 
@@ -48,6 +49,13 @@ def check_pipe_chat() -> list[bool]:
     return [expect(answered, "echo hello | dflash chat (bundled pair)", result)]
 
 
+def check_doctor() -> list[bool]:
+    """On a CPU-only llama.cpp, dflash loads the batch-invariant libllama install.sh built (lossless F16 GGUFs)."""
+    result = dflash("doctor", env={"COLUMNS": "200"})  # one line per check
+    ok = result.returncode == 0 and ("batch-invariant libllama" in result.stdout or "GPU offload" in result.stdout)
+    return [expect(ok, "dflash doctor: llama.cpp's library is the batch-invariant build (or a GPU build)", result)]
+
+
 def one_error_line(result: subprocess.CompletedProcess) -> bool:
     """Exit 1 with exactly one `error: ` line on stderr (progress lines may come first) and no traceback."""
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
@@ -82,7 +90,13 @@ def main() -> int:
     for inherited in ("HF_TOKEN", "HF_HUB_OFFLINE"):  # the checks need the anonymous, online Hub client
         os.environ.pop(inherited, None)
     with tempfile.TemporaryDirectory(prefix="dflash-user-check-") as home:
-        results = check_version() + check_pipe_chat() + check_pull(Path(home)) + check_unreachable(Path(home))
+        results = (
+            check_version()
+            + check_doctor()
+            + check_pipe_chat()
+            + check_pull(Path(home))
+            + check_unreachable(Path(home))
+        )
     print(f"user install: {sum(results)} of {len(results)} checks passed")
     return 0 if all(results) else 1
 

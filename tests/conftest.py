@@ -16,6 +16,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import make_drafter, make_target  # noqa: E402
 
+# llama-cpp-python loads its library on first import: through dflash's module, as the CLI does (the batch-invariant
+# libllama install.sh builds, and dflash's ggml settings), before any test module imports llama_cpp itself.
+import dflash_local.llama_lib  # noqa: E402, F401
+
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("llama_cpp")
 pytest.importorskip("gguf")
@@ -12,6 +13,7 @@ pytest.importorskip("gguf")
 from dflash_local.block_policy import AcceptanceEstimate, BlockPolicy, CostTable  # noqa: E402
 from dflash_local.decode import Settings, run  # noqa: E402
 from dflash_local.gguf_convert import convert  # noqa: E402
+from dflash_local.llama_lib import loaded_library  # noqa: E402
 from dflash_local.native_drafter import NativeDrafter  # noqa: E402
 from dflash_local.targets.llamacpp import LlamaCppTarget, model_params  # noqa: E402
 
@@ -67,6 +69,20 @@ def test_dflash_equals_llamacpp_one_token_greedy(kind, gguf_types, heldout, draf
             settings = Settings(max_new_tokens=NEW_TOKENS, block_size=block)
             ids, _ = run(target, drafters[index % 2], prompt, settings, policy)
             assert ids == expected[index], (kind, index, block, type(drafters[index % 2]).__name__)
+
+
+@pytest.mark.parametrize("kind", ["f16", "q8_0", *K_QUANTS])
+def test_a_verify_batch_has_the_logits_of_one_token_decodes(kind, gguf_types):
+    """A 16-token forward's logits equal, in every bit, those of 16 one-token forwards after the same prefix (F16
+    needs the libllama without tinyBLAS that install.sh builds; K-quants dflash's unrepacked, untiled matmuls)."""
+    target = LlamaCppTarget.load(gguf_types[kind], max_context=256, threads=1)
+    ids = torch.randint(5, target.vocab_size, (56,), generator=torch.Generator().manual_seed(0))
+    target.forward(ids[:40], all_logits=False, features=False)
+    together = target.forward(ids[40:], features=False).logits
+    target.rollback(40)
+    alone = torch.cat([target.forward(ids[i : i + 1], features=False).logits for i in range(40, 56)])
+    differ = (together != alone).any(dim=1).nonzero().flatten().tolist()
+    assert differ == [], f"{kind}: rows {differ} of 16 differ (libllama: {loaded_library()})"
 
 
 def test_convert_writes_the_new_types(gguf_types, tmp_path):

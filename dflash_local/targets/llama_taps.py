@@ -5,9 +5,8 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Callable
 
-import llama_cpp
-
 from ..errors import DFlashError
+from ..llama_lib import llama_cpp
 
 # Itanium (Linux/macOS) and MSVC manglings of the llama-ext.h declarations, then the plain C name.
 _SET_NAMES = (

@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import ctypes
-import os
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
-import llama_cpp
 import numpy as np
 import torch
 
 from ..errors import DFlashError
 from ..gguf_file import GGUFModel, read_gguf
+from ..llama_lib import llama_cpp
 from ..quant import Int8Matrix
 from .base import TargetOutput
 from .llama_taps import first_llama_error, output_functions, quiet_llama_logs, tap_functions
@@ -22,13 +21,6 @@ from .llama_taps import first_llama_error, output_functions, quiet_llama_logs, t
 BATCH = 512
 HEAD_CHUNK = 512  # output-head rows dequantized at a time when the head is first built (gguf-py dequantizes via
 # int and float intermediates several times the rows' fp32 size: 2048 rows of a 1B head peaked 0.3 GB above the rest)
-
-# The one place dflash sets a ggml environment variable. ggml's CPU backend reads it once, at the process's first
-# matmul, so it is set on import, before any llama.cpp compute. Its tiled matmul (Q4_0 and K-quants, batches of 8 rows
-# or more) sums in another order than the one-token path, so a verify batch's logits would differ from those of
-# one-token greedy decoding in the last bits, and near-ties would flip (scripts/batch_invariance.py). Set it to 1
-# before starting dflash to trade that for faster prefill.
-os.environ.setdefault("GGML_CPU_TILED_MM", "0")
 
 
 def model_params(device: str) -> llama_cpp.llama_model_params:
