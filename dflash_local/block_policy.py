@@ -4,8 +4,9 @@ Each step verifies k tokens: the known token plus k-1 drafts. The drafter always
 blocks change what it proposes) and returns only the k-1 rows the step verifies. Expected tokens for k come from
 per-position acceptance rates, each conditional on the positions before it being accepted, as decoding sees them:
 E[k] = 1 + sum_{i<k} prod_{j<=i} p_j. The policy picks the k with the most expected tokens per second of measured
-cost; when plain steps win it still probes the drafter now and then, at a bounded share of the decode time. A
-drafter with no history on this machine is tried with small blocks first, growing as its steps are seen.
+cost; when plain steps win it still probes the drafter now and then, at a bounded share of the decode time, and the
+target skips its features for the drafter until shortly before the next probe. A drafter with no history on this
+machine is tried with small blocks first, growing as its steps are seen.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ PROBE_SHARE = 0.01  # probes may cost at most this share of plain decoding time
 MAX_PROBE_INTERVAL = 4096  # plain steps between probes at most
 RECHECK = 8  # while plain steps win, the choice is made again every RECHECK steps (and before each probe): the
 # evidence moves by a few percent per step, and on a fast model the choice itself costs a few percent of a step
+FEATURE_LEAD = 16  # plain steps before a probe that read the target's features again (the rest of a plain run skips
+# them: the drafter drafts without that context, and a GGUF target's decode costs a few percent less)
 CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 CALIBRATION_CONTEXT = 64
 
@@ -190,6 +193,11 @@ class BlockPolicy:
             self.probes += 1
             return min(best_draft, self.trial_limit())
         return 1
+
+    def reads_features(self) -> bool:
+        """Whether the step just chosen needs the target's features: every drafting step and its context does, a plain
+        step only when no run of plain steps is under way or the next probe is at most FEATURE_LEAD steps away."""
+        return self.plain_run == 0 or self.plain_run + FEATURE_LEAD >= self.probe_at
 
     def trial_limit(self) -> int:
         """The largest k worth risking on what the drafter has shown so far: 2 for a drafter with no history,

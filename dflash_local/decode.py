@@ -41,8 +41,9 @@ class Drafter(Protocol):
         size: int,
         rows: int | None = None,
     ) -> torch.Tensor:
-        """Draft a block of `size` at start (tokens[: start + 1] are known); logits [rows, vocab] for positions
-        start+1..start+rows (rows defaults to size - 1)."""
+        """Draft a block of `size` at start (tokens[: start + 1] are known), given the features of positions
+        [start - len(new_features), start) (any between `length` and those are skipped); logits [rows, vocab] for
+        positions start+1..start+rows (rows defaults to size - 1)."""
 
 
 @dataclass(frozen=True)
@@ -236,7 +237,9 @@ def generate(
                 draft_probs = probabilities(draft_logits, params)
                 block[1:] = torch.multinomial(draft_probs, 1, generator=generator)[:, 0]
         t1 = timer.mark()
-        out = target.forward(block, all_logits=True, features=drafting, greedy=params.greedy)
+        # Deep in a run of plain steps the target skips its features (the drafter then drafts without that context).
+        features = drafting and (verify_size > 1 or policy is None or policy.reads_features())
+        out = target.forward(block, all_logits=True, features=features, greedy=params.greedy)
         if params.greedy:
             accepted, made = accept_greedy(block[1:], out.logits if out.argmax is None else out.argmax)
         else:
@@ -256,6 +259,8 @@ def generate(
         target.rollback(start)
         if out.features is not None:
             pending.append(out.features[:produced])
+        elif drafting:
+            pending = []  # the features on hand no longer end at start: the drafter skips up to the next ones
         session.record(tokens, start, drafted_to, pending)
         draft_s, target_s = timer.seconds(t0, t1), timer.seconds(t1, timer.mark())
         if policy is not None:

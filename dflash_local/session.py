@@ -31,7 +31,8 @@ class Session:
         self.tokens: list[int] = []  # the target's cache holds tokens[:length]
         self.length = 0
         self.drafter_length = 0
-        self.pending: list[torch.Tensor] = []  # features of positions drafter_length..length-1, in order
+        self.pending: list[torch.Tensor] = []  # features of the positions just below length, in order (all from
+        # drafter_length on, unless decoding skipped some: the drafter goes without those)
         self.owner: tuple | None = None  # (target, drafter, feature layers) that filled the caches
 
     def resume(
@@ -51,12 +52,12 @@ class Session:
             self.pending = []
             return 0, []
         target.rollback(kept)
+        rows = sum(len(features) for features in self.pending) - (self.length - kept)  # pending rows below kept
         self.length = kept
         self.drafter_length = min(self.drafter_length, kept)
         if drafter is not None:
             drafter.length = self.drafter_length
-        rows = kept - self.drafter_length  # no pending rows at all when the pair makes no features
-        self.pending = [torch.cat(self.pending)[:rows]] if rows and self.pending else []
+        self.pending = [torch.cat(self.pending)[:rows]] if rows > 0 else []
         return kept, list(self.pending)
 
     def common_prefix(

@@ -9,6 +9,7 @@ import pytest
 from test_lossless import PROMPTS, OracleDrafter, _autoregressive
 
 from dflash_local.block_policy import (
+    FEATURE_LEAD,
     HISTORY_DECAY,
     PROBE_SHARE,
     RECHECK,
@@ -167,6 +168,20 @@ def test_measured_costs_cover_every_size_and_leave_models_reset():
     assert target.length == 0 and drafter.length == 0
 
 
+def test_a_long_plain_run_reads_features_only_before_a_probe():
+    """Plain steps skip the target's features until the next probe is FEATURE_LEAD steps away; drafting steps and
+    a plain step right after drafting (no run under way) read them."""
+    policy = policy_with(linear(1.0, 0.5), linear(2.0, 0.0, first=2), rate=0.3)
+    choices, reads = [], []
+    while len(choices) < 2 or choices[-1] == 1:
+        choices.append(policy.choose(100))
+        reads.append(policy.reads_features())
+    probe = len(choices) - 1
+    assert probe > 2 * FEATURE_LEAD and choices[probe] > 1 and reads[probe]
+    assert reads[probe - FEATURE_LEAD : probe] == [True] * FEATURE_LEAD
+    assert not any(reads[: probe - FEATURE_LEAD])
+
+
 @pytest.fixture(scope="module")
 def target(llama_target) -> TorchLlamaTarget:
     return TorchLlamaTarget.load(llama_target)
@@ -193,7 +208,8 @@ def test_auto_block_is_lossless(target, error_rate):
 
 def test_plain_steps_between_drafts_keep_the_drafter_context():
     """The bundled pair with verify sizes scripted as 1, 1, 16, 4, 1, 16, ...: the drafter receives the features of
-    the plain steps' positions too (a gap would raise), drafts as well as with full blocks, and ids stay AR's."""
+    the plain steps' positions too (no run of plain steps is under way), drafts as well as with full blocks, and ids
+    stay AR's."""
     target = TorchLlamaTarget.load(TINY / "target", max_context=512)
     drafter = DFlashDrafter.load(TINY / "drafter", max_context=512)
     prompt = json.loads((TINY / "heldout_prompts.jsonl").read_text().splitlines()[2])["prompt"]
@@ -208,3 +224,34 @@ def test_plain_steps_between_drafts_keep_the_drafter_context():
     assert got == expected
     full = [n for n, k in zip(stats.acceptance_lengths, stats.block_sizes, strict=True) if k == 16]
     assert sum(full) / len(full) > 2.5, full
+
+
+def test_probes_after_plain_runs_that_skipped_features_stay_lossless():
+    """The bundled pair with drafting scripted to lose but probed every few dozen steps: plain runs skip the target's
+    features, probes draft across the gap (the drafter skips those positions; they accept, and drafting resumes), and
+    ids stay AR's."""
+    target = TorchLlamaTarget.load(TINY / "target", max_context=512)
+    drafter = DFlashDrafter.load(TINY / "drafter", max_context=512)
+    prompt = json.loads((TINY / "heldout_prompts.jsonl").read_text().splitlines()[4])["prompt"]
+    from dflash_local.tokenizer import TextTokenizer
+
+    ids = TextTokenizer.load(TINY / "target").encode(prompt)
+    expected, _ = run(target, None, ids, Settings(max_new_tokens=160, draft=False))
+    forward, propose = target.forward, drafter.propose
+    read, skipped = [], []
+
+    def spy_forward(*args, **kwargs):
+        read.append(kwargs["features"])
+        return forward(*args, **kwargs)
+
+    def spy_propose(*args, **kwargs):
+        logits = propose(*args, **kwargs)
+        skipped.append(bool(drafter.skipped))
+        return logits
+
+    target.forward, drafter.propose = spy_forward, spy_propose
+    policy = policy_with(linear(1.0, 0.1), linear(0.2, 0.0, first=2), rate=0.05)  # a probe every 30 steps or so
+    policy.costs.observe = lambda *args, **kwargs: None  # the scripted costs stay
+    got, stats = run(target, drafter, ids, Settings(max_new_tokens=160), policy)
+    assert got == expected
+    assert False in read and any(skipped), (read, skipped)

@@ -15,6 +15,7 @@ from dflash_local.chat import Chat
 from dflash_local.decode import Settings, generate, run
 from dflash_local.generation import GenerationRequest, LoadedModels, load_models, run_request
 from dflash_local.runtime import RuntimeConfig
+from dflash_local.session import Session
 from dflash_local.tokenizer import Detokenizer
 
 TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"
@@ -180,3 +181,31 @@ def same_turns(got: list[tuple], expected: list[tuple]) -> None:
     assert [turn[:2] for turn in got] == [turn[:2] for turn in expected]
     for (_, _, logits), (_, _, reference) in zip(got, expected, strict=True):
         torch.testing.assert_close(logits, reference, atol=0.05, rtol=2**-7)
+
+
+class Cache:
+    """What a session needs of a target or drafter: a length it can roll back and reset."""
+
+    def __init__(self) -> None:
+        self.length = 0
+
+    def rollback(self, length: int) -> None:
+        self.length = length
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+def test_a_resume_keeps_the_pending_features_below_the_kept_prefix():
+    """Pending features end at the cached length (decoding skipped the positions between the drafter's and theirs):
+    a resume keeps those of positions below the kept prefix, and the drafter's length."""
+    target, drafter, session = Cache(), Cache(), Session()
+    tokens = list(range(100, 151))
+    session.resume(target, drafter, tokens[:2], (1,))  # the session owns both caches from here
+    features = torch.arange(40.0, 50.0)[:, None]  # positions 40..49
+    for kept, want in ((45, [40.0, 41.0, 42.0, 43.0, 44.0]), (38, [])):
+        target.length = drafter.length = 50
+        session.record(tokens, 50, 20, [features])
+        assert session.resume(target, drafter, tokens[:kept] + [7], (1,))[0] == kept
+        assert [row.item() for chunk in session.pending for row in chunk] == want
+        assert drafter.length == 20 and target.length == kept
