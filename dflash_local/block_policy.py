@@ -35,6 +35,9 @@ RECHECK = 8  # while plain steps win, the choice is made again every RECHECK ste
 # evidence moves by a few percent per step, and on a fast model the choice itself costs a few percent of a step
 FEATURE_LEAD = 16  # plain steps before a probe that read the target's features again (the rest of a plain run skips
 # them: the drafter drafts without that context, and a GGUF target's decode costs a few percent less)
+SKIP_SHARE = 0.75  # ... but only while the best drafting k is estimated at under this share of plain steps' speed:
+# where drafting is close to paying (the bundled torch pair's plain runs: 0.86-0.99; its GGUFs': 0.34-0.64) it soon
+# resumes, and drafting across a gap accepts less than the reads cost
 CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 CALIBRATION_CONTEXT = 64
 
@@ -149,6 +152,7 @@ class BlockPolicy:
     plain_run: int = field(default=0, init=False)
     probes: int = field(default=0, init=False)
     probe_at: int = field(default=0, init=False)  # the plain_run at which the next probe is due
+    draft_share: float = field(default=1.0, init=False)  # the best drafting k's estimated speed over plain steps'
     unsettled_steps: int = field(default=0, init=False)  # plain steps not learnt from yet, and their total time
     unsettled_s: float = field(default=0.0, init=False)
 
@@ -161,6 +165,7 @@ class BlockPolicy:
         self.plain_run = 0
         self.probes = 0
         self.probe_at = 0
+        self.draft_share = 1.0
         self.unsettled_steps, self.unsettled_s = 0, 0.0
 
     def rates(self) -> list[float]:
@@ -188,6 +193,7 @@ class BlockPolicy:
             return min(best_draft, self.trial_limit())
         self.plain_run += 1
         self.probe_at = self.probe_interval(best_draft)
+        self.draft_share = speeds[best_draft] / speeds[1]
         if self.plain_run >= self.probe_at:
             self.plain_run = 0
             self.probes += 1
@@ -195,9 +201,11 @@ class BlockPolicy:
         return 1
 
     def reads_features(self) -> bool:
-        """Whether the step just chosen needs the target's features: every drafting step and its context does, a plain
-        step only when no run of plain steps is under way or the next probe is at most FEATURE_LEAD steps away."""
-        return self.plain_run == 0 or self.plain_run + FEATURE_LEAD >= self.probe_at
+        """Whether the step just chosen needs the target's features: every drafting step and its context does; a plain
+        step skips them only deep in a run of plain steps (the next probe more than FEATURE_LEAD steps away) while
+        drafting is far from paying (under SKIP_SHARE of plain steps' speed)."""
+        far = self.plain_run + FEATURE_LEAD < self.probe_at and self.draft_share < SKIP_SHARE
+        return self.plain_run == 0 or not far
 
     def trial_limit(self) -> int:
         """The largest k worth risking on what the drafter has shown so far: 2 for a drafter with no history,

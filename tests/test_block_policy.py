@@ -168,18 +168,30 @@ def test_measured_costs_cover_every_size_and_leave_models_reset():
     assert target.length == 0 and drafter.length == 0
 
 
-def test_a_long_plain_run_reads_features_only_before_a_probe():
-    """Plain steps skip the target's features until the next probe is FEATURE_LEAD steps away; drafting steps and
-    a plain step right after drafting (no run under way) read them."""
-    policy = policy_with(linear(1.0, 0.5), linear(2.0, 0.0, first=2), rate=0.3)
+def plain_run_reads(policy: BlockPolicy) -> tuple[list[int], list[bool]]:
+    """The choices up to and including the first probe, and whether each step read the target's features."""
     choices, reads = [], []
     while len(choices) < 2 or choices[-1] == 1:
         choices.append(policy.choose(100))
         reads.append(policy.reads_features())
+    return choices, reads
+
+
+def test_a_long_plain_run_reads_features_only_before_a_probe():
+    """Drafting far from paying (k = 2 at 0.37x plain steps' speed): plain steps skip the target's features until the
+    next probe is FEATURE_LEAD steps away; the probe reads them."""
+    choices, reads = plain_run_reads(policy_with(linear(1.0, 0.5), linear(2.0, 0.0, first=2), rate=0.3))
     probe = len(choices) - 1
     assert probe > 2 * FEATURE_LEAD and choices[probe] > 1 and reads[probe]
     assert reads[probe - FEATURE_LEAD : probe] == [True] * FEATURE_LEAD
     assert not any(reads[: probe - FEATURE_LEAD])
+
+
+def test_a_plain_run_close_to_drafting_reads_features_throughout():
+    """Drafting nearly pays (k = 2 at 0.79x plain steps' speed): the run of plain steps keeps the drafter's context
+    whole."""
+    choices, reads = plain_run_reads(policy_with(linear(1.0, 0.1), linear(0.3, 0.0, first=2), rate=0.1))
+    assert len(choices) > 2 * FEATURE_LEAD and all(reads)
 
 
 @pytest.fixture(scope="module")
@@ -226,12 +238,20 @@ def test_plain_steps_between_drafts_keep_the_drafter_context():
     assert sum(full) / len(full) > 2.5, full
 
 
-def test_probes_after_plain_runs_that_skipped_features_stay_lossless():
-    """The bundled pair with drafting scripted to lose but probed every few dozen steps: plain runs skip the target's
-    features, probes draft across the gap (the drafter skips those positions; they accept, and drafting resumes), and
-    ids stay AR's."""
-    target = TorchLlamaTarget.load(TINY / "target", max_context=512)
-    drafter = DFlashDrafter.load(TINY / "drafter", max_context=512)
+@pytest.mark.parametrize("backend", ["torch", "gguf"])
+def test_probes_after_plain_runs_that_skipped_features_stay_lossless(backend, request):
+    """The bundled pair (torch; or its Q8_0 GGUF with llama.cpp's native drafter) with drafting scripted to lose but
+    probed every 60 steps or so: plain runs skip the target's features, probes draft across the gap (the drafter
+    skips those positions; they accept, and drafting resumes), and ids stay those of plain decoding."""
+    if backend == "torch":
+        target = TorchLlamaTarget.load(TINY / "target", max_context=512)
+        drafter = DFlashDrafter.load(TINY / "drafter", max_context=512)
+    else:
+        from dflash_local.native_drafter import NativeDrafter
+        from dflash_local.targets.llamacpp import LlamaCppTarget
+
+        target = LlamaCppTarget.load(request.getfixturevalue("tiny_gguf")["q8_0"], max_context=512, threads=1)
+        drafter = NativeDrafter.load(TINY / "drafter", target, threads=1)
     prompt = json.loads((TINY / "heldout_prompts.jsonl").read_text().splitlines()[4])["prompt"]
     from dflash_local.tokenizer import TextTokenizer
 
@@ -250,8 +270,8 @@ def test_probes_after_plain_runs_that_skipped_features_stay_lossless():
         return logits
 
     target.forward, drafter.propose = spy_forward, spy_propose
-    policy = policy_with(linear(1.0, 0.1), linear(0.2, 0.0, first=2), rate=0.05)  # a probe every 30 steps or so
+    policy = policy_with(linear(1.0, 0.1), linear(0.5, 0.0, first=2), rate=0.05)  # k = 2 at 0.66x, probes every 60
     policy.costs.observe = lambda *args, **kwargs: None  # the scripted costs stay
-    got, stats = run(target, drafter, ids, Settings(max_new_tokens=160), policy)
+    got, _ = run(target, drafter, ids, Settings(max_new_tokens=160), policy)
     assert got == expected
     assert False in read and any(skipped), (read, skipped)

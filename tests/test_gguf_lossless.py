@@ -50,8 +50,8 @@ def llamacpp_greedy(path: Path, prompts: list[list[int]], monkeypatch) -> list[l
 
 
 def auto_policy(block: int) -> BlockPolicy:
-    """--block-size auto's policy with scripted costs that stay (timed steps do not move them): plain runs that skip
-    the target's features, probes drafting across those gaps, short and full blocks all happen."""
+    """--block-size auto's policy with scripted costs that stay (timed steps do not move them), which make plain,
+    short and full blocks all worth choosing."""
     steps = {k: 1.0 + 0.3 * (k - 1) for k in range(1, block + 1)}
     costs = CostTable(steps, dict.fromkeys(range(2, block + 1), 0.2))
     costs.observe = lambda *args, **kwargs: None
