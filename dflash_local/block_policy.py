@@ -4,9 +4,9 @@ Each step verifies k tokens: the known token plus k-1 drafts. The drafter always
 blocks change what it proposes) and returns only the k-1 rows the step verifies. Expected tokens for k come from
 per-position acceptance rates, each conditional on the positions before it being accepted, as decoding sees them:
 E[k] = 1 + sum_{i<k} prod_{j<=i} p_j. The policy picks the k with the most expected tokens per second of measured
-cost; when plain steps win it still probes the drafter now and then, at a bounded share of the decode time, and the
-target skips its features for the drafter until shortly before the next probe. A drafter with no history on this
-machine is tried with small blocks first, growing as its steps are seen.
+cost; when plain steps win it still probes the drafter now and then, at a bounded share of the decode time, and while
+drafting is far from paying the target skips its features for the drafter until shortly before the next probe. A
+drafter with no history on this machine is tried with small blocks first, growing as its steps are seen.
 """
 
 from __future__ import annotations
