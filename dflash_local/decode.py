@@ -238,7 +238,7 @@ def generate(
                 block[1:] = torch.multinomial(draft_probs, 1, generator=generator)[:, 0]
         t1 = timer.mark()
         # Deep in a run of plain steps the target skips its features (the drafter then drafts without that context).
-        features = drafting and (verify_size > 1 or policy is None or policy.reads_features())
+        features = drafting and (policy is None or policy.reads_features())
         out = target.forward(block, all_logits=True, features=features, greedy=params.greedy)
         if params.greedy:
             accepted, made = accept_greedy(block[1:], out.logits if out.argmax is None else out.argmax)
