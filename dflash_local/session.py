@@ -76,5 +76,8 @@ class Session:
         return kept
 
     def record(self, tokens: list[int], length: int, drafter_length: int, pending: list[torch.Tensor]) -> None:
-        """The caches now hold tokens[:length] (target), drafter_length positions (drafter) and pending features."""
-        self.tokens, self.length, self.drafter_length, self.pending = tokens, length, drafter_length, list(pending)
+        """The caches now hold tokens[:length] (target), drafter_length positions (drafter) and pending features.
+
+        Keeps the caller's lists, which the decode loop only appends to between records (a copy per step would cost
+        a long run of plain steps time quadratic in its length)."""
+        self.tokens, self.length, self.drafter_length, self.pending = tokens, length, drafter_length, pending
