@@ -158,6 +158,11 @@ def _block_size(drafter: Drafter | None, settings: Settings) -> int:
     return size
 
 
+def _next_size(policy: BlockPolicy | None, block_size: int, left: int) -> int:
+    """The next step's verify size: the policy's choice, or the fixed block (fewer near the end)."""
+    return policy.choose(left) if policy is not None else min(block_size, left)
+
+
 def generate(
     target: Target,
     drafter: Drafter | None,
@@ -206,14 +211,18 @@ def generate(
         max_length, length_reason = target.max_context, "context"
     ids = torch.tensor(prompt_ids[kept:], dtype=torch.long, device=target.device)
 
+    start = prompt_len
+    verify_size = _next_size(policy, block_size, max_length - start)
     timer = StepClock(target.device)
     began = timer.mark()
-    out = target.forward(ids, all_logits=False, features=drafting)
+    # The prompt's features are made as a step's are: unless the first step is deep in a run of plain steps.
+    out = target.forward(ids, all_logits=False, features=drafting and (policy is None or policy.reads_features()))
     first = int(pick(out.logits[-1], params, generator))
     tokens = prompt_ids + [first]
     if out.features is not None:
         pending.append(out.features)  # accepted positions' features the drafter lacks
-    start = prompt_len
+    elif drafting:
+        pending = []  # the features on hand no longer end at start: the drafter skips up to the next ones
     session.record(tokens, start, drafted_to, pending)
     stopped = first in settings.stop_ids
     done = stopped or start + 1 >= max_length
@@ -221,8 +230,6 @@ def generate(
     yield Step([first], None, 0.0, timer.seconds(began, timer.mark()), block_size, reason, prompt_len - kept)
 
     while not done:
-        left = max_length - start
-        verify_size = policy.choose(left) if policy is not None else min(block_size, left)
         block = torch.full((verify_size,), tokens[start], dtype=torch.long, device=target.device)
         t0 = timer.mark()
         draft_probs = None
@@ -267,7 +274,10 @@ def generate(
             policy.observe(verify_size, accepted, draft_s, target_s)
         done = stopped or start + 1 >= max_length
         reason = ("stop" if stopped else length_reason) if done else None
-        yield Step(made, produced, draft_s, target_s, verify_size, reason)
+        step = Step(made, produced, draft_s, target_s, verify_size, reason)
+        if not done:
+            verify_size = _next_size(policy, block_size, max_length - start)
+        yield step
     if policy is not None:
         policy.save()
 

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from test_lossless import PROMPTS, OracleDrafter, _autoregressive
 
 from dflash_local.block_policy import (
@@ -20,7 +21,7 @@ from dflash_local.block_policy import (
     load_policy,
     measure_costs,
 )
-from dflash_local.decode import Settings, run
+from dflash_local.decode import Settings, generate, run
 from dflash_local.drafter import DFlashDrafter
 from dflash_local.targets.torch_llama import TorchLlamaTarget
 
@@ -241,8 +242,9 @@ def test_plain_steps_between_drafts_keep_the_drafter_context():
 @pytest.mark.parametrize("backend", ["torch", "gguf"])
 def test_probes_after_plain_runs_that_skipped_features_stay_lossless(backend, request):
     """The bundled pair (torch; or its Q8_0 GGUF with llama.cpp's native drafter) with drafting scripted to lose but
-    probed every 60 steps or so: plain runs skip the target's features, probes draft across the gap (the drafter
-    skips those positions; they accept, and drafting resumes), and ids stay those of plain decoding."""
+    probed every 60 steps or so: plain runs skip the target's features (the prompt's too), probes draft across the
+    gap (the drafter skips those positions; they accept, and drafting resumes), and ids stay those of plain
+    decoding."""
     if backend == "torch":
         target = TorchLlamaTarget.load(TINY / "target", max_context=512)
         drafter = DFlashDrafter.load(TINY / "drafter", max_context=512)
@@ -274,4 +276,38 @@ def test_probes_after_plain_runs_that_skipped_features_stay_lossless(backend, re
     policy.costs.observe = lambda *args, **kwargs: None  # the scripted costs stay
     got, _ = run(target, drafter, ids, Settings(max_new_tokens=160), policy)
     assert got == expected
-    assert False in read and any(skipped), (read, skipped)
+    assert read[0] is False and any(skipped), (read, skipped)  # the prefill made no features: the first step skipped
+
+
+def test_a_prefill_that_skips_the_prompts_features_leaves_no_stale_ones():
+    """The bundled pair: a turn leaves the session with pending features; the next turn starts deep in a plain run
+    (its prefill makes no features) and is abandoned after its first token; a third turn drafts at once, and its
+    drafter gets the target's own features of exactly the positions below each block, not the first turn's."""
+    from dflash_local.session import Session
+    from dflash_local.tokenizer import TextTokenizer
+
+    target = TorchLlamaTarget.load(TINY / "target", max_context=512)
+    drafter = DFlashDrafter.load(TINY / "drafter", max_context=512)
+    prompt = json.loads((TINY / "heldout_prompts.jsonl").read_text().splitlines()[4])["prompt"]
+    first = TextTokenizer.load(TINY / "target").encode(prompt)
+    session = Session()
+    answer, _ = run(target, drafter, first, Settings(max_new_tokens=24), session=session)
+    assert session.pending  # the last step's features, which the drafter has not taken yet
+    second = first + answer + first[:5]
+    policy = policy_with(linear(1.0, 0.1), linear(0.5, 0.0, first=2), rate=0.05)  # k = 2 at 0.66x, probes every 60
+    steps = generate(target, drafter, second, Settings(max_new_tokens=50), policy, session)
+    third = second + next(steps).token_ids
+    steps.close()
+    propose, given = drafter.propose, []
+
+    def spy_propose(model_target, new_features, tokens, start, size, rows=None):
+        given.append((start, new_features.clone()))
+        return propose(model_target, new_features, tokens, start, size, rows)
+
+    drafter.propose = spy_propose
+    got, _ = run(target, drafter, third, Settings(max_new_tokens=40), session=session)
+    target.reset()
+    whole = target.forward(torch.tensor(third + got), all_logits=False).features
+    assert given
+    for start, features in given:
+        torch.testing.assert_close(features, whole[start - len(features) : start], atol=1e-4, rtol=1e-4)
