@@ -5,8 +5,9 @@
 
 Cases: the bundled pair on torch; its F16, Q8_0 and Q4_K_M GGUFs with the torch and the native drafter; a random-
 weight Qwen3-0.6B-shaped target with a random 5-layer drafter (acceptance about 1: auto must track plain decoding).
-Each prompt runs every mode --repeats times (rotating their order) and each mode's fastest run counts, so that a
-stall of the shared machine drops out. Plain decoding runs twice, as two modes: their ratio ("plain again / plain")
+Each prompt runs every mode --repeats times, in a shuffled order each time (so that no mode always follows the same
+one: a drafting run before can slow the next), and each mode's fastest run counts, so that a stall of the shared
+machine drops out. Plain decoding runs twice, as two modes: their ratio ("plain again / plain")
 is the measurement's own noise on that case, the margin any other ratio of the row carries. Writes bench_block.json
 and prints a markdown table; every output is checked identical to plain decoding.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import tempfile
 import time
@@ -85,10 +87,11 @@ def bench_pair(label, target, drafter, prompts, blocks, new_tokens, work: Path, 
     tokens = dict.fromkeys(modes, 0)
     seconds = dict.fromkeys(modes, 0.0)
     identical, histogram = 0, {}
+    order = random.Random(0)
     for prompt in prompts:
         outputs, fastest = {}, {}
         for repeat in range(repeats):  # each mode's fastest run of the prompt: a stall on a shared machine drops out
-            for mode in modes[repeat % len(modes) :] + modes[: repeat % len(modes)]:
+            for mode in order.sample(modes, len(modes)):
                 settings = Settings(max_new_tokens=new_tokens, draft=not mode.startswith("plain"))
                 if mode.startswith("block"):
                     settings = Settings(max_new_tokens=new_tokens, block_size=int(mode.split()[1]))
