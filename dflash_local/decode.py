@@ -158,6 +158,12 @@ def _block_size(drafter: Drafter | None, settings: Settings) -> int:
     return size
 
 
+def _makes_features(drafting: bool, policy: BlockPolicy | None) -> bool:
+    """Whether the next forward makes the drafter's features: always when drafting at a fixed block; with a policy,
+    unless its step is deep in a run of plain steps (the drafter then drafts without that context)."""
+    return drafting and (policy is None or policy.reads_features())
+
+
 def _next_size(policy: BlockPolicy | None, block_size: int, left: int) -> int:
     """The next step's verify size: the policy's choice, or the fixed block (fewer near the end)."""
     return policy.choose(left) if policy is not None else min(block_size, left)
@@ -215,8 +221,7 @@ def generate(
     verify_size = _next_size(policy, block_size, max_length - start)
     timer = StepClock(target.device)
     began = timer.mark()
-    # The prompt's features are made as a step's are: unless the first step is deep in a run of plain steps.
-    out = target.forward(ids, all_logits=False, features=drafting and (policy is None or policy.reads_features()))
+    out = target.forward(ids, all_logits=False, features=_makes_features(drafting, policy))  # as the first step's
     first = int(pick(out.logits[-1], params, generator))
     tokens = prompt_ids + [first]
     if out.features is not None:
@@ -244,9 +249,7 @@ def generate(
                 draft_probs = probabilities(draft_logits, params)
                 block[1:] = torch.multinomial(draft_probs, 1, generator=generator)[:, 0]
         t1 = timer.mark()
-        # Deep in a run of plain steps the target skips its features (the drafter then drafts without that context).
-        features = drafting and (policy is None or policy.reads_features())
-        out = target.forward(block, all_logits=True, features=features, greedy=params.greedy)
+        out = target.forward(block, all_logits=True, features=_makes_features(drafting, policy), greedy=params.greedy)
         if params.greedy:
             accepted, made = accept_greedy(block[1:], out.logits if out.argmax is None else out.argmax)
         else:

@@ -7,9 +7,9 @@ Cases: the bundled pair on torch; its F16, Q8_0 and Q4_K_M GGUFs with the torch 
 weight Qwen3-0.6B-shaped target with a random 5-layer drafter (acceptance about 1: auto must track plain decoding).
 Each prompt runs every mode --repeats times, in a shuffled order each time (so that no mode always follows the same
 one: a drafting run before can slow the next), and each mode's fastest run counts, so that a stall of the shared
-machine drops out. Plain decoding runs twice, as two modes: their ratio ("plain again / plain")
-is the measurement's own noise on that case, the margin any other ratio of the row carries. Writes bench_block.json
-and prints a markdown table; every output is checked identical to plain decoding.
+machine drops out. Plain decoding runs twice, as two modes: their ratio ("plain again / plain") is the measurement's
+own noise on that case, the margin any other ratio of the row carries. Writes bench_block.json and prints a markdown
+table; every output is checked identical to plain decoding.
 """
 
 from __future__ import annotations
