@@ -64,7 +64,7 @@ class Step:
 
     token_ids: list[int]
     acceptance_length: int | None
-    draft_s: float
+    draft_s: float  # drafting, and the block size's choice (the policy's learning from this step and choosing the next)
     target_s: float
     block_size: int  # tokens this step verified (1: a plain step)
     finish_reason: str | None = None
@@ -218,9 +218,9 @@ def generate(
     ids = torch.tensor(prompt_ids[kept:], dtype=torch.long, device=target.device)
 
     start = prompt_len
-    verify_size = _next_size(policy, block_size, max_length - start)
     timer = StepClock(target.device)
     began = timer.mark()
+    verify_size = _next_size(policy, block_size, max_length - start)
     out = target.forward(ids, all_logits=False, features=_makes_features(drafting, policy))  # as the first step's
     first = int(pick(out.logits[-1], params, generator))
     tokens = prompt_ids + [first]
@@ -272,15 +272,17 @@ def generate(
         elif drafting:
             pending = []  # the features on hand no longer end at start: the drafter skips up to the next ones
         session.record(tokens, start, drafted_to, pending)
-        draft_s, target_s = timer.seconds(t0, t1), timer.seconds(t1, timer.mark())
+        t2 = timer.mark()
+        draft_s, target_s = timer.seconds(t0, t1), timer.seconds(t1, t2)
         if policy is not None:
             policy.observe(verify_size, accepted, draft_s, target_s)
         done = stopped or start + 1 >= max_length
         reason = ("stop" if stopped else length_reason) if done else None
-        step = Step(made, produced, draft_s, target_s, verify_size, reason)
+        step_size = verify_size
         if not done:
             verify_size = _next_size(policy, block_size, max_length - start)
-        yield step
+        choice_s = timer.seconds(t2, timer.mark())  # learning from this step and choosing the next: drafting's share
+        yield Step(made, produced, draft_s + choice_s, target_s, step_size, reason)
     if policy is not None:
         policy.save()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -217,6 +218,29 @@ def test_auto_block_is_lossless(target, error_rate):
     assert len(sizes) >= 3, sizes
     if error_rate > 0.5:
         assert 1 in sizes  # drafting lost: plain steps
+
+
+def test_the_policys_time_is_counted_as_drafting(target):
+    """The policy's learning and choosing (here 10 ms each, all plain steps) lies in the steps' draft time, so the
+    decode time and tokens/s that stats and bench report include it; the first choice lies in the prefill's time."""
+    policy = policy_with(linear(1.0, 0.5), linear(2.0, 0.0, first=2), rate=0.3)
+    choose, observe = policy.choose, policy.observe
+
+    def slow_choose(limit):
+        time.sleep(0.01)
+        return choose(limit)
+
+    def slow_observe(*args):
+        time.sleep(0.01)
+        observe(*args)
+
+    policy.choose, policy.observe = slow_choose, slow_observe
+    prompt = PROMPTS[0]
+    drafter = OracleDrafter(prompt + [0] * 40, target.vocab_size, error_rate=1.0, seed=0)
+    steps = list(generate(target, drafter, prompt, Settings(max_new_tokens=6), policy))
+    assert [step.block_size for step in steps[1:]] == [1] * 5
+    assert steps[0].target_s >= 0.01
+    assert all(step.draft_s >= 0.02 for step in steps[1:-1]) and steps[-1].draft_s >= 0.01, steps
 
 
 def test_plain_steps_between_drafts_keep_the_drafter_context():
