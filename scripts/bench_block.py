@@ -8,8 +8,10 @@ weight Qwen3-0.6B-shaped target with a random 5-layer drafter (acceptance about 
 Each prompt runs every mode --repeats times, in a shuffled order each time (so that no mode always follows the same
 one: a drafting run before can slow the next), and each mode's fastest run counts, so that a stall of the shared
 machine drops out. Plain decoding runs twice, as two modes: their ratio ("plain again / plain") is the measurement's
-own noise on that case, the margin any other ratio of the row carries. Writes bench_block.json and prints a markdown
-table; every output is checked identical to plain decoding.
+own noise on that case, the margin any other ratio of the row carries. Each ratio is also given paired: the median,
+over every prompt's repeats, of the two modes' speeds in that repeat (seconds apart, so that a drift of the machine's
+speed over minutes cancels). Writes bench_block.json (with every run's seconds) and prints a markdown table; every
+output is checked identical to plain decoding.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -78,6 +81,12 @@ def pairs(case: str, work: Path):
         raise SystemExit(f"unknown case {case}")
 
 
+def paired_speedup(rounds: list[dict[str, float]], mode: str, reference: str) -> float:
+    """The median over rounds of mode's speed over the reference's in the same round (the same prompt, seconds
+    apart): a drift of the shared machine's speed over minutes, which the fastest runs of each mode keep, cancels."""
+    return statistics.median(times[reference] / times[mode] for times in rounds)
+
+
 def bench_pair(label, target, drafter, prompts, blocks, new_tokens, work: Path, repeats: int) -> dict:
     began = time.perf_counter()
     path = work / f"policy-{time.time_ns()}.json"  # calibrated afresh on every bench run
@@ -86,17 +95,20 @@ def bench_pair(label, target, drafter, prompts, blocks, new_tokens, work: Path, 
     modes = ["plain", "plain again"] + [f"block {b}" for b in blocks] + ["auto"]
     tokens = dict.fromkeys(modes, 0)
     seconds = dict.fromkeys(modes, 0.0)
+    rounds: list[dict[str, float]] = []  # each prompt's repeat: every mode's decode seconds, run within seconds
     identical, histogram = 0, {}
     order = random.Random(0)
     for prompt in prompts:
         outputs, fastest = {}, {}
         for repeat in range(repeats):  # each mode's fastest run of the prompt: a stall on a shared machine drops out
+            rounds.append({})
             for mode in order.sample(modes, len(modes)):
                 settings = Settings(max_new_tokens=new_tokens, draft=not mode.startswith("plain"))
                 if mode.startswith("block"):
                     settings = Settings(max_new_tokens=new_tokens, block_size=int(mode.split()[1]))
                 ids, stats = run(target, drafter, prompt, settings, policy if mode == "auto" else None)
                 outputs.setdefault(mode, []).append(ids)
+                rounds[-1][mode] = stats.decode_s
                 fastest[mode] = min(fastest.get(mode, float("inf")), stats.decode_s)
                 if mode == "auto" and repeat == repeats - 1:
                     for k, count in stats.block_histogram().items():
@@ -107,14 +119,17 @@ def bench_pair(label, target, drafter, prompts, blocks, new_tokens, work: Path, 
         identical += all(ids == outputs["plain"][0] for runs in outputs.values() for ids in runs)
     rate = {mode: tokens[mode] / seconds[mode] for mode in modes}
     best_fixed = max((m for m in modes if m.startswith("block")), key=rate.get)
-    reference = max(rate["plain"], rate[best_fixed])
+    reference = "plain" if rate["plain"] >= rate[best_fixed] else best_fixed
     return {
         "case": label,
         "tokens_per_s": rate,
         "best_fixed": best_fixed,
-        "auto_vs_best": rate["auto"] / reference,
+        "auto_vs_best": rate["auto"] / rate[reference],
         "auto_vs_best_fixed": rate["auto"] / rate[best_fixed],
         "plain_again_vs_plain": rate["plain again"] / rate["plain"],
+        "paired_auto_vs_best": paired_speedup(rounds, "auto", reference),
+        "paired_plain_again_vs_plain": paired_speedup(rounds, "plain again", "plain"),
+        "rounds": rounds,
         "auto_block_histogram": dict(sorted(histogram.items())),
         "identical": f"{identical}/{len(prompts)}",
         "calibration_s": calibration_s,
@@ -156,17 +171,18 @@ def main() -> None:
     args.out.write_text(json.dumps(rows, indent=1))
     print()
     print(
-        "| case | plain tok/s | plain again / plain | best fixed | its tok/s | auto tok/s | auto / best of both "
-        "| auto k used | identical |"
+        "| case | plain tok/s | plain again / plain: fastest, paired | best fixed | its tok/s | auto tok/s "
+        "| auto / best of both: fastest, paired | auto k used | identical |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         rate = row["tokens_per_s"]
         used = " ".join(f"{k}:{n}" for k, n in row["auto_block_histogram"].items())
         print(
-            f"| {row['case']} | {rate['plain']:.1f} | {row['plain_again_vs_plain']:.2f}x | {row['best_fixed']} | "
-            f"{rate[row['best_fixed']]:.1f} | "
-            f"{rate['auto']:.1f} | {row['auto_vs_best']:.2f}x | {used} | {row['identical']} |"
+            f"| {row['case']} | {rate['plain']:.1f} | {row['plain_again_vs_plain']:.2f}x, "
+            f"{row['paired_plain_again_vs_plain']:.2f}x | {row['best_fixed']} | {rate[row['best_fixed']]:.1f} | "
+            f"{rate['auto']:.1f} | {row['auto_vs_best']:.2f}x, {row['paired_auto_vs_best']:.2f}x | {used} | "
+            f"{row['identical']} |"
         )
 
 
