@@ -183,6 +183,26 @@ def test_a_forward_without_features_skips_the_taps_for_its_positions_only(tiny_g
     assert torch.equal(rest.features, full.features[30:]) and torch.equal(rest.logits, full.logits[30:])
 
 
+def test_taps_switch_only_in_forwards_that_change_them(tiny_gguf, heldout):
+    """Choosing feature layers switches no llama.cpp tap (each switch re-plans its next decode): forwards switch
+    them as they want features, and choosing the same layers again leaves them as they are."""
+    target = LlamaCppTarget.load(tiny_gguf["q8_0"], max_context=512, threads=1)
+    switches, set_tap = [], target._set_tap
+    target._set_tap = lambda ctx, layer, on: (switches.append((layer, on)), set_tap(ctx, layer, on))[1]
+    prompt = torch.tensor(heldout[0])
+    target.set_feature_layers([1, 3, 5])
+    assert target.forward(prompt[:10], features=False).features is None and switches == []
+    assert target.forward(prompt[10:20]).features.shape == (10, 3 * 256)
+    assert switches == [(2, True), (4, True), (6, True)]
+    target.set_feature_layers([1, 3, 5])
+    target.forward(prompt[20:30])
+    assert len(switches) == 3
+    target.set_feature_layers([2, 4])
+    assert switches[3:] == [(2, False), (4, False), (6, False)]
+    assert target.forward(prompt[30:40]).features.shape == (10, 2 * 256)
+    assert switches[6:] == [(3, True), (5, True)]
+
+
 def test_both_drafters_draft_across_skipped_positions_alike(tiny_gguf, heldout, drafter):
     """Features for positions 0..19 and 30..46 only (decoding skipped 20..29): the torch drafter and the native one
     (llama.cpp's KV cache, which takes consecutive positions only) close up over the gap alike, and it counts."""

@@ -119,14 +119,15 @@ class LlamaCppTarget:
         return self.info.eos_ids
 
     def set_feature_layers(self, layer_ids: list[int]) -> None:
-        """Tap llama.cpp's input of layer id + 1 (= HF output of layer id); the last layer's is the final-normed
-        hidden state, read as llama.cpp's output embeddings (which makes every position an output)."""
+        """Tap llama.cpp's input of layer id + 1 (= HF output of layer id) in the forwards that want features; the
+        last layer's is the final-normed hidden state, read as llama.cpp's output embeddings (which makes every
+        position an output). Switching taps makes llama.cpp's next decode re-plan its graph: only forward switches."""
         bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
         if bad:
             raise DFlashError(f"The GGUF target has {self.num_layers} layers, so it has no layer {bad[0]} to read.")
-        self._set_tapping(False)
-        self.feature_layer_ids = list(layer_ids)
-        self._set_tapping(True)
+        if list(layer_ids) != self.feature_layer_ids:
+            self._set_tapping(False)
+            self.feature_layer_ids = list(layer_ids)
 
     def _set_tapping(self, on: bool) -> None:
         """Have llama.cpp keep the feature layers' rows from the next decode on, or not (a decode without them
