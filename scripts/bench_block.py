@@ -99,8 +99,8 @@ def bench_pair(label, target, drafter, prompts, blocks, new_tokens, work: Path, 
     identical, histogram = 0, {}
     order = random.Random(0)
     for prompt in prompts:
-        outputs, fastest = {}, {}
-        for repeat in range(repeats):  # each mode's fastest run of the prompt: a stall on a shared machine drops out
+        outputs = {}
+        for repeat in range(repeats):
             rounds.append({})
             for mode in order.sample(modes, len(modes)):
                 settings = Settings(max_new_tokens=new_tokens, draft=not mode.startswith("plain"))
@@ -109,13 +109,12 @@ def bench_pair(label, target, drafter, prompts, blocks, new_tokens, work: Path, 
                 ids, stats = run(target, drafter, prompt, settings, policy if mode == "auto" else None)
                 outputs.setdefault(mode, []).append(ids)
                 rounds[-1][mode] = stats.decode_s
-                fastest[mode] = min(fastest.get(mode, float("inf")), stats.decode_s)
                 if mode == "auto" and repeat == repeats - 1:
                     for k, count in stats.block_histogram().items():
                         histogram[k] = histogram.get(k, 0) + count
         for mode in modes:
             tokens[mode] += len(outputs[mode][0]) - 1
-            seconds[mode] += fastest[mode]
+            seconds[mode] += min(times[mode] for times in rounds[-repeats:])  # a stall of the machine drops out
         identical += all(ids == outputs["plain"][0] for runs in outputs.values() for ids in runs)
     rate = {mode: tokens[mode] / seconds[mode] for mode in modes}
     best_fixed = max((m for m in modes if m.startswith("block")), key=rate.get)
