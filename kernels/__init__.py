@@ -8,11 +8,13 @@ from .accept import greedy_accept, greedy_accept_reference
 from .attention import block_attention, block_attention_reference, visibility_mask
 from .backend import check_triton, kernel_mode, set_kernel_mode, use_triton
 from .rmsnorm import rms_norm, rms_norm_reference
+from .wq_matmul import dequantize, wq_matmul, wq_matmul_reference
 
 __all__ = [
     "block_attention",
     "block_attention_reference",
     "check_triton",
+    "dequantize",
     "greedy_accept",
     "greedy_accept_reference",
     "kernel_mode",
@@ -21,4 +23,6 @@ __all__ = [
     "set_kernel_mode",
     "use_triton",
     "visibility_mask",
+    "wq_matmul",
+    "wq_matmul_reference",
 ]
