@@ -7,12 +7,13 @@ import os
 import re
 import tomllib
 from dataclasses import dataclass
+from importlib.resources import files
 from pathlib import Path
 
 from .errors import DFlashError
 from .hub import DRAFTER_FILES, MODEL_FILES, HubSource, cached_folder
 
-MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
+MODELS_DIR = Path(str(files("dflash_local.models")))  # models/ in the source tree; package data in a wheel
 REPO_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?$")
 
 Source = Path | HubSource
