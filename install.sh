@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# One-command setup: ./install.sh [--dev]
-# Creates .venv, installs the right torch (CUDA build where nvidia-smi works, else the CPU
-# build torch==2.13.0), then dflash-local itself with GGUF support (llama-cpp-python, built with
-# CUDA where nvidia-smi works; the build takes several minutes; on CPU machines a second libllama build without
-# llamafile, for lossless F16 verification). Every install goes through the lock,
-# constraints.txt, so users get the versions CI tested. --dev adds the test tools to .venv and creates
-# .venv-oracle: the reference implementation (PyPI dflash + transformers) the tests call as an oracle.
+# One-command setup on Linux: ./install.sh [--dev]
+# A thin layer over pip; pyproject.toml says what dflash-local needs. Creates .venv, installs torch==2.13.0 (PyPI's
+# Linux wheel is the CUDA build), then dflash-local with GGUF support (llama-cpp-python, built from source for the
+# CPU: several minutes), plus the gpu extra (Triton, bitsandbytes) where nvidia-smi works, then a second libllama
+# without llamafile for lossless F16 verification (scripts/build_libllama.sh). Every install goes through the lock,
+# constraints.txt, so users get the versions CI tested. --dev adds the test tools to .venv and creates .venv-oracle:
+# the reference implementation (PyPI dflash + transformers) the tests call as an oracle.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -18,6 +18,10 @@ for arg in "$@"; do
   esac
 done
 
+if [ "$(uname -s)" != Linux ]; then
+  echo "install.sh sets up Linux only; on macOS or Windows install with pip or pipx as README.md's \"Other platforms\" says." >&2
+  exit 1
+fi
 python=${PYTHON:-python3}
 if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
   echo "install.sh: Python 3.11 or newer is needed (found: $("$python" --version 2>&1))." >&2
@@ -45,27 +49,16 @@ if .venv/bin/python -m pip show --quiet dflash >/dev/null 2>&1; then
   .venv/bin/python -m pip uninstall --quiet --yes dflash transformers
 fi
 
-# llama-cpp-python (GGUF targets) builds libllama from source: with CUDA where nvidia-smi works.
-if [ "$gpu" = 1 ]; then
-  export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_CUDA=on}"
-  echo "==> llama-cpp-python will be built with CUDA (CMAKE_ARGS=$CMAKE_ARGS)"
-fi
-if [ "$dev" = 1 ]; then
-  echo "==> installing dflash-local with test dependencies"
-  "${pip[@]}" -e ".[dev]"
-else
-  echo "==> installing dflash-local (with GGUF support: llama-cpp-python, gguf)"
-  "${pip[@]}" -e ".[gguf]"
-fi
-# On the CPU, DFlash is bitwise lossless on F16/BF16/F32 GGUFs only with a libllama built without llamafile's
-# tinyBLAS: build it once per llama-cpp-python version into .venv/lib/dflash-libllama (a few minutes).
-if [ "$gpu" = 0 ] && [ "$(uname -s)" = Linux ]; then
-  scripts/build_libllama.sh .venv
-fi
-if [ "$dev" = 0 ] && [ "$gpu" = 1 ]; then
-  echo "==> adding the GPU path: Triton kernels, bitsandbytes NF4 targets"
-  "${pip[@]}" -e ".[gpu]"
-fi
+# llama-cpp-python (GGUF targets) builds libllama from source for the CPU, GPU or not: a CUDA build needs nvcc, which
+# most machines lack; the GPU path is the torch target with Triton kernels (the gpu extra).
+extras=gguf
+[ "$gpu" = 1 ] && extras=gguf,gpu
+[ "$dev" = 1 ] && extras=dev
+echo "==> installing dflash-local[$extras]"
+"${pip[@]}" -e ".[$extras]"
+# DFlash is bitwise lossless on F16/BF16/F32 GGUFs on the CPU only with a libllama built without llamafile's tinyBLAS:
+# build it once per llama-cpp-python version into .venv/lib/dflash-libllama (a few minutes).
+scripts/build_libllama.sh .venv
 
 if [ "$dev" = 1 ]; then
   echo "==> creating .venv-oracle: the reference implementation the tests compare against"
