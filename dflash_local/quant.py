@@ -1,6 +1,7 @@
-"""Quantized linear layers: NF4 targets through bitsandbytes (quantized on load, or pre-quantized bnb-4bit
-checkpoints), NF4 or int8 drafters (int8 on the CPU through fbgemm's dynamic int8 linear), and the CPU's fp32
-drafter layers through fbgemm's fp16 GEMM.
+"""Quantized linear layers: weight-only int4/int8 group targets (`--quantize int4`, GGUF tensors) through
+kernels.wq_matmul, NF4 targets through bitsandbytes (quantized on load, or pre-quantized bnb-4bit checkpoints), NF4 or
+int8 drafters (int8 on the CPU through fbgemm's dynamic int8 linear), and the CPU's fp32 drafter layers through
+fbgemm's fp16 GEMM.
 
 Pre-quantized checkpoints use the Hugging Face layout: per quantized linear, `weight` (packed uint8) plus
 `weight.absmax`, `weight.quant_map`, optional `weight.nested_*`, and `weight.quant_state.bitsandbytes__nf4`.
@@ -17,8 +18,9 @@ import torch
 from torch import nn
 
 from .errors import DFlashError
+from .kernels import dequantize, wq_matmul
 
-QUANT_TYPES = ("nf4",)
+QUANT_TYPES = ("int4", "nf4")
 DRAFTER_QUANT_TYPES = ("int8", "nf4")
 STATE_PREFIX = "quant_state.bitsandbytes__"
 
@@ -231,6 +233,108 @@ class Fp16Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return on_rows(x, lambda rows: torch.ops.quantized.linear_dynamic_fp16(rows, self.packed))
+
+
+INT4_GROUP = 128  # `--quantize int4`: groups of 128 input columns, each with a scale and a min (gpt-fast's default)
+
+
+def group_scale_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype group scales and mins are kept in: fp32 for fp32 compute (exact), else fp16."""
+    return torch.float32 if dtype == torch.float32 else torch.float16
+
+
+class GroupQuantLinear(nn.Module):
+    """A weight-only quantized linear (kernels.wq_matmul's format): int4 or int8 codes in groups along the input,
+    each group with a scale and an optional min; Triton on CUDA, the torch reference elsewhere."""
+
+    def __init__(
+        self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int, group: int
+    ) -> None:
+        super().__init__()
+        if bits not in (4, 8) or group < 16 or group & (group - 1):
+            raise ValueError(f"unsupported group quantization: {bits} bits, groups of {group}")
+        self.bits, self.group = bits, group
+        self.in_features = codes.shape[1] * (2 if bits == 4 else 1)
+        self.out_features = codes.shape[0]
+        if scales.shape != (self.out_features, self.in_features // group) or (
+            mins is not None and mins.shape != scales.shape
+        ):
+            raise ValueError(f"scales of shape {tuple(scales.shape)} do not fit codes of shape {tuple(codes.shape)}")
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scales)
+        self.register_buffer("mins", mins)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = wq_matmul(x.reshape(-1, x.shape[-1]), self.codes, self.scales, self.mins, self.bits, self.group)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The dequantized weight rows at ids (an embedding lookup), in dtype."""
+        flat = ids.reshape(-1)
+        mins = None if self.mins is None else self.mins[flat]
+        weight = dequantize(self.codes[flat], self.scales[flat], mins, self.bits, self.group)
+        return weight.to(dtype).view(*ids.shape, self.in_features)
+
+
+class GroupQuantEmbedding(nn.Module):
+    """An embedding table kept in GroupQuantLinear's format: only the looked-up rows are dequantized."""
+
+    def __init__(self, table: GroupQuantLinear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table, self.dtype = table, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table.rows(ids, self.dtype)
+
+
+def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP, scale_dtype: torch.dtype = torch.float16):
+    """(codes, scales, mins) of weight [out, in] as int4 groups: each group's min and (max - min) / 15 as its scale,
+    nibbles rounded to nearest (asymmetric min-max quantization, in fp32 on weight's device)."""
+    rows, width = weight.shape
+    grouped = weight.float().view(rows, width // group, group)
+    low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)
+    scales = ((high - low) / 15).to(scale_dtype)
+    mins = low.to(scale_dtype)
+    step = scales.float().clamp_min(torch.finfo(torch.float16).tiny)[..., None]
+    nibbles = ((grouped - mins.float()[..., None]) / step).round_().clamp_(0, 15).to(torch.uint8).view(rows, width)
+    return nibbles[:, 0::2] | (nibbles[:, 1::2] << 4), scales, mins
+
+
+def int4_linear(layer: nn.Linear, dtype: torch.dtype, device: str | torch.device) -> nn.Module:
+    """layer as a GroupQuantLinear of int4 groups with mins (quantized on device), or layer itself in dtype when its
+    input width is not a multiple of INT4_GROUP."""
+    if layer.bias is not None or layer.in_features % INT4_GROUP:
+        return layer.to(device=device, dtype=dtype)
+    codes, scales, mins = quantize_int4(layer.weight.data.to(device), INT4_GROUP, group_scale_dtype(dtype))
+    return GroupQuantLinear(codes, scales, mins, 4, INT4_GROUP)
+
+
+def install_int4(
+    model: nn.Module, tensors: dict[str, torch.Tensor], scope: str, dtype: torch.dtype, device: str, source: str
+) -> list[str]:
+    """Swap each nn.Linear under model.<scope> for int4_linear of its tensor, taken out of `tensors` one at a time
+    (on the CPU, so the model is never whole in 16 bits on device); returns the swapped names."""
+    swapped = []
+    for name, layer in list(model.get_submodule(scope).named_modules()):
+        if not isinstance(layer, nn.Linear):
+            continue
+        full = f"{scope}.{name}"
+        weight = tensors.pop(f"{full}.weight", None)
+        if weight is None:
+            raise DFlashError(f"{source} lacks the tensor {full}.weight.")
+        if tuple(weight.shape) != tuple(layer.weight.shape):
+            raise DFlashError(
+                f"{source}: tensor {full}.weight has shape {tuple(weight.shape)}, "
+                f"the config implies {tuple(layer.weight.shape)}."
+            )
+        bias = tensors.pop(f"{full}.bias", None)
+        plain = nn.Linear(layer.in_features, layer.out_features, bias=bias is not None, device="meta")
+        plain.weight = nn.Parameter(weight, requires_grad=False)
+        if bias is not None:
+            plain.bias = nn.Parameter(bias, requires_grad=False)
+        model.set_submodule(full, int4_linear(plain, dtype, device))
+        swapped.append(full)
+    return swapped
 
 
 def quantize_linears(

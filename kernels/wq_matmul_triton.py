@@ -13,8 +13,10 @@ PROGRAMS_PER_SM = 4  # split-K until the grid holds about this many programs per
 
 
 @triton.jit
-def _dequantize_tile(values, s_ptr, m_ptr, cols, col_ok, group_base, groups_per_row,
-                     BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, WIDTH: tl.constexpr, HAS_MIN: tl.constexpr):  # fmt: skip
+def _dequantize_tile(
+    values, s_ptr, m_ptr, cols, col_ok, group_base, groups_per_row,
+    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, WIDTH: tl.constexpr, HAS_MIN: tl.constexpr,
+):  # fmt: skip
     """values [BLOCK_N, GROUPS * WIDTH] (fp32, WIDTH per group) times their groups' scales, plus their mins."""
     group_ids = group_base + tl.arange(0, GROUPS)
     where = cols[:, None] * groups_per_row + group_ids[None, :]

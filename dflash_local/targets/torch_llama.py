@@ -13,7 +13,7 @@ from torch.nn import functional as F
 from ..cuda_graphs import StepGraphs, cache_span
 from ..errors import DFlashError
 from ..layers import MLP, RMSNorm, apply_rope, check_rope, rope_cos_sin, rope_inv_freq
-from ..quant import check_quantize, install_4bit, prequantized
+from ..quant import check_quantize, install_4bit, install_int4, prequantized
 from ..runtime import check_kernels
 from ..weights import check_attention_shape, check_int, check_optional, load_weights, need, read_config
 from .base import TargetOutput
@@ -174,7 +174,7 @@ class LlamaModel(nn.Module):
 
     def new_cache(self, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Zeroed K and V caches of shape [layers, batch, kv_heads, length, head_dim]."""
-        cfg, weight = self.cfg, self.lm_head.weight
+        cfg, weight = self.cfg, self.model.norm.weight
         shape = (cfg.num_layers, batch, cfg.num_kv_heads, length, cfg.head_dim)
         return (
             torch.zeros(shape, dtype=weight.dtype, device=weight.device),
@@ -193,11 +193,11 @@ class LlamaModel(nn.Module):
         """Run ids [batch, steps] at positions [batch or 1, steps], K/V cached at slots [steps], attending under mask
         [batch or 1, 1 or heads, steps, span] to the first span cache positions; return the final-normed hidden
         states and the concatenated outputs of feature_layer_ids (HF `hidden_states[id + 1]`)."""
-        dtype = self.lm_head.weight.dtype
+        dtype = self.model.norm.weight.dtype
         batch, steps = ids.shape
         cos, sin = rope_cos_sin(self.inv_freq, positions.reshape(-1), dtype)
         cos, sin = (t.view(positions.shape[0], 1, steps, -1) for t in (cos, sin))
-        x = F.embedding(ids, self.model.embed_tokens.weight)
+        x = self.model.embed_tokens(ids)
         captured: dict[int, torch.Tensor] = {}
         wanted = set(feature_layer_ids)
         for index, layer in enumerate(self.model.layers):
@@ -215,11 +215,14 @@ class LlamaModel(nn.Module):
 class TorchLlamaTarget:
     """A target model plus its KV cache: feed tokens, read logits and context features, roll back."""
 
-    def __init__(self, model: LlamaModel, max_context: int, cuda_graphs: bool = True) -> None:
+    def __init__(
+        self, model: LlamaModel, max_context: int, cuda_graphs: bool = True, stop_ids: frozenset[int] = frozenset()
+    ) -> None:
         self.model = model
         self.cfg = model.cfg
-        param = model.lm_head.weight
+        param = model.model.norm.weight
         self.device, self.dtype = param.device, param.dtype
+        self.stop_ids = stop_ids  # a GGUF file's end-of-sequence ids (HF folders keep theirs in their config files)
         self.max_context = min(max_context, self.cfg.max_position_embeddings)
         self.cache = model.new_cache(1, self.max_context)
         self.length = 0
@@ -236,21 +239,32 @@ class TorchLlamaTarget:
         quantize: str | None = None,
         cuda_graphs: bool = True,
     ) -> TorchLlamaTarget:
-        """Build the model from an HF-layout folder (config.json + safetensors).
+        """Build the model from an HF-layout folder (config.json + safetensors) or a GGUF file (gguf_weights: its
+        quantized blocks as int4/int8 group linears).
 
-        quantize="nf4" makes the decoder layers' linears NF4 (bitsandbytes); a bnb-4bit checkpoint loads as 4-bit.
+        quantize="int4" makes the decoder layers' linears int4 groups (kernels.wq_matmul), "nf4" NF4 (bitsandbytes);
+        a bnb-4bit checkpoint loads as NF4.
         """
         folder = Path(folder)
         check_kernels(device)
+        check_quantize(quantize)
+        if folder.suffix == ".gguf":
+            if quantize is not None:
+                raise DFlashError("--quantize applies to safetensors targets; a GGUF file is already quantized.")
+            from ..gguf_weights import load_gguf_model
+
+            model, stop_ids = load_gguf_model(folder, dtype, device)
+            return cls(model, max_context, cuda_graphs, stop_ids)
         config = read_config(folder)
         cfg = TargetConfig.from_dict(config, folder)
-        check_quantize(quantize)
-        four_bit = prequantized(config) or quantize is not None
+        nf4 = prequantized(config) or quantize == "nf4"
+        quantized = nf4 or quantize is not None
         with torch.device("meta"):
             model = LlamaModel(cfg)
-        tensors = load_weights(folder, None if four_bit else dtype, "cpu" if four_bit else device)
-        swapped = install_4bit(model, tensors, "model.layers", dtype, device, str(folder)) if four_bit else []
-        if four_bit:
+        tensors = load_weights(folder, None if nf4 else dtype, "cpu" if quantized else device)
+        install = install_4bit if nf4 else install_int4
+        swapped = install(model, tensors, "model.layers", dtype, device, str(folder)) if quantized else []
+        if quantized:
             tensors = {name: tensor.to(device=device, dtype=dtype) for name, tensor in tensors.items()}
         if cfg.tie_word_embeddings and "model.embed_tokens.weight" in tensors:
             tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
@@ -297,10 +311,16 @@ class TorchLlamaTarget:
         self.length = length
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.model.model.embed_tokens.weight)
+        return self.model.model.embed_tokens(ids)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(hidden)
+
+    def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        weight = self.model.lm_head.weight
+        if not weight.is_floating_point():
+            raise DFlashError("A reduced-vocabulary drafter needs the target's head unquantized.")
+        return weight[ids.to(weight.device)].to(self.dtype)
 
     @torch.inference_mode()
     def forward(

@@ -1,0 +1,254 @@
+"""A GGUF file's Llama/Qwen3 model into the torch target, its quantized blocks straight into GroupQuantLinear's int4 /
+int8 groups (kernels.wq_matmul's format), decoded on the target's device one tensor at a time.
+
+The mapping (v: the stored code, w = v * scale + min):
+- Q4_0: int4 groups of 32 without a min (v = nibble - 8), scale d;
+- Q4_K: int4 groups of 32 (its sub-blocks) with a min, scale d * sc, min -dmin * m (6-bit sc, m);
+- Q5_0: int8 groups of 32, v = q - 16, scale d;
+- Q5_K: int8 groups of 32 with a min, v = q (0..31), scale d * sc, min -dmin * m;
+- Q6_K: int8 groups of 16 (its sub-blocks), v = q - 32, scale d * sc (8-bit sc);
+- Q8_0: int8 groups of 32, scale d.
+Every value is exact with fp32 scales (fp32 compute); with 16-bit compute the scales are kept in fp16, which holds d
+exactly (Q4_0, Q5_0, Q8_0) but rounds the products d * sc and dmin * m of the K-quants to 11 significant bits.
+F32, F16 and BF16 matrices load as plain linears in the compute dtype; other types are refused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+from torch import nn
+
+from .errors import DFlashError
+from .gguf_file import GGUFTensor, read_header
+from .layers import rope_inv_freq
+from .quant import GroupQuantEmbedding, GroupQuantLinear, group_scale_dtype
+from .targets.torch_llama import LlamaModel, TargetConfig
+
+ARCHITECTURES = ("llama", "qwen3")
+FLOAT_TYPES = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
+# GGUF layer tensor -> HF name: gguf_convert.LAYER_TENSORS inverted (that module loads llama.cpp, not needed here)
+HF_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def _half(blocks: torch.Tensor, begin: int) -> torch.Tensor:
+    """The fp16 stored at byte `begin` of each block, as fp32 [blocks, 1]."""
+    return blocks[:, begin : begin + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """[..., n] bytes -> [..., 2, n]: low nibbles, then high ones."""
+    return torch.stack((packed & 15, packed >> 4), dim=-2)
+
+
+def _k_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K's eight 6-bit sub-block scales and mins (bytes 4..15), as fp32 [blocks, 8] each."""
+    packed = blocks[:, 4:16].view(-1, 3, 4)
+    low, high, mixed = packed[:, 0], packed[:, 1], packed[:, 2]
+    scales = torch.cat((low & 63, (mixed & 15) | ((low >> 2) & 48)), dim=-1)
+    mins = torch.cat((high & 63, (mixed >> 4) | ((high >> 2) & 48)), dim=-1)
+    return scales.float(), mins.float()
+
+
+def _bits(packed: torch.Tensor, count: int) -> torch.Tensor:
+    """[blocks, n] bytes -> [blocks, count, n]: bit i of every byte at [:, i]."""
+    shifts = torch.arange(count, dtype=torch.uint8, device=packed.device)
+    return (packed[:, None, :] >> shifts[None, :, None]) & 1
+
+
+def decode_blocks(kind: Q, blocks: torch.Tensor):
+    """(values [blocks, 256 or 32], scales, mins or None [blocks, groups], bits, group) of raw GGUF blocks (uint8
+    [blocks, type size]); values are int4 nibbles (uint8) or int8 codes."""
+    n = blocks.shape[0]
+    if kind == Q.Q4_0:
+        return _nibbles(blocks[:, 2:18]).reshape(n, 32), _half(blocks, 0), None, 4, 32
+    if kind == Q.Q8_0:
+        return blocks[:, 2:34].contiguous().view(torch.int8), _half(blocks, 0), None, 8, 32
+    if kind == Q.Q5_0:
+        high = _bits(blocks[:, 2:6], 8).transpose(1, 2).reshape(n, 32)  # bit j of the little-endian uint32
+        values = _nibbles(blocks[:, 6:22]).reshape(n, 32) | (high << 4)
+        return (values.to(torch.int16) - 16).to(torch.int8), _half(blocks, 0), None, 8, 32
+    if kind in (Q.Q4_K, Q.Q5_K):
+        sc, m = _k_scales(blocks)
+        scales, mins = _half(blocks, 0) * sc, -(_half(blocks, 2) * m)
+        if kind == Q.Q4_K:
+            return _nibbles(blocks[:, 16:144].view(n, 4, 32)).reshape(n, 256), scales, mins, 4, 32
+        values = _nibbles(blocks[:, 48:176].view(n, 4, 32)).reshape(n, 8, 32) | (_bits(blocks[:, 16:48], 8) << 4)
+        return values.reshape(n, 256).to(torch.int8), scales, mins, 8, 32
+    if kind == Q.Q6_K:
+        low = _nibbles(blocks[:, :128].view(n, 2, 64)).reshape(n, 8, 32)
+        shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=blocks.device)
+        high = ((blocks[:, 128:192].view(n, 2, 1, 32) >> shifts[None, None, :, None]) & 3).reshape(n, 8, 32)
+        values = ((low | (high << 4)).to(torch.int16) - 32).to(torch.int8).reshape(n, 256)
+        scales = blocks[:, 192:208].contiguous().view(torch.int8).float() * _half(blocks, 208)
+        return values, scales, None, 8, 16
+    raise ValueError(kind)
+
+
+QUANT_TYPES = (Q.Q4_0, Q.Q4_K, Q.Q5_0, Q.Q5_K, Q.Q6_K, Q.Q8_0)
+
+
+def quantized_matrix(raw: torch.Tensor, kind: Q, out_features: int, scale_dtype: torch.dtype) -> GroupQuantLinear:
+    """A GroupQuantLinear from a matrix's raw GGUF rows (uint8 [out, bytes per row], on the device to decode on)."""
+    values, scales, mins, bits, group = decode_blocks(kind, raw.reshape(-1, GGML_QUANT_SIZES[kind][1]))
+    values = values.reshape(out_features, -1)
+    if bits == 4:
+        values = values[:, 0::2] | (values[:, 1::2] << 4)
+    scales = scales.reshape(out_features, -1).to(scale_dtype)
+    mins = None if mins is None else mins.reshape(out_features, -1).to(scale_dtype)
+    return GroupQuantLinear(values.contiguous(), scales, mins, bits, group)
+
+
+def rope_rows(rows: int, heads: int) -> torch.Tensor:
+    """The row order that undoes llama.cpp's interleaved RoPE layout of a llama q/k matrix (HF's rotate-half)."""
+    return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
+
+
+class GGUFReader:
+    """One GGUF file's tensors read and decoded for the torch target on a device."""
+
+    def __init__(self, path: Path, header, dtype: torch.dtype, device: str) -> None:
+        self.path, self.tensors, self.dtype, self.device = path, header.tensors, dtype, device
+
+    def tensor(self, name: str) -> GGUFTensor:
+        tensor = self.tensors.get(name)
+        if tensor is None:
+            raise DFlashError(f"{self.path} lacks the tensor {name}.")
+        return tensor
+
+    def raw(self, tensor: GGUFTensor, order: torch.Tensor | None) -> torch.Tensor:
+        """Its rows' bytes (uint8 [rows, bytes per row]) on the device, in `order` if given."""
+        rows = torch.from_numpy(tensor.read_rows(slice(None)).copy())
+        return (rows if order is None else rows[order]).to(self.device)
+
+    def floats(self, name: str, order: torch.Tensor | None = None) -> torch.Tensor:
+        """A float tensor (a norm, or an F32/F16/BF16 matrix) in the compute dtype, GGUF shape reversed."""
+        tensor = self.tensor(name)
+        raw = self.raw(tensor, order)
+        return raw.view(FLOAT_TYPES[tensor.tensor_type]).reshape(tuple(reversed(tensor.shape))).to(self.dtype)
+
+    def matrix(self, name: str, shape: tuple[int, int], heads: int | None = None) -> nn.Module:
+        """The linear [out, in] stored under name: a GroupQuantLinear, or a plain one for float types."""
+        tensor = self.tensor(name)
+        if tuple(reversed(tensor.shape)) != shape:
+            raise DFlashError(
+                f"{self.path}: tensor {name} has shape {tuple(reversed(tensor.shape))}, the metadata implies {shape}."
+            )
+        order = None if heads is None else rope_rows(shape[0], heads)
+        if tensor.tensor_type in FLOAT_TYPES:
+            linear = nn.Linear(shape[1], shape[0], bias=False, device="meta")
+            linear.weight = nn.Parameter(self.floats(name, order), requires_grad=False)
+            return linear
+        if tensor.tensor_type not in QUANT_TYPES:
+            supported = ", ".join(kind.name for kind in (*FLOAT_TYPES, *QUANT_TYPES))
+            raise DFlashError(
+                f"{self.path}: tensor {name} is {tensor.tensor_type.name}, which the torch backend does not load "
+                f"(it loads {supported}); use --backend llamacpp."
+            )
+        raw = self.raw(tensor, order)
+        return quantized_matrix(raw, tensor.tensor_type, shape[0], group_scale_dtype(self.dtype))
+
+
+def gguf_config(path: Path, fields: dict, tensors: dict[str, GGUFTensor]) -> dict:
+    """The HF-style config.json of a GGUF file's Llama/Qwen3 model, from its metadata."""
+    arch = fields.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise DFlashError(
+            f"{path} holds a '{arch}' model; the torch backend loads {', '.join(ARCHITECTURES)} models "
+            "(use --backend llamacpp)."
+        )
+
+    def key(name: str, default=None):
+        value = fields.get(f"{arch}.{name}", default)
+        if value is None:
+            raise DFlashError(f"{path} lacks the GGUF metadata key {arch}.{name}.")
+        return value
+
+    if "token_embd.weight" not in tensors:
+        raise DFlashError(f"{path} lacks the tensor token_embd.weight.")
+    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+    config = {
+        "model_type": arch,
+        "vocab_size": int(tensors["token_embd.weight"].shape[1]),
+        "hidden_size": hidden,
+        "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": int(key("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
+        "head_dim": int(key("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(key("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(key("context_length")),
+        "tie_word_embeddings": "output.weight" not in tensors,
+    }
+    scaling = fields.get(f"{arch}.rope.scaling.type", "none")
+    if scaling == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+    elif scaling != "none":
+        raise DFlashError(f"{path}: RoPE scaling '{scaling}' is not supported by the torch backend.")
+    return config
+
+
+def load_gguf_model(path: Path, dtype: torch.dtype, device: str) -> tuple[LlamaModel, frozenset[int]]:
+    """The LlamaModel of a GGUF file (quantized matrices as GroupQuantLinear, on device) and its end-of-sequence ids."""
+    try:
+        header = read_header(path)
+    except (ValueError, KeyError, OSError) as exc:
+        raise DFlashError(f"{path} is not a complete, readable GGUF file ({exc}).") from None
+    config = gguf_config(path, header.fields, header.tensors)
+    cfg = TargetConfig.from_dict(config, path)
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    reader = GGUFReader(path, header, dtype, device)
+    hidden, inner = cfg.hidden_size, cfg.intermediate_size
+    shapes = {
+        "q_proj": (cfg.num_heads * cfg.head_dim, hidden),
+        "k_proj": (cfg.num_kv_heads * cfg.head_dim, hidden),
+        "v_proj": (cfg.num_kv_heads * cfg.head_dim, hidden),
+        "o_proj": (hidden, cfg.num_heads * cfg.head_dim),
+        "gate_proj": (inner, hidden),
+        "up_proj": (inner, hidden),
+        "down_proj": (hidden, inner),
+    }
+    rope_heads = {"q_proj": cfg.num_heads, "k_proj": cfg.num_kv_heads} if cfg.model_type == "llama" else {}
+    with torch.no_grad():
+        for index in range(cfg.num_layers):
+            for gguf_name, hf_name in HF_NAMES.items():
+                name = f"model.layers.{index}.{hf_name.removesuffix('.weight')}"
+                if hf_name.endswith("norm.weight"):
+                    if hf_name.startswith("self_attn.") and not cfg.qk_norm:
+                        continue
+                    norm = model.get_submodule(name)
+                    norm.weight = nn.Parameter(reader.floats(f"blk.{index}.{gguf_name}"), requires_grad=False)
+                    continue
+                short = hf_name.split(".")[1]
+                module = reader.matrix(f"blk.{index}.{gguf_name}", shapes[short], rope_heads.get(short))
+                model.set_submodule(name, module)
+        model.model.norm.weight = nn.Parameter(reader.floats("output_norm.weight"), requires_grad=False)
+        table = reader.matrix("token_embd.weight", (cfg.vocab_size, hidden))
+        if isinstance(table, GroupQuantLinear):
+            model.model.embed_tokens = GroupQuantEmbedding(table, dtype)
+        else:
+            model.model.embed_tokens = nn.Embedding(cfg.vocab_size, hidden, _weight=table.weight, _freeze=True)
+        model.lm_head = table if cfg.tie_word_embeddings else reader.matrix("output.weight", (cfg.vocab_size, hidden))
+    inv_freq = rope_inv_freq(cfg.raw, cfg.head_dim)
+    if "rope_freqs.weight" in header.tensors:
+        inv_freq = inv_freq / reader.floats("rope_freqs.weight").float().cpu()
+    model.inv_freq = inv_freq.to(device)
+    eos = header.fields.get("tokenizer.ggml.eos_token_id")
+    return model.eval(), frozenset() if eos is None else frozenset([int(eos)])
