@@ -8,6 +8,7 @@ in another order); bf16 activations (the interpreter's dots cast to fp32), one b
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"  # read when a kernel is defined, so before kernels import their Triton twins
 
@@ -17,7 +18,12 @@ from dflash_local.kernels.wq_matmul import dequantize, wq_matmul_reference  # no
 from dflash_local.kernels.wq_matmul_triton import wq_matmul_triton  # noqa: E402
 from torch import nn  # noqa: E402
 
+from dflash_local.decode import Settings, run  # noqa: E402
+from dflash_local.drafter import DFlashDrafter  # noqa: E402
 from dflash_local.quant import GroupQuantEmbedding, GroupQuantLinear, quantize_int4  # noqa: E402
+from dflash_local.targets.torch_llama import TorchLlamaTarget  # noqa: E402
+
+BUNDLED = Path(__file__).parent.parent / "models" / "tiny"
 
 
 def random_weight(bits: int, group: int, has_min: bool, out: int, width: int, seed: int):
@@ -86,3 +92,34 @@ def test_quantized_linear_and_embedding() -> None:
     torch.testing.assert_close(GroupQuantEmbedding(linear, torch.float32)(ids), restored[ids])
     with pytest.raises(ValueError):
         GroupQuantLinear(codes, scales[:, :1], mins, 4, 128)
+
+
+@pytest.fixture(scope="module")
+def q4_k_m(tmp_path_factory):
+    """The bundled target as a Q4_K_M GGUF (Q4_K and Q6_K tensors)."""
+    pytest.importorskip("llama_cpp")
+    from dflash_local.gguf_convert import convert
+
+    return convert(BUNDLED / "target", tmp_path_factory.mktemp("wq") / "tiny-q4_k_m.gguf", "q4_k_m", threads=1)
+
+
+@pytest.mark.parametrize("source", ["q4_k_m", "int4"])
+def test_quantized_target_through_the_kernel(source, q4_k_m, kernels_mode) -> None:
+    """A Q4_K_M GGUF and the bundled target quantized to int4 give the same logits through the Triton kernel as
+    through the reference; DFlash on the int4 target equals its plain greedy output."""
+    path, quantize = (q4_k_m, None) if source == "q4_k_m" else (BUNDLED / "target", "int4")
+    target = TorchLlamaTarget.load(path, max_context=64, quantize=quantize)
+    assert sum(isinstance(m, GroupQuantLinear) for m in target.model.modules()) >= 56
+    ids = torch.tensor([7, 300, 41, 12, 9, 77, 1000, 8, 5])
+    kernels_mode("torch")
+    want = target.forward(ids).logits
+    target.reset()
+    kernels_mode("triton")
+    got = target.forward(ids).logits
+    close(got, want, 1e-5)
+    if source == "int4":
+        kernels_mode("torch")
+        prompt = ids.tolist()
+        expected, _ = run(target, None, prompt, Settings(max_new_tokens=24, draft=False))
+        drafter = DFlashDrafter.load(BUNDLED / "drafter", max_context=64)
+        assert run(target, drafter, prompt, Settings(max_new_tokens=24, block_size=16))[0] == expected
