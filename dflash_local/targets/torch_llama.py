@@ -13,7 +13,7 @@ from torch.nn import functional as F
 from ..cuda_graphs import StepGraphs, cache_span
 from ..errors import DFlashError
 from ..layers import MLP, RMSNorm, apply_rope, check_rope, rope_cos_sin, rope_inv_freq
-from ..quant import check_quantize, install_4bit, install_int4, prequantized
+from ..quant import GroupQuantLinear, check_quantize, install_4bit, install_int4, prequantized
 from ..runtime import check_kernels
 from ..weights import check_attention_shape, check_int, check_optional, load_weights, need, read_config
 from .base import TargetOutput
@@ -317,6 +317,8 @@ class TorchLlamaTarget:
         return self.model.lm_head(hidden)
 
     def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.model.lm_head, GroupQuantLinear):
+            return self.model.lm_head.rows(ids.to(self.device), self.dtype)
         weight = self.model.lm_head.weight
         if not weight.is_floating_point():
             raise DFlashError("A reduced-vocabulary drafter needs the target's head unquantized.")
