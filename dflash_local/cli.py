@@ -327,6 +327,11 @@ def serve(
         None, "--api-key", envvar="DFLASH_API_KEY", help="Require Authorization: Bearer KEY on /v1 requests."
     ),
     queue_size: int = typer.Option(16, "--queue-size", help="Requests that may wait; more are answered 503."),
+    max_body: int = typer.Option(4 * 2**20, "--max-body", help="Largest request body in bytes; more is a 413."),
+    read_timeout: float = typer.Option(
+        30.0, "--read-timeout", help="Seconds a client has to send its request's headers, then its body (else 408)."
+    ),
+    max_connections: int = typer.Option(100, "--max-connections", help="Open connections; more are answered 503."),
     max_new_tokens: Optional[int] = typer.Option(
         None, "--max-new-tokens", help="Default answer length when a request has no max_tokens (default: the context)."
     ),
@@ -357,14 +362,18 @@ def serve(
         if run_engine:
             raise DFlashError("--exec runs an engine's command: use it with --engine vllm or --engine sglang.")
         _check_numbers(1 if max_new_tokens is None else max_new_tokens, max_context)
-        if queue_size < 1:
-            raise DFlashError(f"--queue-size must be at least 1, got {queue_size}.")
+        counts = {"--queue-size": queue_size, "--max-body": max_body, "--max-connections": max_connections}
+        for flag, value in counts.items():
+            if value < 1:
+                raise DFlashError(f"{flag} must be at least 1, got {value}.")
+        if not 0 < read_timeout < float("inf"):
+            raise DFlashError(f"--read-timeout must be a number of seconds above 0, got {read_timeout:g}.")
         if not 0 <= port < 2**16:
             raise DFlashError(f"--port must be from 0 to 65535, got {port}.")
 
         from .generation import load_models
         from .runtime import RuntimeConfig
-        from .server import Engine, create_app, exposure_warning, listen, run_server
+        from .server import Engine, Limits, create_app, exposure_warning, listen, run_server
 
         sock = listen(host, port)  # before loading: a taken port fails at once
         resolved = _resolve(model, drafter, offline, token)
@@ -385,7 +394,8 @@ def serve(
         address = sock.getsockname()
         shown = f"[{address[0]}]" if ":" in address[0] else address[0]
         typer.echo(f"serving {model} on http://{shown}:{address[1]}/v1 (OpenAI API; Ctrl-C stops)", err=True)
-        run_server(create_app(worker, model, api_key), sock)
+        limits = Limits(max_body, read_timeout, max_connections)
+        run_server(create_app(worker, model, api_key, limits), sock, limits)
 
 
 def _hand_off(

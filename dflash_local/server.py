@@ -16,18 +16,22 @@ import logging
 import os
 import queue
 import socket
+import sys
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
+import h11
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from uvicorn import Config
 from uvicorn import Server as Uvicorn
+from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
 from .errors import DFlashError
 from .generation import GenerationRequest, LoadedModels, StopGeneration, run_request
@@ -36,14 +40,35 @@ log = logging.getLogger("dflash.serve")
 
 RETRY_AFTER_S = 5
 MAX_STOPS = 4
+PATHS = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models and GET /health"
 
 
-class BadRequest(Exception):
+@dataclass(frozen=True)
+class Limits:
+    """What one client may hold: body bytes, seconds to send its headers and then its body, open connections."""
+
+    max_body: int = 4 * 2**20
+    read_timeout: float = 30.0
+    max_connections: int = 100
+
+
+class Refused(Exception):
+    """A request answered with an HTTP error in the OpenAI shape before it reaches the engine."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, close: bool = False) -> None:
+        super().__init__(message)
+        self.status, self.param, self.close = status, param, close
+
+    def response(self) -> JSONResponse:
+        headers = {"Connection": "close"} if self.close else None
+        return error_response(self.status, str(self), param=self.param, headers=headers)
+
+
+class BadRequest(Refused):
     """A request the API refuses: HTTP 400 with the OpenAI error shape, naming the offending field."""
 
     def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
+        super().__init__(400, message, param)
 
 
 def error_response(
@@ -100,13 +125,32 @@ def _flag(body: dict, name: str) -> bool:
     return value
 
 
+NO_TOOLS = "dflash serve does not call tools"
+UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
+    "tools": ((None, []), f"'tools' cannot be honoured: {NO_TOOLS}."),
+    "functions": ((None, []), f"'functions' cannot be honoured: {NO_TOOLS}."),
+    "tool_choice": ((None, "none", "auto"), f"'tool_choice' must be none or auto: {NO_TOOLS}."),
+    "function_call": ((None, "none", "auto"), f"'function_call' must be none or auto: {NO_TOOLS}."),
+    "response_format": ((None, {"type": "text"}), 'Only response_format {"type": "text"} is supported.'),
+    "n": ((None, 1), "Only n = 1 is supported: the engine decodes one sequence at a time."),
+    "best_of": ((None, 1), "Only best_of = 1 is supported: the engine decodes one sequence at a time."),
+    "logprobs": ((None, False), "'logprobs' is not supported by dflash serve."),
+    "top_logprobs": ((None, 0), "'top_logprobs' is not supported by dflash serve."),
+    "echo": ((None, False), "'echo' is not supported by dflash serve."),
+    "suffix": ((None, ""), "'suffix' is not supported by dflash serve."),
+}
+
+
+def refuse_unsupported(body: dict) -> None:
+    """A 400 naming the first field that asks for what this server cannot do, instead of a 200 that ignores it."""
+    for name, (allowed, message) in UNSUPPORTED.items():
+        if body.get(name) not in allowed:
+            raise BadRequest(message, name)
+
+
 def parse_sampling(body: dict) -> Sampling:
     """temperature, top_p, max_tokens (or max_completion_tokens), stop, seed, stream, stream_options, ignore_eos."""
-    if body.get("n", 1) not in (1, None):
-        raise BadRequest("Only n = 1 is supported: the engine decodes one sequence at a time.", "n")
-    for name in ("logprobs", "echo"):
-        if body.get(name) not in (None, False, 0):
-            raise BadRequest(f"'{name}' is not supported by dflash serve.", name)
+    refuse_unsupported(body)
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else ([] if stop is None else stop)
@@ -204,7 +248,9 @@ class StopCutter:
             at, self.hit = min(found)
             self.text = self.text[:at]
             return self.flush()
-        keep = max((n for s in self.stops for n in range(1, len(s)) if self.text.endswith(s[:n])), default=0)
+        unsent = len(self.text) - self.sent  # only unsent text can be held back, so a long stop string costs no more
+        stops = ((s, range(1, min(len(s), unsent + 1))) for s in self.stops)
+        keep = max((n for s, sizes in stops for n in sizes if self.text.endswith(s[:n])), default=0)
         end = max(self.sent, len(self.text) - keep)
         out, self.sent = self.text[self.sent : end], end
         return out
@@ -396,14 +442,15 @@ async def _disconnected(request: Request) -> None:
 class Server:
     """The app's state: the engine, the model's name and the optional API key."""
 
-    def __init__(self, engine: Engine, model: str, api_key: str | None) -> None:
-        self.engine, self.model, self.api_key = engine, model, api_key
+    def __init__(self, engine: Engine, model: str, api_key: str | None, limits: Limits) -> None:
+        self.engine, self.model, self.api_key, self.limits = engine, model, api_key, limits
 
     def authorized(self, request: Request) -> bool:
+        """Authorization: Bearer KEY (the scheme in any case), the key compared in constant time."""
         if self.api_key is None:
             return True
-        given = request.headers.get("authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode())
+        scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self.api_key.encode())
 
     async def answer(self, request: Request, job: Job, shape: Shape) -> Response:
         """Queue the job, wait for its first text, then stream or collect the rest."""
@@ -461,32 +508,91 @@ async def _stream(job: Job, shape: Shape, first: str) -> AsyncIterator[str]:
         job.cancelled.set()  # no effect once the job is done
 
 
+async def _read(request: Request, limit: int) -> bytes:
+    """The body, refused with a 413 as soon as its declared or received size passes limit."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        message = f"The request body is {int(declared)} bytes, over the {limit}-byte limit (--max-body)."
+        raise Refused(413, message, close=True)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise Refused(413, f"The request body is over the {limit}-byte limit (--max-body).", close=True)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _no_constant(name: str) -> None:
+    raise BadRequest(f"{name} is not a JSON number.")
+
+
+async def read_json(request: Request, limits: Limits) -> dict:
+    """The body as a JSON object, or a Refused error that says why not (encoding, size, time, syntax, depth, limits)."""
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise Refused(415, f"Content-Encoding {encoding} is not supported: send the body uncompressed.", close=True)
+    try:
+        raw = await asyncio.wait_for(_read(request, limits.max_body), limits.read_timeout)
+    except TimeoutError:
+        message = f"The request body did not arrive within {limits.read_timeout:g} s (--read-timeout)."
+        raise Refused(408, message, close=True) from None
+    except ClientDisconnect:
+        raise Refused(400, "The client went away before its body was whole.", close=True) from None
+    try:
+        body = json.loads(raw, parse_constant=_no_constant)
+        json.dumps(body, ensure_ascii=False).encode()  # every string must be text: no lone UTF-16 surrogate
+    except json.JSONDecodeError:
+        raise BadRequest("The request body is not valid JSON.") from None
+    except UnicodeDecodeError:
+        raise BadRequest("The request body is not UTF-8 (nor UTF-16 or UTF-32) text.") from None
+    except UnicodeEncodeError:
+        raise BadRequest("The request body has a string with a lone UTF-16 surrogate (\\ud800-\\udfff).") from None
+    except RecursionError:
+        raise BadRequest("The request body nests arrays or objects too deeply.") from None
+    except ValueError:  # Python's int-string limit
+        digits = sys.get_int_max_str_digits()
+        raise BadRequest(f"The request body has an integer of more than {digits} digits.") from None
+    if not isinstance(body, dict):
+        raise BadRequest("The request body must be a JSON object.")
+    return body
+
+
 def _endpoint(server: Server, handler: Callable[[Request, dict], Awaitable[Response]]):
-    """Check the API key, read the JSON body, and turn BadRequest into a 400."""
+    """Check the API key, read the JSON body, and turn a refusal into its error response."""
 
     async def endpoint(request: Request) -> Response:
         if not server.authorized(request):
             message = "Missing or wrong API key: send it as Authorization: Bearer KEY."
             return error_response(401, message, code="invalid_api_key")
-        body = None
-        if request.method == "POST":
-            try:
-                body = json.loads(await request.body())
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                return error_response(400, "The request body is not valid JSON.")
-            if not isinstance(body, dict):
-                return error_response(400, "The request body must be a JSON object.")
         try:
+            body = await read_json(request, server.limits) if request.method == "POST" else None
             return await handler(request, body)
-        except BadRequest as exc:
-            return error_response(400, str(exc), param=exc.param)
+        except Refused as exc:
+            return exc.response()
 
     return endpoint
 
 
-def create_app(engine: Engine, model: str, api_key: str | None = None) -> Starlette:
+def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (no such path, wrong method) in the OpenAI shape."""
+    assert isinstance(exc, HTTPException)
+    where = f"{request.method} {request.url.path}"
+    messages = {
+        404: f"Invalid URL ({where}): this server answers {PATHS}.",
+        405: f"{where} is not allowed: use {(exc.headers or {}).get('Allow', '')}.",
+    }
+    return error_response(exc.status_code, messages.get(exc.status_code, exc.detail), headers=exc.headers)
+
+
+def _server_error(request: Request, exc: Exception) -> Response:
+    """A bug's answer: a 500 in the OpenAI shape (uvicorn logs the traceback)."""
+    return error_response(500, f"The server failed ({type(exc).__name__}: {exc}).", "server_error")
+
+
+def create_app(engine: Engine, model: str, api_key: str | None = None, limits: Limits = Limits()) -> Starlette:
     """The Starlette app: /v1/chat/completions, /v1/completions, /v1/models and /health."""
-    server = Server(engine, model, api_key)
+    server = Server(engine, model, api_key, limits)
 
     async def chat(request: Request, body: dict) -> Response:
         messages, sampling, thinking = parse_messages(body), parse_sampling(body), parse_thinking(body)
@@ -519,7 +625,9 @@ def create_app(engine: Engine, model: str, api_key: str | None = None) -> Starle
         Route("/v1/models", _endpoint(server, models), methods=["GET"]),
         Route("/health", health, methods=["GET"]),
     ]
-    return Starlette(routes=routes)
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _server_error})
+    app.router.redirect_slashes = False  # /v1/models/ is a 404, not a redirect
+    return app
 
 
 def exposure_warning(host: str, api_key: str | None) -> str | None:
@@ -549,6 +657,81 @@ def listen(host: str, port: int) -> socket.socket:
         raise DFlashError(f"Cannot listen on {host}:{port} ({os.strerror(exc.errno)}).") from None
 
 
-def run_server(app: Starlette, sock: socket.socket) -> None:
-    """Serve app on the socket until Ctrl-C (uvicorn; warnings and errors logged, no access log)."""
-    Uvicorn(Config(app, log_level="warning", access_log=False)).run(sockets=[sock])
+class BoundedH11(H11Protocol):
+    """uvicorn's h11 connection with a deadline for each request's headers, a cap on open connections, and the
+    errors it answers itself (malformed HTTP, late headers, too many connections) in the OpenAI shape."""
+
+    limits = Limits()
+    deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.limits.max_connections:
+            self.app = _too_many_connections(self.limits.max_connections)
+        self._await_headers()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE and self.deadline is not None:
+            self.deadline.cancel()  # the request's headers are whole
+            self.deadline = None
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.conn.their_state is h11.IDLE:
+            self._await_headers()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+        super().connection_lost(exc)
+
+    def _await_headers(self) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+        self.deadline = self.loop.call_later(self.limits.read_timeout, self._headers_late)
+
+    def _headers_late(self) -> None:
+        """Close a connection whose request headers did not arrive in time (with a 408 if it began one)."""
+        self.deadline = None
+        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+            return
+        if self.conn.trailing_data[0]:
+            timeout = self.limits.read_timeout
+            self._answer(408, f"The request headers did not arrive within {timeout:g} s (--read-timeout).")
+        self.transport.close()
+
+    def send_400_response(self, msg: str) -> None:
+        self._answer(400, "The request is not valid HTTP/1.1 (or its headers are over 16 KiB).")
+        self.transport.close()
+
+    def _answer(self, status: int, message: str) -> None:
+        """An error response written before (or instead of) the app, then the connection closes."""
+        response = error_response(status, message, headers={"Connection": "close"})
+        try:
+            for event in (
+                h11.Response(status_code=status, headers=response.raw_headers, reason=STATUS_PHRASES[status]),
+                h11.Data(data=response.body),
+                h11.EndOfMessage(),
+            ):
+                self.transport.write(self.conn.send(event))
+        except h11.LocalProtocolError:  # a response had begun already: only closing is left
+            pass
+
+
+def _too_many_connections(cap: int) -> Callable:
+    """The app every request of a connection over the cap gets: 503, Retry-After, and the connection closed."""
+    message = f"The server has its {cap} connections open (--max-connections); retry later."
+    headers = {"Retry-After": str(RETRY_AFTER_S), "Connection": "close"}
+    return error_response(503, message, "server_error", headers=headers)
+
+
+def uvicorn_server(app: Starlette, limits: Limits = Limits()) -> Uvicorn:
+    """uvicorn over app with the limits' connection protocol (warnings and errors logged, no access log)."""
+    protocol = type("BoundedH11", (BoundedH11,), {"limits": limits})
+    return Uvicorn(Config(app, http=protocol, log_level="warning", access_log=False))
+
+
+def run_server(app: Starlette, sock: socket.socket, limits: Limits = Limits()) -> None:
+    """Serve app on the socket until Ctrl-C."""
+    uvicorn_server(app, limits).run(sockets=[sock])
