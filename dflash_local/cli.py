@@ -717,8 +717,14 @@ def doctor(
 
 
 def main() -> None:
-    """Console-script entry point."""
-    app()
+    """Console-script entry point: a status line on a terminal until the command's first output."""
+    from .startup import STATUS
+
+    STATUS.start("starting: importing libraries")
+    try:
+        app()
+    finally:
+        STATUS.stop()
 
 
 @app.command()

@@ -10,13 +10,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .block_policy import BlockPolicy, cost_key, load_policy, measure_costs
+from .block_policy import BlockPolicy, CostTable, cost_key, load_policy, measure_costs
 from .decode import Drafter, Settings, Stats, generate
 from .drafter import DFlashDrafter
 from .errors import DFlashError
 from .runtime import RuntimeConfig, pick_device, pick_dtype
 from .sampling import SamplingParams
 from .session import Session
+from .startup import phase
 from .targets import load_target
 from .targets.base import Target
 from .tokenizer import Detokenizer, TextTokenizer, stop_token_ids
@@ -77,12 +78,14 @@ def load_models(
     torch_dtype = pick_dtype(runtime.dtype, device)
     path = Path(target_path)
     gguf = path.suffix == ".gguf"
+    phase("loading the target")
     with memory_guard(f"The target {path} with a {max_context}-token KV cache", device):
         target = load_target(path, backend, torch_dtype, device, max_context, quantize, runtime.cuda_graphs)
     drafter = None
     if drafter_path is not None:
         if not Path(drafter_path).exists():
             raise DFlashError(f"{drafter_path} does not exist.")
+        phase("loading the drafter")
         with memory_guard(f"The drafter {drafter_path} with a {target.max_context}-token cache", device):
             if gguf or backend == "llamacpp":
                 from .native_drafter import load_drafter  # llama.cpp's own drafter where it is faster (CPU)
@@ -109,7 +112,12 @@ def load_models(
         from .hub import state_dir
 
         costs = state_dir() / "block-costs" / f"{cost_key(identity)}.json"
-        policy = load_policy(costs, drafter.block_size, lambda: measure_costs(target, drafter))
+
+        def calibrate() -> CostTable:
+            phase("calibrating: timing each block size on this machine (first load of this pair only)")
+            return measure_costs(target, drafter)
+
+        policy = load_policy(costs, drafter.block_size, calibrate)
     if gguf:
         from .gguf_tokenizer import GGUFTokenizer
 
