@@ -324,7 +324,7 @@ class Chat:
             state.thinking = arg == "on"
             self.console.print(f"(thinking {arg})")
         else:
-            self.console.print(f"unknown command {name}; /help lists them", markup=False)
+            raise DFlashError(f"Unknown command {name}; /help lists them.")
         return True
 
     def stats_text(self) -> str:
