@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .block_policy import BlockPolicy, CostTable, cost_key, load_policy, measure_costs
+from .block_policy import CHECK_ROUNDS, BlockPolicy, CostTable, cost_key, load_policy, measure_costs, time_steps
 from .decode import Drafter, Settings, Stats, generate
 from .drafter import DFlashDrafter
 from .errors import DFlashError
@@ -70,7 +70,8 @@ def load_models(
     auto_block: bool = True,
 ) -> LoadedModels:
     """Load and cross-check a target and (optionally) a drafter from local paths, running as `runtime` says; with
-    auto_block, also the pair's block policy (its costs measured on first load on this machine, then cached)."""
+    auto_block, also the pair's block policy (its costs measured on first load on this machine, then cached and
+    checked by a few timings at each load)."""
     if max_context < 1:
         raise DFlashError(f"The context (--max-context) must be at least 1 token, got {max_context}.")
     runtime.apply()
@@ -114,10 +115,12 @@ def load_models(
         costs = state_dir() / "block-costs" / f"{cost_key(identity)}.json"
 
         def calibrate() -> CostTable:
-            phase("calibrating: timing each block size on this machine (first load of this pair only)")
+            phase("calibrating: timing each block size on this machine (a first load, or a cached table found off)")
             return measure_costs(target, drafter)
 
-        policy = load_policy(costs, drafter.block_size, calibrate)
+        policy = load_policy(
+            costs, drafter.block_size, calibrate, lambda sizes: time_steps(target, drafter, sizes, CHECK_ROUNDS)
+        )
     if gguf:
         from .gguf_tokenizer import GGUFTokenizer
 
