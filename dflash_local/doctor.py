@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .hub import HubSource, cache_dir, human_size
+from .hub import HubSource, cache_dir, human_size, state_dir
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,34 @@ def run_checks() -> list[Check]:
     checks.append(_hub_check())
     free = shutil.disk_usage(cache_dir() if cache_dir().exists() else cache_dir().anchor).free
     checks.append(Check("model cache", f"{cache_dir()} ({human_size(free)} free)", None))
-    return checks
+    return checks + cost_table_checks()
+
+
+AFRESH = "its pair's next load measures it afresh (or: dflash bench --calibrate)"
+
+
+def cost_table_checks() -> list[Check]:
+    """The cached block-cost tables (--block-size auto): one line for all that look consistent, one per table that
+    does not (see block_policy.inconsistencies; the next load of its pair measures it afresh)."""
+    from .block_policy import CostTable, inconsistencies
+
+    folder = state_dir() / "block-costs"
+    paths = sorted(folder.glob("*.json")) if folder.is_dir() else []
+    bad = []
+    for path in paths:
+        try:
+            costs = CostTable.from_dict(json.loads(path.read_text())["costs"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            bad.append(Check("block-cost table", f"{path.name} is unreadable: {AFRESH}", False))
+            continue
+        problems = inconsistencies(costs)
+        if problems:
+            when = (
+                time.strftime("%Y-%m-%d %H:%M", time.localtime(costs.measured_at)) if costs.measured_at else "no date"
+            )
+            found = f"{path.name} (measured: {when}) looks inconsistent: {problems[0]}; {AFRESH}"
+            bad.append(Check("block-cost table", found, False))
+    return bad or [Check("block-cost tables", f"{len(paths)} in {folder}, consistent")][: len(paths)]
 
 
 class _NotPulled(Exception):

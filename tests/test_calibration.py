@@ -132,7 +132,7 @@ def poisoned(shape: str) -> CostTable:
     costs = quiet_table()
     plain = costs.target_s[1]
     if shape == "verify-2 13x":
-        costs.target_s |= {k: plain * (13 + k) for k in range(2, BLOCK + 1)}
+        costs.target_s |= {k: plain * (11 + k) for k in range(2, BLOCK + 1)}
     elif shape == "verify-8 31x":
         costs.target_s |= {k: plain * 4 * k if k < 8 else plain * 31 for k in range(2, BLOCK + 1)}
     else:  # falls from k = 1 to k = 4, rises again
@@ -254,3 +254,20 @@ def test_a_quiet_table_is_kept_through_generations(tmp_path):
     assert sum(speed(k) for k in chosen) / len(chosen) >= 0.95 * best
     ratio = {k: policy.costs.target_s[k] / policy.costs.target_s[1] for k in policy.costs.target_s}
     assert ratio == pytest.approx({k: quiet_target(k) / quiet_target(1) for k in ratio}, rel=0.05)
+
+
+def test_doctor_says_when_a_cached_table_looks_inconsistent(tmp_path, monkeypatch):
+    """One line for the consistent tables; one per inconsistent table, naming its file, when it was measured and
+    what is wrong; nothing where no table is cached."""
+    from dflash_local.doctor import cost_table_checks
+
+    monkeypatch.setenv("DFLASH_HOME", str(tmp_path))
+    assert cost_table_checks() == []
+    folder = tmp_path / "block-costs"
+    save_table(folder / "quiet.json", quiet_table())
+    (ok,) = cost_table_checks()
+    assert ok.ok and ok.found == f"1 in {folder}, consistent"
+    save_table(folder / "busy.json", poisoned("verify-2 13x"))
+    (bad,) = cost_table_checks()
+    assert bad.ok is False and bad.found.startswith("busy.json (measured: no date) looks inconsistent: ")
+    assert "the target's forward of k = 2 costs 13.00x its cost at k = 1" in bad.found
