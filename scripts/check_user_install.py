@@ -1,15 +1,18 @@
-"""CI's check of a plain `./install.sh` (no --dev): the CLI answers, loads the batch-invariant libllama, chats through a
-pipe, and pulls from a Hub.
+"""CI's check of a user install: the CLI answers, chats through a pipe, lists the catalog, trains a few steps on the
+bundled pair, and pulls from a Hub. Run after `./install.sh` (which also built the batch-invariant libllama) or, with
+--wheel, in a fresh venv holding the built wheel.
 
-    .venv/bin/python scripts/check_user_install.py      # after ./install.sh; uses the standard library only
+    .venv/bin/python scripts/check_user_install.py                       # after ./install.sh
+    python scripts/check_user_install.py --venv /tmp/wheel-venv --wheel   # pip install 'dist/*.whl[gguf]' there
 
-`dflash pull` runs against tests/hub_server.py's loopback Hub serving the bundled drafter, then with that Hub
-stopped, then against an address nothing listens on with an empty cache. Prints one line per check; exit 1 on any
-failure.
+Uses the standard library only. `dflash pull` runs against tests/hub_server.py's loopback Hub serving the bundled
+drafter, then with that Hub stopped, then against an address nothing listens on with an empty cache. Prints one line
+per check; exit 1 on any failure.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -17,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-DFLASH = REPO / ".venv" / "bin" / "dflash"
+VENV = REPO / ".venv"
 REPO_ID = "ci/tiny-drafter"
 UNREACHABLE = "http://127.0.0.1:9"
 sys.path.insert(0, str(REPO / "tests"))
@@ -27,7 +30,8 @@ from hub_server import FakeHub, repo_of  # noqa: E402
 
 def dflash(*args: str, stdin: str = "", env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     full = {**os.environ, **(env or {})}
-    return subprocess.run([str(DFLASH), *args], input=stdin, capture_output=True, text=True, timeout=600, env=full)
+    command = [str(VENV / "bin" / "dflash"), *args]
+    return subprocess.run(command, input=stdin, capture_output=True, text=True, timeout=600, env=full)
 
 
 def expect(ok: bool, what: str, result: subprocess.CompletedProcess) -> bool:
@@ -44,16 +48,37 @@ def check_version() -> list[bool]:
 
 
 def check_pipe_chat() -> list[bool]:
-    result = dflash("chat", stdin="hello\n", env={"OMP_NUM_THREADS": "1"})
+    result = dflash("chat", stdin="def add(a, b):\n", env={"OMP_NUM_THREADS": "1"})
     answered = result.returncode == 0 and result.stdout.strip() != ""
-    return [expect(answered, "echo hello | dflash chat (bundled pair)", result)]
+    return [expect(answered, 'echo "def add(a, b):" | dflash chat (bundled pair)', result)]
 
 
-def check_doctor() -> list[bool]:
-    """On a CPU-only llama.cpp, dflash loads the batch-invariant libllama install.sh built (lossless F16 GGUFs)."""
+def check_models() -> list[bool]:
+    result = dflash("models", env={"COLUMNS": "200"})
+    ok = result.returncode == 0 and "bundled" in result.stdout
+    return [expect(ok, "dflash models: the catalog, with tiny bundled", result)]
+
+
+def check_doctor(invariant: bool) -> list[bool]:
+    """After install.sh, dflash loads the batch-invariant libllama it built (lossless F16); a wheel, the stock one."""
     result = dflash("doctor", env={"COLUMNS": "200"})  # one line per check
+    if not invariant:
+        ok = result.returncode == 0 and "llama-cpp-python" in result.stdout
+        return [expect(ok, "dflash doctor: every check runs, llama-cpp-python found", result)]
     ok = result.returncode == 0 and ("batch-invariant libllama" in result.stdout or "GPU offload" in result.stdout)
     return [expect(ok, "dflash doctor: llama.cpp's library is the batch-invariant build (or a GPU build)", result)]
+
+
+def check_train(home: Path) -> list[bool]:
+    """A few steps of `dflash train` on the installed bundled pair (asked from the venv's Python, outside the repo)."""
+    code = "from dflash_local.catalog import MODELS_DIR; print(MODELS_DIR / 'tiny')"
+    found = subprocess.run([str(VENV / "bin" / "python"), "-c", code], capture_output=True, text=True, cwd=home)
+    tiny, out = Path(found.stdout.strip()), home / "trained-drafter"
+    data = ("--target", str(tiny / "target"), "--corpus", str(tiny / "heldout_prompts.jsonl"), "--out", str(out))
+    small = ("--max-prompts", "4", "--new-tokens", "16", "--steps", "3", "--batch-size", "2", "--eval-every", "3")
+    result = dflash("train", *data, *small, env={"OMP_NUM_THREADS": "1", "DFLASH_HOME": str(home / "dflash")})
+    ok = result.returncode == 0 and (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    return [expect(ok, "dflash train: 3 steps on the bundled pair write a drafter", result)]
 
 
 def one_error_line(result: subprocess.CompletedProcess) -> bool:
@@ -87,17 +112,25 @@ def check_unreachable(home: Path) -> list[bool]:
 
 
 def main() -> int:
+    global VENV
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--venv", type=Path, default=VENV, help="the venv whose dflash is checked (default: .venv)")
+    parser.add_argument("--wheel", action="store_true", help="installed from the wheel: no batch-invariant libllama")
+    args = parser.parse_args()
+    VENV = args.venv.absolute()
     for inherited in ("HF_TOKEN", "HF_HUB_OFFLINE"):  # the checks need the anonymous, online Hub client
         os.environ.pop(inherited, None)
     with tempfile.TemporaryDirectory(prefix="dflash-user-check-") as home:
         results = (
             check_version()
-            + check_doctor()
+            + check_doctor(invariant=not args.wheel)
             + check_pipe_chat()
+            + check_models()
+            + check_train(Path(home))
             + check_pull(Path(home))
             + check_unreachable(Path(home))
         )
-    print(f"user install: {sum(results)} of {len(results)} checks passed")
+    print(f"user install ({VENV}): {sum(results)} of {len(results)} checks passed")
     return 0 if all(results) else 1
 
 
