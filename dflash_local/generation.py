@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
@@ -110,9 +111,16 @@ def load_models(
             "dtype": str(torch_dtype),
             "threads": torch.get_num_threads(),
         }
+        from .atomic import unwritable_reason
         from .hub import state_dir
 
         costs = state_dir() / "block-costs" / f"{cost_key(identity)}.json"
+        if (reason := unwritable_reason(costs.parent)) is not None:
+            print(
+                f"warning: {costs.parent} is not writable ({reason}): block sizes are timed afresh at every load; "
+                "set DFLASH_HOME to a writable folder to keep them.",
+                file=sys.stderr,
+            )
 
         def calibrate() -> CostTable:
             phase("calibrating: timing each block size on this machine (a first load, or a cached table found off)")
