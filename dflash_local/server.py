@@ -3,7 +3,8 @@
 The engine decodes one sequence at a time, so requests wait in a bounded queue, in arrival order, for the one worker
 thread that renders prompts and runs generations; the event loop only parses, queues and streams. A client that goes
 away cancels its generation at the next step (its on_text callback raises), and whatever one request raises becomes
-that request's error response, never the server's end.
+that request's error response, never the server's end. What a client may hold is bounded (Limits: body bytes, seconds
+for headers and body, open connections), and every refusal, down to malformed HTTP, has OpenAI's error shape.
 """
 
 from __future__ import annotations
@@ -574,9 +575,8 @@ def _endpoint(server: Server, handler: Callable[[Request, dict], Awaitable[Respo
     return endpoint
 
 
-def _http_error(request: Request, exc: Exception) -> Response:
+def _http_error(request: Request, exc: HTTPException) -> Response:
     """Starlette's own refusals (no such path, wrong method) in the OpenAI shape."""
-    assert isinstance(exc, HTTPException)
     where = f"{request.method} {request.url.path}"
     messages = {
         404: f"Invalid URL ({where}): this server answers {PATHS}.",
@@ -719,7 +719,7 @@ class BoundedH11(H11Protocol):
             pass
 
 
-def _too_many_connections(cap: int) -> Callable:
+def _too_many_connections(cap: int) -> JSONResponse:
     """The app every request of a connection over the cap gets: 503, Retry-After, and the connection closed."""
     message = f"The server has its {cap} connections open (--max-connections); retry later."
     headers = {"Retry-After": str(RETRY_AFTER_S), "Connection": "close"}

@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -283,6 +284,18 @@ def test_connections_over_the_cap_get_a_503_and_the_cap_frees_up(engine):
         while (status := ask(address, "GET", "/health")[0]) == 503 and time.monotonic() < deadline:
             time.sleep(0.05)  # the server notices the closed connections on its next loop turn
         assert status == 200
+
+
+def test_a_bug_is_a_500_in_the_openai_shape():
+    class Broken(Engine):
+        def submit(self, job) -> None:
+            raise RuntimeError("a bug")
+
+    models = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids: ""), stop_ids=frozenset())
+    with serving(Broken(models, None, None, size=1)) as address:
+        status, _, body = ask(address, "POST", "/v1/chat/completions", json.dumps(CHAT).encode())
+    assert status == 500 and body["error"]["type"] == "server_error"
+    assert_openai_error(body, "The server failed (RuntimeError: a bug).")
 
 
 def test_a_long_stop_string_is_no_slower_than_the_text_it_holds_back():
