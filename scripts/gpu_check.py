@@ -1,7 +1,8 @@
 """One prepared check of the GPU path on a CUDA machine (a few minutes): kernels against their references on
-CUDA, engine output ids with Triton vs torch kernels and CUDA graphs on vs off, NF4 lossless, then gpu_bench.
+CUDA (the int4/int8 weight-only matmul too), engine output ids with Triton vs torch kernels and CUDA graphs on vs off,
+NF4, int4 and a Q4_K_M GGUF lossless, then gpu_bench (results/<gpu>/).
 
-    .venv/bin/python scripts/gpu_check.py [--skip-bench] [--out gpu_check.json]
+    .venv/bin/python scripts/gpu_check.py [--skip-bench] [--out results/<gpu>/gpu_check.json]
 
 Exits non-zero when a hard check fails. bf16 engine runs are reported, not required to match: on a GPU,
 verifying 16 tokens and decoding 1 round differently in bf16.
@@ -13,6 +14,7 @@ import argparse
 import itertools
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,8 @@ from dflash_local.kernels.attention import block_attention_reference
 from dflash_local.kernels.attention_triton import block_attention_triton
 from dflash_local.kernels.rmsnorm import rms_norm_reference
 from dflash_local.kernels.rmsnorm_triton import rms_norm_triton
+from dflash_local.kernels.wq_matmul import wq_matmul_reference
+from dflash_local.kernels.wq_matmul_triton import wq_matmul_triton
 
 from dflash_local.decode import Settings, run
 from dflash_local.drafter import DFlashDrafter
@@ -81,14 +85,48 @@ def check_kernels(device: str) -> dict[str, Any]:
                 draft[cut] = (draft[cut] + 1) % vocab
             got, want = greedy_accept_triton(draft, logits), greedy_accept_reference(draft, logits)
             mismatches += got.tolist() != want.tolist()
+    errors.update(check_wq_matmul(device, gen))
     within = all(error <= TOLERANCE["float32" if "float32" in key else "bfloat16"] for key, error in errors.items())
     return {"passed": within and mismatches == 0, "max_errors": errors, "greedy_accept_mismatches": mismatches}
 
 
-def generate_all(device: str, dtype: torch.dtype, kernels: str, graphs: bool, quantize: str | None, draft: bool):
-    """Greedy ids and acceptance lengths on the bundled pair, loaded afresh with the given settings."""
+def check_wq_matmul(device: str, gen: torch.Generator) -> dict[str, float]:
+    """Largest error of the int4/int8 weight-only Triton matmul against its reference per activation dtype: groups
+    16-128, 1-32 rows (and 65, the dense path's threshold), with and without a min, split-K as chosen."""
+    errors = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        worst = 0.0
+        for bits, group, has_min, rows in itertools.product((4, 8), (16, 32, 64, 128), (False, True), (1, 7, 16, 32)):
+            out, width = 1000, 4096
+            if bits == 4:
+                codes = torch.randint(0, 256, (out, width // 2), generator=gen, device=device, dtype=torch.uint8)
+            else:
+                codes = torch.randint(-128, 128, (out, width), generator=gen, device=device, dtype=torch.int8)
+            scale_dtype = torch.float32 if dtype == torch.float32 else torch.float16
+            scales = (torch.rand(out, width // group, generator=gen, device=device) * 1e-3).to(scale_dtype)
+            mins = (torch.randn(out, width // group, generator=gen, device=device) * 1e-3).to(scale_dtype)
+            mins = mins if has_min else None
+            x = torch.randn(rows, width, generator=gen, device=device).to(dtype)
+            want = wq_matmul_reference(x, codes, scales, mins, bits, group)
+            worst = max(worst, max_error(wq_matmul_triton(x, codes, scales, mins, bits, group), want))
+        errors[f"wq_matmul {str(dtype).removeprefix('torch.')}"] = worst
+    return errors
+
+
+def tiny_q4_k_m() -> Path:
+    """The bundled target as a Q4_K_M GGUF (llama.cpp's CPU quantizer), converted once into the temp folder."""
+    from dflash_local.gguf_convert import convert
+
+    out = Path(tempfile.gettempdir()) / "dflash-gpu-check-tiny-q4_k_m.gguf"
+    return out if out.is_file() else convert(TINY / "target", out, "q4_k_m")
+
+
+def generate_all(
+    device: str, dtype: torch.dtype, kernels: str, graphs: bool, quantize: str | None, draft: bool, path: Path
+):
+    """Greedy ids and acceptance lengths of the target at path with the bundled drafter, loaded afresh."""
     set_kernel_mode(kernels)
-    target = TorchLlamaTarget.load(TINY / "target", dtype, device, 512, quantize, cuda_graphs=graphs)
+    target = TorchLlamaTarget.load(path, dtype, device, 512, quantize, cuda_graphs=graphs)
     drafter = DFlashDrafter.load(TINY / "drafter", dtype, device, 512, cuda_graphs=graphs) if draft else None
     results = []
     for prompt in PROMPTS:
@@ -97,13 +135,17 @@ def generate_all(device: str, dtype: torch.dtype, kernels: str, graphs: bool, qu
     return results
 
 
-def check_engine(device: str, dtype: torch.dtype, quantize: str | None = None) -> dict[str, Any]:
+def check_engine(
+    device: str, dtype: torch.dtype, quantize: str | None = None, path: Path = TINY / "target"
+) -> dict[str, Any]:
     """Same ids for every kernel/graph setting, and the same as autoregressive decoding."""
     runs = {
-        f"{kernels}, graphs {'on' if graphs else 'off'}": generate_all(device, dtype, kernels, graphs, quantize, True)
+        f"{kernels}, graphs {'on' if graphs else 'off'}": generate_all(
+            device, dtype, kernels, graphs, quantize, True, path
+        )
         for kernels, graphs in itertools.product(("torch", "triton"), (False, True))
     }
-    autoregressive = [ids for ids, _ in generate_all(device, dtype, "triton", True, quantize, False)]
+    autoregressive = [ids for ids, _ in generate_all(device, dtype, "triton", True, quantize, False, path)]
     baseline = next(iter(runs.values()))
     lengths = {name: [n for _, per_prompt in result for n in per_prompt] for name, result in runs.items()}
     return {
@@ -116,7 +158,7 @@ def check_engine(device: str, dtype: torch.dtype, quantize: str | None = None) -
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-bench", action="store_true")
-    parser.add_argument("--out", type=Path, default=Path("gpu_check.json"))
+    parser.add_argument("--out", type=Path, help="the report (default results/<device>/gpu_check.json)")
     parser.add_argument("--device", default="cuda", help="cpu (with TRITON_INTERPRET=1) only checks the script runs")
     args = parser.parse_args()
     device = args.device
@@ -124,12 +166,21 @@ def main() -> int:
         print("gpu_check: no CUDA device.", file=sys.stderr)
         return 2
     name = torch.cuda.get_device_name() if device == "cuda" else device
+    sys.path.insert(0, str(Path(__file__).parent))
+    import gpu_bench
+
+    folder = Path(__file__).resolve().parent.parent / "results" / gpu_bench.device_folder(name)
+    args.out = args.out or folder / "gpu_check.json"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"device": name, "torch": torch.__version__}
     sections = {
         "engine_fp32": lambda: check_engine(device, torch.float32),
         "engine_nf4_fp32_compute": lambda: check_engine(device, torch.float32, quantize="nf4"),
+        "engine_int4_fp32_compute": lambda: check_engine(device, torch.float32, quantize="int4"),
+        "engine_gguf_q4_k_m_fp32_compute": lambda: check_engine(device, torch.float32, path=tiny_q4_k_m()),
         "kernels": lambda: check_kernels(device),
         "engine_bf16 (informational)": lambda: check_engine(device, torch.bfloat16),
+        "engine_gguf_q4_k_m_bf16 (informational)": lambda: check_engine(device, torch.bfloat16, path=tiny_q4_k_m()),
     }
     for section, check in sections.items():
         began = time.perf_counter()
@@ -141,14 +192,14 @@ def main() -> int:
         report["engine_fp32"]["same_ids_all_settings"],
         all(report["engine_fp32"]["lossless"].values()),
         all(report["engine_nf4_fp32_compute"]["lossless"].values()),
+        all(report["engine_int4_fp32_compute"]["lossless"].values()),
+        all(report["engine_gguf_q4_k_m_fp32_compute"]["lossless"].values()),
     ]
     report["passed"] = all(hard)
     if not args.skip_bench:
         set_kernel_mode("auto")
-        sys.path.insert(0, str(Path(__file__).parent))
-        import gpu_bench
-
-        report["bench"] = gpu_bench.main(["--device", device] + ([] if device == "cuda" else ["--small"]))
+        argv = ["--device", device, "--out", str(args.out.parent)] + ([] if device == "cuda" else ["--small"])
+        report["bench"] = gpu_bench.main(argv)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({key: value for key, value in report.items() if key != "bench"}, indent=2))
     return 0 if report["passed"] else 1
