@@ -16,7 +16,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from typer.testing import CliRunner
 
+from dflash_local.cli import app
 from dflash_local.generation import load_models
 from dflash_local.runtime import RuntimeConfig
 from dflash_local.server import (
@@ -284,6 +286,20 @@ def test_connections_over_the_cap_get_a_503_and_the_cap_frees_up(engine):
         while (status := ask(address, "GET", "/health")[0]) == 503 and time.monotonic() < deadline:
             time.sleep(0.05)  # the server notices the closed connections on its next loop turn
         assert status == 200
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--max-body", "0", "error: --max-body must be at least 1, got 0."),
+        ("--max-connections", "-1", "error: --max-connections must be at least 1, got -1."),
+        ("--read-timeout", "0", "error: --read-timeout must be a number of seconds above 0, got 0."),
+        ("--read-timeout", "nan", "error: --read-timeout must be a number of seconds above 0, got nan."),
+    ],
+)
+def test_a_limit_out_of_range_is_one_error_line(flag, value, message):
+    result = CliRunner().invoke(app, ["serve", "tiny", flag, value])
+    assert result.exit_code == 1 and result.output.strip() == message
 
 
 def test_a_bug_is_a_500_in_the_openai_shape():
