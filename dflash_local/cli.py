@@ -139,9 +139,9 @@ def _prompt_text(prompt: str) -> str:
 
 
 def _quantize(option: str, default: str | None) -> str | None:
-    """--quantize as the loader wants it: None, or 'nf4'."""
-    if option not in ("auto", "none", "nf4"):
-        raise DFlashError(f"--quantize must be auto, none or nf4, got '{option}'.")
+    """--quantize as the loader wants it: None, 'int4' or 'nf4'."""
+    if option not in ("auto", "none", "int4", "nf4"):
+        raise DFlashError(f"--quantize must be auto, none, int4 or nf4, got '{option}'.")
     return default if option == "auto" else (None if option == "none" else option)
 
 
@@ -183,7 +183,7 @@ def generate(
     no_draft: bool = typer.Option(False, "--no-draft", help="Plain autoregressive decoding (the baseline)."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Do not stop at end-of-sequence tokens."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
-    backend: str = typer.Option("auto", "--backend", help="auto (llamacpp for .gguf), torch or llamacpp."),
+    backend: str = typer.Option("auto", "--backend", help="auto (llamacpp for .gguf on the CPU), torch or llamacpp."),
     device: str = DEVICE_OPTION,
     dtype: str = DTYPE_OPTION,
     kernels: str = KERNELS_OPTION,
@@ -192,7 +192,7 @@ def generate(
     threads: Optional[int] = THREADS_OPTION,
     max_context: int = typer.Option(4096, "--max-context", help="KV cache length in tokens."),
     offline: bool = typer.Option(False, "--offline", help="Use only models already pulled."),
-    quantize: str = typer.Option("auto", "--quantize", help="Torch targets: auto (the model's default), none or nf4."),
+    quantize: str = typer.Option("auto", "--quantize", help="Torch targets: auto (model's default), none, int4, nf4."),
     drafter_quantize: str = typer.Option("none", "--drafter-quantize", help="Drafter linears: none, int8 or nf4."),
     token: Optional[str] = typer.Option(None, "--token", help="Hugging Face token (default: HF_TOKEN)."),
 ) -> None:
@@ -276,7 +276,7 @@ def chat(
     threads: Optional[int] = THREADS_OPTION,
     max_context: int = typer.Option(2048, "--max-context"),
     offline: bool = typer.Option(False, "--offline", help="Use only models already pulled."),
-    quantize: str = typer.Option("auto", "--quantize", help="Torch targets: auto (the model's default), none or nf4."),
+    quantize: str = typer.Option("auto", "--quantize", help="Torch targets: auto (model's default), none, int4, nf4."),
     drafter_quantize: str = typer.Option("none", "--drafter-quantize", help="Drafter linears: none, int8 or nf4."),
     token: Optional[str] = typer.Option(None, "--token", help="Hugging Face token (default: HF_TOKEN)."),
 ) -> None:
@@ -349,7 +349,7 @@ def serve(
     threads: Optional[int] = THREADS_OPTION,
     max_context: int = typer.Option(4096, "--max-context", help="KV cache length in tokens."),
     offline: bool = typer.Option(False, "--offline", help="Use only models already pulled."),
-    quantize: str = typer.Option("auto", "--quantize", help="Torch targets: auto (the model's default), none or nf4."),
+    quantize: str = typer.Option("auto", "--quantize", help="Torch targets: auto (model's default), none, int4, nf4."),
     drafter_quantize: str = typer.Option("none", "--drafter-quantize", help="Drafter linears: none, int8 or nf4."),
     token: Optional[str] = typer.Option(None, "--token", help="Hugging Face token (default: HF_TOKEN)."),
 ) -> None:
@@ -454,7 +454,7 @@ def bench(
     drafter_kind: str = DRAFTER_KIND_OPTION,
     threads: Optional[int] = THREADS_OPTION,
     offline: bool = typer.Option(False, "--offline", help="Use only models already pulled."),
-    quantize: str = typer.Option("auto", "--quantize", help="Torch targets: auto (the model's default), none or nf4."),
+    quantize: str = typer.Option("auto", "--quantize", help="Torch targets: auto (model's default), none, int4, nf4."),
     drafter_quantize: str = typer.Option("none", "--drafter-quantize", help="Drafter linears: none, int8 or nf4."),
     token: Optional[str] = typer.Option(None, "--token", help="Hugging Face token (default: HF_TOKEN)."),
 ) -> None:

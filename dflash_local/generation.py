@@ -131,8 +131,12 @@ def load_models(
         )
     if gguf:
         from .gguf_tokenizer import GGUFTokenizer
+        from .targets.torch_llama import TorchLlamaTarget
 
-        return LoadedModels(target, drafter, GGUFTokenizer.of_target(target), target.stop_ids, policy)
+        # llama.cpp's vocabulary: loaded alone for the torch target, else the one loaded with the weights
+        alone = isinstance(target, TorchLlamaTarget)
+        tokenizer = GGUFTokenizer.load(path) if alone else GGUFTokenizer.of_target(target)
+        return LoadedModels(target, drafter, tokenizer, target.stop_ids, policy)
     return LoadedModels(target, drafter, TextTokenizer.load(path), stop_token_ids(path), policy)
 
 

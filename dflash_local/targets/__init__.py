@@ -25,8 +25,8 @@ def load_target(
     path = Path(path)
     if not path.exists():
         raise DFlashError(f"{path} does not exist.")
-    if backend == "auto":
-        backend = "llamacpp" if path.suffix == ".gguf" else "torch"
+    if backend == "auto":  # GGUF files run on llama.cpp on the CPU, on the torch target's int4/int8 kernels on CUDA
+        backend = "llamacpp" if path.suffix == ".gguf" and torch.device(device).type == "cpu" else "torch"
     if backend == "torch":
         from .torch_llama import TorchLlamaTarget
 
