@@ -251,6 +251,8 @@ def test_headers_that_do_not_arrive_in_time_end_the_connection(engine):
         status, body = parsed(exchange(address, half))
         assert status == 408
         assert_openai_error(body, "The request headers did not arrive within 1 s (--read-timeout).")
+        after_an_answer = exchange(address, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /hea")  # keep-alive
+        assert after_an_answer.startswith(b"HTTP/1.1 200 ") and b"HTTP/1.1 408 " in after_an_answer
         with socket.create_connection(address, timeout=HANG_S) as silent:
             assert read_to_close(silent) == b""  # nothing begun: closed without an answer
         with socket.create_connection(address, timeout=HANG_S) as dripping:  # a byte at a time never renews the time
