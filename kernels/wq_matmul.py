@@ -11,6 +11,8 @@ The weight tile is rounded to the activation dtype before the product (fp32 acti
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from .backend import use_triton
@@ -36,16 +38,23 @@ def dequantize(
     return weight.view(rows, width)
 
 
+def dequantized_parts(
+    codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int, group: int, dtype: torch.dtype
+) -> Iterator[torch.Tensor]:
+    """W in dtype, DEQUANT_ROWS output rows at a time (a 128K-row head is never whole in fp32)."""
+    for begin in range(0, codes.shape[0], DEQUANT_ROWS):
+        end = begin + DEQUANT_ROWS
+        yield dequantize(
+            codes[begin:end], scales[begin:end], None if mins is None else mins[begin:end], bits, group
+        ).to(dtype)
+
+
 def wq_matmul_reference(
     x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int, group: int
 ) -> torch.Tensor:
-    """x [rows, in] @ W.T -> [rows, out] in x's dtype: W dequantized (DEQUANT_ROWS output rows at a time), rounded to
-    x's dtype, multiplied in fp32."""
-    parts = []
-    for begin in range(0, codes.shape[0], DEQUANT_ROWS):
-        end = begin + DEQUANT_ROWS
-        weight = dequantize(codes[begin:end], scales[begin:end], None if mins is None else mins[begin:end], bits, group)
-        parts.append(x.float() @ weight.to(x.dtype).float().T)
+    """x [rows, in] @ W.T -> [rows, out] in x's dtype: W dequantized, rounded to x's dtype, multiplied in fp32."""
+    rows = x.float()
+    parts = [rows @ part.float().T for part in dequantized_parts(codes, scales, mins, bits, group, x.dtype)]
     return torch.cat(parts, dim=-1).to(x.dtype)
 
 
@@ -53,11 +62,11 @@ def wq_matmul(
     x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int, group: int
 ) -> torch.Tensor:
     """Same contract as wq_matmul_reference; Triton when the backend says so and x has at most TRITON_MAX_ROWS rows,
-    else (a prefill on CUDA) one dequantized weight in x's dtype and a dense matmul."""
+    else (a prefill on CUDA) dense matmuls over the weight dequantized in x's dtype, part by part."""
     if not use_triton(x, codes):
         return wq_matmul_reference(x, codes, scales, mins, bits, group)
     if x.shape[0] > TRITON_MAX_ROWS:
-        return x @ dequantize(codes, scales, mins, bits, group).to(x.dtype).T
+        return torch.cat([x @ part.T for part in dequantized_parts(codes, scales, mins, bits, group, x.dtype)], dim=-1)
     from .wq_matmul_triton import wq_matmul_triton
 
     return wq_matmul_triton(x, codes, scales, mins, bits, group)

@@ -3,6 +3,8 @@ is read once, as stored) for all rows of x; split-K over programs when the rows 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -81,12 +83,16 @@ def _wq_matmul_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def split_count(tiles: int, k_tiles: int, device: torch.device) -> int:
     """How many programs share one output tile's depth: enough for PROGRAMS_PER_SM per multiprocessor (1 off CUDA)."""
     if device.type != "cuda":
         return 1
-    programs = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(k_tiles, programs // max(tiles, 1)))
+    return max(1, min(k_tiles, PROGRAMS_PER_SM * multiprocessors(device) // max(tiles, 1)))
 
 
 def wq_matmul_triton(

@@ -7,6 +7,7 @@ in another order); bf16 activations (the interpreter's dots cast to fp32), one b
 
 from __future__ import annotations
 
+import importlib
 import os
 from pathlib import Path
 
@@ -123,3 +124,14 @@ def test_quantized_target_through_the_kernel(source, q4_k_m, kernels_mode) -> No
         expected, _ = run(target, None, prompt, Settings(max_new_tokens=24, draft=False))
         drafter = DFlashDrafter.load(BUNDLED / "drafter", max_context=64)
         assert run(target, drafter, prompt, Settings(max_new_tokens=24, block_size=16))[0] == expected
+
+
+def test_many_rows_take_dense_parts(kernels_mode, monkeypatch) -> None:
+    """A prefill's rows (over TRITON_MAX_ROWS) multiply the weight dequantized part by part: the reference's result."""
+    wq = importlib.import_module("dflash_local.kernels.wq_matmul")  # the package's wq_matmul is the function
+    codes, scales, mins = random_weight(4, 32, True, 80, 256, 5)
+    x = torch.randn(wq.TRITON_MAX_ROWS + 6, 256, generator=torch.Generator().manual_seed(2))
+    want = wq_matmul_reference(x, codes, scales, mins, 4, 32)
+    monkeypatch.setattr(wq, "DEQUANT_ROWS", 32)
+    kernels_mode("triton")
+    close(wq.wq_matmul(x, codes, scales, mins, 4, 32), want, 2e-6)
