@@ -56,6 +56,7 @@ CHECK_ROUNDS = 3  # a cached table is checked at load by this many rounds of dec
 SHAPE_TOLERANCE = 1.5  # the check's verify-block / decode-1 off the table's by more than this: calibrate afresh
 LEVEL_TOLERANCE = 1.5  # its costs off the table's by more than this (same shape): rescale the table
 DRIFT = 1.5  # plain steps' cost moved by more than this since the table was confirmed: its other sizes go stale
+STALE_AFTER = 64  # steps: the sizes not timed in each run of this many go stale
 SLACK = 1.5  # consistency: a cost may fall with k to 1/SLACK, and a batch cost up to SLACK x the batches it splits into
 
 Samples = dict[int, list[float]]  # seconds of each timing per verify size k
@@ -65,7 +66,8 @@ Samples = dict[int, list[float]]  # seconds of each timing per verify size k
 class CostTable:
     """Seconds per step by verify size k: the target's forward of k tokens, and the drafter's step for k-1 rows.
 
-    Sizes in `stale` have not been timed since this load (or since plain steps' cost drifted): probes explore them."""
+    Sizes in `stale` have not been timed since this load, or in the last STALE_AFTER steps, or since plain steps' cost
+    drifted: probes explore them."""
 
     target_s: dict[int, float]
     draft_s: dict[int, float]
@@ -76,6 +78,8 @@ class CostTable:
     check: str = ""
     stale: set[int] = field(default_factory=set)
     anchor_s: float = field(default=0.0, init=False)  # plain steps' cost when the table was last confirmed
+    timed: set[int] = field(default_factory=set, init=False)  # sizes timed in this run of STALE_AFTER steps
+    steps_left: int = field(default=STALE_AFTER, init=False)  # ... and the steps left in it
 
     def __post_init__(self) -> None:
         self.anchor_s = self.target_s[1]
@@ -87,7 +91,13 @@ class CostTable:
         """Move the costs toward `steps` timed steps of size k (their mean times): each part's level follows, its
         calibrated shape over k stays (a slower context or a busy machine slows every k alike); one stall moves
         little (clamped, averaged). A stale size's target cost is replaced instead (see refresh); plain steps whose
-        cost drifted by more than DRIFT make every other size stale."""
+        cost drifted by more than DRIFT make every other size stale, and so does each run of STALE_AFTER steps for the
+        sizes it did not time."""
+        self.timed.add(k)
+        self.steps_left -= steps
+        if self.steps_left <= 0:
+            self.stale |= set(self.target_s) - self.timed - {1}
+            self.timed, self.steps_left = set(), STALE_AFTER
         if k in self.stale:
             self.refresh(k, target_s)
         else:
