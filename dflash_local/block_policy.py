@@ -331,8 +331,7 @@ class BlockPolicy:
             self.plain_run += 1
             return 1
         self.settle()
-        tokens = expected_tokens(self.rates(), top)
-        speeds = [0.0] + [tokens[k] / self.costs.step_s(k) for k in range(1, top + 1)]
+        tokens, speeds = self.speeds(top)
         best_draft = max(range(2, top + 1), key=speeds.__getitem__)
         best = best_draft if speeds[best_draft] > speeds[1] else 1
         explore = self.explore_size(tokens, speeds[best], top)
@@ -352,6 +351,16 @@ class BlockPolicy:
             self.probes += 1
             return min(probe, self.trial_limit())
         return 1
+
+    def speeds(self, top: int) -> tuple[list[float], list[float]]:
+        """Expected tokens and tokens per second of the costs for each k = 0..top (index k)."""
+        tokens = expected_tokens(self.rates(), top)
+        return tokens, [0.0] + [tokens[k] / self.costs.step_s(k) for k in range(1, top + 1)]
+
+    def checked_size(self) -> int:
+        """The drafting size a choice from the costs rests on, the fastest by them: a load times it to check them."""
+        speeds = self.speeds(self.block_size)[1]
+        return max(range(2, self.block_size + 1), key=speeds.__getitem__)
 
     def explore_size(self, tokens: list[float], best_speed: float, top: int) -> int | None:
         """The stale size (at most top and trial_limit()) that could beat best_speed by the least it can cost (see
@@ -438,7 +447,8 @@ def load_policy(
 ) -> BlockPolicy:
     """The policy saved at path for this pair and machine, its costs checked: consistent in themselves (see
     inconsistencies) and, given `check` (timings of the sizes it is passed, taken now), with this machine now (see
-    CostTable.verify). Otherwise one calibrated afresh now; the drafter's history is kept either way."""
+    CostTable.verify, at decode-1 and the checked_size()). Otherwise one calibrated afresh now; the drafter's history is
+    kept either way."""
     history, reason = AcceptanceEstimate.empty(block_size - 1, HISTORY_DECAY), ""
     try:
         data = json.loads(path.read_text())
@@ -448,8 +458,9 @@ def load_policy(
             if len(cached.reached) == block_size - 1 and set(costs.target_s) == set(range(1, block_size + 1)):
                 history, problems = cached, inconsistencies(costs)
                 costs.stale = set(costs.target_s) - {1}
-                if not problems and (check is None or costs.verify(*check([1, block_size]))):
-                    return BlockPolicy(block_size, costs, history, path)
+                policy = BlockPolicy(block_size, costs, history, path)
+                if not problems and (check is None or costs.verify(*check([1, policy.checked_size()]))):
+                    return policy
                 reason = f"calibrated afresh at load: {problems[0] if problems else costs.check}"
     except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
         pass

@@ -4,7 +4,11 @@ is caught at load or corrected within a bounded number of steps, a quiet one is 
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -158,17 +162,21 @@ def test_a_poisoned_cached_table_is_calibrated_afresh_at_load(tmp_path, shape):
     assert json.loads(path.read_text())["costs"]["target_s"]["2"] == quiet_target(2)
 
 
-def timings(plain: float, verify: float, draft: float, noise: float = 1.0) -> tuple[dict, dict]:
-    """What a load's check times: three rounds of decode-1, verify-16 and the drafter's step, one a bit slower."""
-    return (
-        {1: [plain, plain * noise, plain], BLOCK: [verify * noise, verify, verify]},
-        {BLOCK: [draft, draft, draft * noise]},
-    )
+def timed(factor: float = 1.0, noise: float = 1.0, draft_factor: float = 1.0):
+    """A load's check on the scripted machine, `factor` times as slow (the drafter draft_factor): three rounds of
+    each size it is asked for, one of them `noise` times slower."""
+
+    def check(sizes: list[int]) -> tuple[dict, dict]:
+        target = {k: [factor * quiet_target(k) * n for n in (1.0, noise, 1.0)] for k in sizes}
+        return target, {k: [draft_factor * QUIET_DRAFT * n for n in (noise, 1.0, 1.0)] for k in sizes if k > 1}
+
+    return check
 
 
 def test_a_cached_table_is_checked_against_a_few_timings_at_load(tmp_path):
-    """Consistent in itself but not with this machine now: another verify-16 / decode-1 ratio is calibrated afresh, a
-    machine twice as slow throughout rescales the table (shape kept), one within the noise keeps it as it is."""
+    """Consistent in itself but not with this machine now: another verify-k / decode-1 ratio (k: the size the table's
+    choice rests on) is calibrated afresh, a machine twice as slow throughout rescales the table (shape kept), one
+    within the noise keeps it as it is."""
     path = tmp_path / "pair.json"
     calls = []
 
@@ -177,22 +185,20 @@ def test_a_cached_table_is_checked_against_a_few_timings_at_load(tmp_path):
         return quiet_table()
 
     steep = quiet_table()
-    steep.target_s = {k: quiet_target(1) * (1 + 0.5 * (k - 1)) for k in range(1, BLOCK + 1)}  # CPU-linear, 8.5x
+    steep.target_s = {k: quiet_target(1) * (1 + 0.5 * (k - 1)) for k in range(1, BLOCK + 1)}  # CPU-linear
     save_table(path, steep)
-    quiet = timings(quiet_target(1), quiet_target(BLOCK), QUIET_DRAFT)
-    policy = load_policy(path, BLOCK, calibrate_now, lambda sizes: quiet)
+    policy = load_policy(path, BLOCK, calibrate_now, timed())
     assert calls == [1] and policy.costs.target_s == quiet_table().target_s
-    assert policy.costs.check.startswith("calibrated afresh at load: verify-16 / decode-1 was 8.50, timed 1.45")
+    assert policy.costs.check == "calibrated afresh at load: verify-3 / decode-1 was 2.00, timed 1.06"
 
     save_table(path, quiet_table())
-    slow = load_policy(path, BLOCK, calibrate_now, lambda sizes: timings(*(2 * s for s in [0.010, 0.0145, 0.0025])))
-    assert calls == [1]
+    slow = load_policy(path, BLOCK, calibrate_now, timed(2.0, draft_factor=2.0))
+    assert calls == [1] and slow.costs.check == "rescaled: target x2.00, drafter x2.00"
     assert slow.costs.target_s == pytest.approx({k: 2 * quiet_target(k) for k in range(1, BLOCK + 1)})
     assert slow.costs.draft_s[2] == pytest.approx(2 * QUIET_DRAFT)
 
     save_table(path, quiet_table())
-    noisy = timings(quiet_target(1) * 1.1, quiet_target(BLOCK) * 0.95, QUIET_DRAFT * 1.2, noise=3.0)
-    kept = load_policy(path, BLOCK, calibrate_now, lambda sizes: noisy)
+    kept = load_policy(path, BLOCK, calibrate_now, timed(1.1, noise=3.0, draft_factor=1.3))
     assert calls == [1] and kept.costs.check == "kept"
     assert kept.costs.target_s == quiet_table().target_s and kept.costs.draft_s == quiet_table().draft_s
 
@@ -248,7 +254,7 @@ def test_a_quiet_table_is_kept_through_generations(tmp_path):
     running level's noise), and auto keeps to the best speed there is from the first step."""
     path = tmp_path / "pair.json"
     save_table(path, quiet_table())
-    policy = load_policy(path, BLOCK, quiet_table, lambda sizes: timings(0.010, 0.0145, 0.0025))
+    policy = load_policy(path, BLOCK, quiet_table, timed(noise=2.0))
     chosen = simulate(policy, 300)
     best = max(speed(k) for k in range(1, BLOCK + 1))
     assert sum(speed(k) for k in chosen) / len(chosen) >= 0.95 * best
@@ -271,3 +277,20 @@ def test_doctor_says_when_a_cached_table_looks_inconsistent(tmp_path, monkeypatc
     (bad,) = cost_table_checks()
     assert bad.ok is False and bad.found.startswith("busy.json (measured: no date) looks inconsistent: ")
     assert "the target's forward of k = 2 costs 13.00x its cost at k = 1" in bad.found
+
+
+def test_bench_calibrate_shows_the_timings_the_fit_and_when(tmp_path):
+    """`dflash bench --calibrate` on the bundled pair: the date measured, and per k the calibration's timings where
+    it timed k ('-' where interpolated) beside the fitted costs; with --json the same rows in the report."""
+    env = {**os.environ, "DFLASH_HOME": str(tmp_path), "COLUMNS": "250", "OMP_NUM_THREADS": "1"}
+    args = [sys.executable, "-m", "dflash_local", "bench", "tiny", "--calibrate", "--limit", "1"]
+    args += ["--max-new-tokens", "8", "--no-lookup"]
+    shown = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+    assert shown.returncode == 0, shown.stderr
+    assert f"measured {time.strftime('%Y-%m-%d')}" in shown.stdout and "target timings ms" in shown.stdout
+    rows = {line.split()[1]: line for line in shown.stdout.splitlines() if line.startswith("│")}
+    assert " / " in rows["16"] and " / " not in rows["5"], shown.stdout
+    report = json.loads(subprocess.run([*args, "--json"], capture_output=True, text=True, timeout=300, env=env).stdout)
+    sizes = {row["k"]: row for row in report["calibration"]["sizes"]}
+    assert len(sizes[16]["target_samples_ms"]) >= 5 and sizes[5]["target_samples_ms"] == []
+    assert sizes[16]["target_ms"] <= sizes[16]["target_samples_ms"][0] + 1e-9
