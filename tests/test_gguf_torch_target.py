@@ -16,7 +16,7 @@ from dflash_local.kernels import dequantize  # noqa: E402
 
 from dflash_local.block_policy import AcceptanceEstimate, BlockPolicy, CostTable  # noqa: E402
 from dflash_local.decode import Settings, run  # noqa: E402
-from dflash_local.gguf_file import read_header  # noqa: E402
+from dflash_local.gguf_file import read_gguf, read_header  # noqa: E402
 from dflash_local.gguf_weights import HF_NAMES, QUANT_TYPES, decode_blocks, rope_rows  # noqa: E402
 from dflash_local.quant import GroupQuantEmbedding, GroupQuantLinear  # noqa: E402
 from dflash_local.targets.torch_llama import TorchLlamaTarget  # noqa: E402
@@ -136,3 +136,37 @@ def test_dflash_on_a_gguf_torch_target_equals_its_greedy_output(kind, tiny_types
         for block, policy in ((4, None), (16, None), (None, auto_policy(drafter.block_size))):
             ids, _ = run(target, drafter, prompt, Settings(max_new_tokens=48, block_size=block), policy)
             assert ids == expected, (kind, block)
+
+
+def test_a_gguf_file_through_load_models_on_the_torch_backend(tiny_types) -> None:
+    """--backend torch on a GGUF: the torch target, the file's own vocabulary (loaded alone) and end-of-sequence ids,
+    the torch drafter; DFlash text equals plain decoding's. On the CPU --backend auto stays llama.cpp."""
+    pytest.importorskip("llama_cpp")
+    from dflash_local.generation import GenerationRequest, load_models, run_request
+    from dflash_local.runtime import RuntimeConfig
+    from dflash_local.targets import load_target
+
+    path = tiny_types["q8_0"]
+    models = load_models(path, TINY / "drafter", RuntimeConfig(device="cpu"), "torch", 256, auto_block=False)
+    assert isinstance(models.target, TorchLlamaTarget) and models.stop_ids == read_gguf(path).eos_ids
+    request = GenerationRequest(prompt="def main():", max_new_tokens=16, block_size=16)
+    drafted = run_request(models, request)
+    plain = run_request(models, GenerationRequest(prompt="def main():", max_new_tokens=16, draft=False))
+    assert drafted["text"] == plain["text"] and drafted["output_ids"] == plain["output_ids"]
+    assert type(load_target(path, device="cpu", max_context=64)).__name__ == "LlamaCppTarget"
+
+
+def test_quantize_int4_from_the_command_line_is_lossless() -> None:
+    """`dflash generate --quantize int4` on the bundled target: DFlash ids equal --no-draft's."""
+    import json
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "dflash_local", "generate", "--target", "tiny", "--prompt", "def main():"]
+    base += ["--max-new-tokens", "16", "--json", "--quantize", "int4", "--offline"]
+    outputs = []
+    for extra in (["--no-draft"], ["--block-size", "16"]):
+        result = subprocess.run(base + extra, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        outputs.append(json.loads(result.stdout)["output_ids"])
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 16
