@@ -103,15 +103,22 @@ def decode_blocks(kind: Q, blocks: torch.Tensor):
 QUANT_TYPES = (Q.Q4_0, Q.Q4_K, Q.Q5_0, Q.Q5_K, Q.Q6_K, Q.Q8_0)
 
 
-def quantized_matrix(raw: torch.Tensor, kind: Q, out_features: int, scale_dtype: torch.dtype) -> GroupQuantLinear:
-    """A GroupQuantLinear from a matrix's raw GGUF rows (uint8 [out, bytes per row], on the device to decode on)."""
-    values, scales, mins, bits, group = decode_blocks(kind, raw.reshape(-1, GGML_QUANT_SIZES[kind][1]))
-    values = values.reshape(out_features, -1)
-    if bits == 4:
-        values = values[:, 0::2] | (values[:, 1::2] << 4)
-    scales = scales.reshape(out_features, -1).to(scale_dtype)
-    mins = None if mins is None else mins.reshape(out_features, -1).to(scale_dtype)
-    return GroupQuantLinear(values.contiguous(), scales, mins, bits, group)
+DECODE_ROWS = 8192  # matrix rows decoded at a time: a 128K-row head's fp32 intermediates stay a few hundred MB
+
+
+def quantized_matrix(raw: torch.Tensor, kind: Q, scale_dtype: torch.dtype) -> GroupQuantLinear:
+    """A GroupQuantLinear from a matrix's raw GGUF rows (uint8 [out, bytes per row], on the device to decode on),
+    decoded DECODE_ROWS rows at a time."""
+    codes, scales, mins = [], [], []
+    for begin in range(0, raw.shape[0], DECODE_ROWS):
+        rows = raw[begin : begin + DECODE_ROWS]
+        values, part_scales, part_mins, bits, group = decode_blocks(kind, rows.reshape(-1, GGML_QUANT_SIZES[kind][1]))
+        values = values.reshape(rows.shape[0], -1)
+        codes.append(values[:, 0::2] | (values[:, 1::2] << 4) if bits == 4 else values)
+        scales.append(part_scales.reshape(rows.shape[0], -1).to(scale_dtype))
+        if part_mins is not None:
+            mins.append(part_mins.reshape(rows.shape[0], -1).to(scale_dtype))
+    return GroupQuantLinear(torch.cat(codes), torch.cat(scales), torch.cat(mins) if mins else None, bits, group)
 
 
 def rope_rows(rows: int, heads: int) -> torch.Tensor:
@@ -161,7 +168,7 @@ class GGUFReader:
                 f"(it loads {supported}); use --backend llamacpp."
             )
         raw = self.raw(tensor, order)
-        return quantized_matrix(raw, tensor.tensor_type, shape[0], group_scale_dtype(self.dtype))
+        return quantized_matrix(raw, tensor.tensor_type, group_scale_dtype(self.dtype))
 
 
 def gguf_config(path: Path, fields: dict, tensors: dict[str, GGUFTensor]) -> dict:
