@@ -14,7 +14,7 @@ from rich.console import Console, ConsoleOptions, RenderResult
 from rich.live import Live
 from rich.text import Text
 
-from .chat_template import uses_thinking
+from .chat_template import template_source, uses_thinking
 from .decode import Settings, Stats, generate
 from .errors import DFlashError
 from .generation import LoadedModels
@@ -210,6 +210,9 @@ class Chat:
         self.notes = notes or console
         switch = uses_thinking(models.tokenizer.config)
         self.state = ChatState(settings, (True if thinking is None else thinking) if switch else None)
+        self.completion = template_source(models.tokenizer.config) is None  # a base model: lines continue the text
+        if self.completion:
+            self.notes.print("[dim](this model has no chat template: each line continues the text so far)[/dim]")
 
     def fit(self, messages: list[dict[str, str]]) -> tuple[list[dict[str, str]], list[int]]:
         """The newest turns that fit with room for the answer, and their ids; the new message must fit alone."""
@@ -228,8 +231,15 @@ class Chat:
         return messages, ids
 
     def encode(self, messages: list[dict[str, str]]) -> list[int]:
-        """The messages rendered (with the thinking mode) and tokenized, ready for the answer."""
-        return self.models.tokenizer.encode_chat(messages, True, self.state.thinking)
+        """The messages rendered (with the thinking mode) and tokenized, ready for the answer; without a template,
+        the text so far: each user line on a line of its own, each answer right after it."""
+        if not self.completion:
+            return self.models.tokenizer.encode_chat(messages, True, self.state.thinking)
+        text = ""
+        for message in messages:
+            joint = "\n" if message["role"] == "user" and text and not text.endswith("\n") else ""
+            text += joint + message["content"]
+        return self.models.tokenizer.encode(text)
 
     def answer(self, text: str) -> None:
         """Stream the answer to one user message; the turn joins the history only once the answer starts.

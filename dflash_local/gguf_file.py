@@ -19,8 +19,6 @@ from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuant
 
 from .errors import DFlashError
 
-# Architectures whose llama.cpp graphs expose the layer-input taps and that the converter writes.
-TAPPED_ARCHITECTURES = ("llama", "qwen3")
 _SCALARS = {
     GGUFValueType.UINT8: "B",
     GGUFValueType.INT8: "b",
@@ -189,7 +187,8 @@ def _field(fields: dict[str, object], key: str, path: Path, required: bool = Tru
 
 
 def read_gguf(path: Path) -> GGUFModel:
-    """Open and check a GGUF file: readable, complete, a tapped architecture; raise DFlashError otherwise."""
+    """Open and check a GGUF file's header: readable and complete, with the keys dflash reads; raise DFlashError
+    otherwise. Any architecture llama.cpp runs passes: whether its layer features can be read is asked later."""
     path = Path(path)
     if not path.is_file():
         raise DFlashError(f"{path} is not a file.")
@@ -199,11 +198,6 @@ def read_gguf(path: Path) -> GGUFModel:
         raise DFlashError(f"{path} is not a complete, readable GGUF file ({exc}).") from None
     fields = header.fields
     arch = _field(fields, "general.architecture", path)
-    if arch not in TAPPED_ARCHITECTURES:
-        raise DFlashError(
-            f"{path} holds a '{arch}' model; the llama.cpp backend reads layer features only from "
-            f"{', '.join(TAPPED_ARCHITECTURES)} models."
-        )
     tokens = _field(fields, "tokenizer.ggml.tokens", path, required=False)
     vocab = _field(fields, f"{arch}.vocab_size", path, required=False) or (len(tokens) if tokens else None)
     if vocab is None:

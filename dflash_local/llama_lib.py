@@ -18,6 +18,8 @@ from pathlib import Path
 
 INVARIANT_LIB = Path(sys.prefix) / "lib" / "dflash-libllama"
 BUILT_FOR = "llama-cpp-python.version"  # the file in INVARIANT_LIB naming the llama-cpp-python it was built from
+TAPS_ADDED = "tapped-architectures"  # the file in INVARIANT_LIB naming the architectures it added layer taps to
+STOCK_TAPS = ("llama", "qwen3")  # architectures whose stock llama.cpp graphs set the taps, as far as dflash reads them
 
 
 def invariant_lib() -> Path | None:
@@ -40,3 +42,12 @@ import llama_cpp  # noqa: E402
 def loaded_library() -> Path:
     """The libllama file this process loaded."""
     return Path(llama_cpp.llama_cpp._lib._name)
+
+
+def tapped_architectures() -> tuple[str, ...]:
+    """GGUF architectures whose layer features the loaded libllama exposes: the stock ones, plus those that
+    scripts/build_libllama.sh added taps to where that library is the one loaded."""
+    added: list[str] = []
+    if loaded_library().parent == invariant_lib():
+        added = (INVARIANT_LIB / TAPS_ADDED).read_text().split()
+    return (*STOCK_TAPS, *added)

@@ -13,7 +13,7 @@ import torch
 
 from ..errors import DFlashError
 from ..gguf_file import GGUFModel, read_gguf
-from ..llama_lib import llama_cpp
+from ..llama_lib import llama_cpp, tapped_architectures
 from ..quant import Int8Matrix
 from .base import TargetOutput
 from .llama_taps import first_llama_error, output_functions, quiet_llama_logs, tap_functions
@@ -122,6 +122,14 @@ class LlamaCppTarget:
         """Tap llama.cpp's input of layer id + 1 (= HF output of layer id) in the forwards that want features; the
         last layer's is the final-normed hidden state, read as llama.cpp's output embeddings (which makes every
         position an output). Switching taps makes llama.cpp's next decode re-plan its graph: only forward switches."""
+        tapped = tapped_architectures()
+        arch = self.info.architecture
+        if arch not in tapped:
+            hint = "; scripts/build_libllama.sh (run by install.sh) builds one that does" if arch == "gemma3" else ""
+            raise DFlashError(
+                f"{self.info.path.name} holds a '{arch}' model and this libllama reads layer features only from "
+                f"{', '.join(tapped)} models{hint}, so DFlash cannot draft for it: plain decoding works (--no-draft)."
+            )
         bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
         if bad:
             raise DFlashError(f"The GGUF target has {self.num_layers} layers, so it has no layer {bad[0]} to read.")
@@ -174,6 +182,11 @@ class LlamaCppTarget:
         if isinstance(self._head, Int8Matrix):
             return self._head.linear(hidden)
         return hidden.to(self._head.dtype) @ self._head.T
+
+    def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the output head, dequantized from the file."""
+        rows = self._dequantize(self._head_tensor, ids.reshape(-1).cpu().numpy())
+        return torch.from_numpy(rows).to(self.device, self.dtype)
 
     def _head_chunks(self) -> Iterator[torch.Tensor]:
         for begin in range(0, self.vocab_size, HEAD_CHUNK):
