@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import importlib
 import os
 import re
 import tomllib
@@ -11,7 +13,7 @@ from importlib.resources import files
 from pathlib import Path
 
 from .errors import DFlashError
-from .hub import DRAFTER_FILES, MODEL_FILES, HubSource, cached_folder
+from .hub import DRAFTER_FILES, MODEL_FILES, HubSource, cache_dir, cached_folder
 
 MODELS_DIR = Path(str(files("dflash_local.models")))  # models/ in the source tree; package data in a wheel
 REPO_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?$")
@@ -87,7 +89,7 @@ ENTRY_KEYS = (
     "shape",
     "weights",
 )
-SOURCE_KEYS = ("repo", "files", "revision")
+SOURCE_KEYS = ("repo", "files", "revision", "package")
 CATALOG_BACKENDS = ("auto", "torch", "llamacpp")
 
 
@@ -185,7 +187,10 @@ def _source(value: object, base: Path, default_files: tuple[str, ...], where: st
     revision = value.get("revision", "main")
     if not isinstance(revision, str) or not revision:
         raise DFlashError(f"{where}: revision must be a branch, tag or commit name, got {_show(revision)}.")
-    return HubSource(repo, tuple(files), revision)
+    package = value.get("package")
+    if package is not None and not (isinstance(package, str) and package.isidentifier()):
+        raise DFlashError(f"{where}: package must be a Python package name, got {_show(package)}.")
+    return HubSource(repo, tuple(files), revision, package)
 
 
 def is_repo_name(name: str) -> bool:
@@ -226,9 +231,34 @@ def local_path(source: Source, fetch) -> Path:
         if not source.exists():
             raise DFlashError(f"The bundled model files are missing from {source}; reinstall dflash-local.")
         return source
+    if source.package and (assembled := package_file(source.package)) is not None:
+        return assembled
     folder = cached_folder(source) or fetch(source)
     ggufs = sorted(p for p in folder.iterdir() if p.suffix == ".gguf" and source.wants(p.name))
     return ggufs[0] if ggufs else folder
+
+
+def package_file(package: str) -> Path | None:
+    """The model file an installed package assembles (`assemble(path)`, which checks its sha256), written once into
+    dflash's cache and atomically; None when the package is not installed."""
+    try:
+        module = importlib.import_module(package)
+    except ImportError:
+        return None
+    path = cache_dir() / "packages" / package / str(module.MODEL_NAME)
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    try:
+        module.assemble(partial)
+        os.replace(partial, path)
+    except (OSError, ValueError) as exc:
+        raise DFlashError(f"The package {package} could not assemble its model file ({exc}).") from None
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            partial.unlink()
+    return path
 
 
 def resolve(name: str, drafter: str | None, fetch) -> ResolvedModel:

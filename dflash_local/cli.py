@@ -729,7 +729,9 @@ def main() -> None:
 
 @app.command()
 def train(
-    target: Path = typer.Option(..., "--target", help="Target model folder (HF layout) the drafter will serve."),
+    target: Path = typer.Option(
+        ..., "--target", help="Target the drafter will serve: a model folder (HF layout) or a .gguf file (llama.cpp)."
+    ),
     corpus: list[Path] = typer.Option(..., "--corpus", help="Prompt corpus: text files, folders, JSONL chats."),
     out: Path = typer.Option(..., "--out", help="Where to write the drafter (config.json + model.safetensors)."),
     work: Optional[Path] = typer.Option(None, "--work", help="Shards and checkpoints (default: OUT.work)."),
@@ -747,6 +749,11 @@ def train(
     lr: float = typer.Option(6e-4, "--lr"),
     eval_every: int = typer.Option(100, "--eval-every"),
     seed: int = typer.Option(0, "--seed"),
+    draft_vocab: Optional[int] = typer.Option(
+        None, "--draft-vocab", help="Draft over the N ids most frequent in the data only (default: all)."
+    ),
+    distill_batch: int = typer.Option(32, "--distill-batch", help="Prompts the target continues at once."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for a GGUF target (default: all)."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the checkpoint in the work folder."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
 ) -> None:
@@ -768,9 +775,13 @@ def train(
             max_prompts=max_prompts,
             mask_token_id=mask_token_id,
             target_layer_ids=_parse_ids(target_layer_ids, "--target-layer-ids") if target_layer_ids else None,
+            draft_vocab=draft_vocab,
+            threads=threads,
             resume=resume,
             device=pick_device(device),
-            distill=DistillSettings(new_tokens=new_tokens, sampled_fraction=sampled_fraction, seed=seed),
+            distill=DistillSettings(
+                new_tokens=new_tokens, batch_size=distill_batch, sampled_fraction=sampled_fraction, seed=seed
+            ),
             train=TrainSettings(
                 layers=layers,
                 block_size=block_size,

@@ -43,6 +43,8 @@ def check_drafter_config(config: dict[str, Any], path: Path) -> None:
     check_attention_shape(config, path)
     if config.get("vocab_size") is not None:
         check_int(config["vocab_size"], "vocab_size", path)
+    if config.get("draft_vocab_size") is not None:
+        check_int(config["draft_vocab_size"], "draft_vocab_size", path, minimum=2)
     name, value = field("block_size", 16)
     check_int(value, name, path, minimum=2)
     name, value = field("mask_token_id")
@@ -87,6 +89,7 @@ class DrafterConfig:
     rms_norm_eps: float
     attention_bias: bool
     vocab_size: int | None
+    draft_vocab_size: int | None  # drafts over these target ids only (the d2t tensor), as llama.cpp's reduced vocab
     block_size: int
     mask_token_id: int
     target_layer_ids: list[int]
@@ -126,6 +129,7 @@ class DrafterConfig:
                 rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
                 attention_bias=bool(config.get("attention_bias", False)),
                 vocab_size=int(config["vocab_size"]) if config.get("vocab_size") else None,
+                draft_vocab_size=int(config["draft_vocab_size"]) if config.get("draft_vocab_size") else None,
                 block_size=int(field("block_size", 16)),
                 mask_token_id=int(mask_token_id),
                 target_layer_ids=[int(i) for i in layer_ids],
@@ -224,6 +228,8 @@ class DFlashModel(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.raw, cfg.head_dim), persistent=False)
+        if cfg.draft_vocab_size:  # target id of each draft-head row
+            self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
 
     def project_context(self, features: torch.Tensor) -> torch.Tensor:
         """hidden_norm(fc(concatenated target features))."""
@@ -302,6 +308,7 @@ class DFlashDrafter(DrafterContext):
         self.cache_v = torch.zeros(shape, dtype=self.dtype, device=self.device)
         super().__init__()
         self.graphs = StepGraphs() if cuda_graphs and self.device.type == "cuda" else None
+        self._draft_head: tuple[int, torch.Tensor] | None = None  # (id of its target, the head's d2t rows)
 
     @classmethod
     def load(
@@ -373,6 +380,18 @@ class DFlashDrafter(DrafterContext):
         check_fits(self.cfg, target)
         if self.cache_k.shape[3] < target.max_context:
             raise DFlashError("The drafter's cache is shorter than the target's context.")
+        if self.cfg.draft_vocab_size and (self._draft_head is None or self._draft_head[0] != id(target)):
+            self._draft_head = (id(target), target.head_rows(self.model.d2t).to(self.device, self.dtype))
+
+    def draft_logits(self, hidden: torch.Tensor, target: Target) -> torch.Tensor:
+        """Logits over the target's vocabulary: from its head, or from the draft vocabulary's rows of it (every other
+        id at -inf: never drafted, and of probability 0 for rejection sampling)."""
+        if self._draft_head is None:
+            return self.model.logits(hidden, target.lm_head)
+        head = self._draft_head[1]
+        rows = self.model.logits(hidden, lambda h: h.to(head.dtype) @ head.T)
+        full = rows.new_full((rows.shape[0], target.vocab_size), float("-inf"))
+        return full.index_copy_(1, self.model.d2t, rows)
 
     def reset(self) -> None:
         self.length = 0
@@ -452,4 +471,4 @@ class DFlashDrafter(DrafterContext):
             cache_k.index_copy_(2, context_positions, k)
             cache_v.index_copy_(2, context_positions, v)
             x = layer(x, cos_b, sin_b, cache_k[:, :, :span], cache_v[:, :, :span], context_len=context_len)
-        return model.logits(model.norm(x[0, 1 : rows + 1]), target.lm_head)
+        return self.draft_logits(model.norm(x[0, 1 : rows + 1]), target)

@@ -50,6 +50,7 @@ class HubSource:
     repo: str
     patterns: tuple[str, ...] = MODEL_FILES
     revision: str = "main"
+    package: str | None = None  # an installable Python package that assembles the same file offline (catalog)
 
     def wants(self, name: str) -> bool:
         return any(fnmatch.fnmatch(name.lower(), pattern.lower()) for pattern in self.patterns)

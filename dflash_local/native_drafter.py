@@ -83,6 +83,10 @@ def write_drafter_gguf(folder: Path, cfg: DrafterConfig, target: LlamaCppTarget,
         "hidden_norm.weight": "enc.output_norm.weight",
         "norm.weight": "output_norm.weight",
     }
+    d2t = weights.pop("d2t", None)
+    if d2t is not None:  # llama.cpp's reduced draft vocabulary: its own head, the target's rows for d2t
+        writer.add_tensor("d2t", d2t.to(torch.int64).numpy())
+        writer.add_tensor("output.weight", target.head_rows(d2t).to(torch.float16).cpu().numpy())
     for name, tensor in weights.items():
         array = tensor.to(torch.float16 if tensor.dim() == 2 else torch.float32).numpy()
         if name in names:
@@ -245,7 +249,8 @@ class NativeDrafter(DrafterContext):
         ]
         logits = torch.from_numpy(np.stack(drafted)).to(target.device) * self.cfg.output_multiplier
         cap = self.cfg.final_logit_softcapping
-        return torch.tanh(logits / cap) * cap if cap else logits
+        # ids outside a reduced draft vocabulary come at -inf and stay there, as in the torch drafter
+        return torch.where(logits.isinf(), logits, torch.tanh(logits / cap) * cap) if cap else logits
 
 
 def load_drafter(

@@ -129,7 +129,8 @@ def read_weights(
     for name, stored in stored_tensors(Path(folder)).items():
         array = read_stored(stored)
         tensor = torch.from_numpy(array).view(torch.bfloat16) if stored.dtype == "BF16" else torch.from_numpy(array)
-        yield name, tensor.to(device=device, dtype=None if name in as_stored else dtype)
+        keep = name in as_stored or not tensor.is_floating_point()  # integers (a draft vocabulary) stay as stored
+        yield name, tensor.to(device=device, dtype=None if keep else dtype)
 
 
 def load_weights(

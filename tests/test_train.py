@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,47 @@ def test_partial_last_shard_is_regenerated_for_more_prompts(setup, tmp_path):
     assert _rows_in(last) == 8
     list(run_training(_request(target_dir, corpus, tmp_path / "d", steps=1, prompts=32)))
     assert _rows_in(last) == 16
+
+
+def test_a_gguf_target_trains_a_reduced_vocabulary_drafter_both_drafters_run(tiny_gguf, tmp_path):
+    """--target FILE.gguf: llama.cpp continues the prompts (its taps give the features, equal to the one-sequence
+    target's), the drafter drafts over the data's most frequent ids (d2t) and runs as torch and native drafter alike,
+    losslessly; resuming continues from the checkpoint."""
+    from dflash_local.native_drafter import NativeDrafter
+    from dflash_local.targets.llamacpp import LlamaCppTarget
+    from dflash_local.train.selfdistill import load_shards
+
+    corpus = Path(__file__).resolve().parent.parent / "models" / "tiny" / "heldout_prompts.jsonl"
+    request = TrainRequest(
+        target=tiny_gguf["q8_0"],
+        corpus=[corpus],
+        out=tmp_path / "drafter",
+        prompt_tokens=16,
+        max_prompts=12,
+        draft_vocab=300,
+        threads=1,
+        distill=DistillSettings(new_tokens=24, batch_size=6, shard_size=6, sampled_fraction=0.0),
+        train=TrainSettings(
+            layers=1, block_size=4, steps=12, batch_size=4, anchors=4, warmup=2, eval_every=6, checkpoint_every=6
+        ),
+    )
+    events = [e for e in run_training(request) if not isinstance(e, DistillProgress)]
+    assert [e.step for e in events] == list(range(1, 13))
+    target = LlamaCppTarget.load(tiny_gguf["q8_0"], max_context=512, threads=1)
+    drafter = DFlashDrafter.load(tmp_path / "drafter", max_context=512)
+    assert drafter.model.d2t.shape == (300,) and len(set(drafter.model.d2t.tolist())) == 300
+    shard = load_shards(tmp_path / "drafter.work" / "data")[0]
+    ids, length = shard["tokens"][0].tolist(), int(shard["lengths"][0])
+    target.set_feature_layers(drafter.target_layer_ids)
+    expected = target.forward(torch.tensor(ids[: length - 1]), features=True)
+    assert torch.allclose(shard["features"][0, : length - 1].float(), expected.features, rtol=2e-2, atol=3e-2)
+    assert (
+        expected.logits[int(shard["prompt_lengths"][0]) - 1 :].argmax(dim=1).tolist()
+        == ids[int(shard["prompt_lengths"][0]) : length]
+    )  # the shard's continuation is the target's greedy one
+    prompt = ids[:10]
+    plain, _ = run(target, None, prompt, Settings(max_new_tokens=24, draft=False))
+    for each in (drafter, NativeDrafter.load(tmp_path / "drafter", target, threads=1)):
+        assert run(target, each, prompt, Settings(max_new_tokens=24, block_size=4))[0] == plain
+    resumed = replace(request, resume=True, train=replace(request.train, steps=18))
+    assert [e.step for e in run_training(resumed) if not isinstance(e, DistillProgress)] == list(range(13, 19))

@@ -45,6 +45,10 @@ class Target(Protocol):
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
+    def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the output head for these token ids, in `dtype` (a reduced-vocabulary drafter's head)."""
+        ...
+
     def forward(
         self, ids: torch.Tensor, all_logits: bool = True, features: bool = True, greedy: bool = False
     ) -> TargetOutput:

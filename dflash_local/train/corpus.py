@@ -56,13 +56,14 @@ def load_prompts(paths: list[Path], tokenizer: TextTokenizer | None, window: int
         else:
             documents.append(path.read_text(errors="replace"))
     rng = random.Random(seed)
+    begin = tokenizer.encode("", add_special_tokens=True)  # what the target sees first at inference (BOS, if any)
     for document in documents:
         ids = tokenizer.encode(document, add_special_tokens=False)
         if len(ids) < window + 8:
             continue
         for _ in range(max(1, len(ids) // (4 * window))):
             start = rng.randrange(len(ids) - window)
-            prompts.append(ids[start : start + window])
+            prompts.append(begin + ids[start : start + window])
     prompts = [p for p in prompts if p]
     if not prompts:
         raise DFlashError(f"The corpus has no usable text (need documents of at least {window + 8} tokens or prompts).")

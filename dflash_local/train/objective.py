@@ -92,9 +92,11 @@ def block_loss(
     blocks: Blocks,
     block_size: int,
     complete_only: bool = True,
+    label_map: torch.Tensor | None = None,
 ) -> BlockResult:
     """One drafter forward over every block of the batch; weighted cross-entropy. Acceptance counts
-    cover complete blocks only, or every live block (labels past a sequence's end count as misses)."""
+    cover complete blocks only, or every live block (labels past a sequence's end count as misses).
+    label_map: target id -> row of a reduced head (IGNORE outside it: no loss, a miss)."""
     dtype = features.dtype
     batch, width, _ = features.shape
     context = model.project_context(features)
@@ -106,11 +108,14 @@ def block_loss(
         past_k, past_v = layer.self_attn.key_value(context, ctx_cos, ctx_sin)
         x = layer(x, cos, sin, past_k, past_v, blocks.mask)
     logits = model.logits(model.norm(x), lambda h: F.linear(h, lm_head_weight))
-    per_token = F.cross_entropy(logits.flatten(0, 1), blocks.labels.flatten(), ignore_index=IGNORE, reduction="none")
+    labels = blocks.labels
+    if label_map is not None:
+        labels = torch.where(labels == IGNORE, IGNORE, label_map[labels.clamp_min(0)])
+    per_token = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="none")
     weights = blocks.weights.flatten().to(per_token.dtype)
     loss = (per_token * weights).sum() / weights.sum().clamp_min(1e-6)
     with torch.no_grad():
-        hit = (logits.argmax(-1) == blocks.labels).view(-1, block_size)[:, 1:]
+        hit = (logits.argmax(-1) == labels).view(-1, block_size)[:, 1:]
         labelled = blocks.labels.view(-1, block_size)[:, 1:] != IGNORE
         keep = labelled.all(dim=1) if complete_only else labelled.any(dim=1)
         hit = hit[keep]

@@ -1,20 +1,27 @@
-"""`dflash train` end to end: check inputs, self-distil the corpus into shards, train, export."""
+"""`dflash train` end to end: check inputs, self-distil the corpus into shards, train, export.
+
+A target folder (HF layout) runs in torch; a .gguf target runs in llama.cpp (features from its layer taps), and the
+drafter borrows its embedding and head dequantized from the file, one copy in fp32."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import gguf
+import numpy as np
 import torch
 
 from ..errors import DFlashError
-from ..targets.torch_llama import TorchLlamaTarget
+from ..gguf_file import GGUFTensor, read_gguf, read_header
+from ..targets.torch_llama import TargetConfig, TorchLlamaTarget
 from ..tokenizer import TextTokenizer, stop_token_ids
 from ..weights import read_config
 from .corpus import corpus_files, load_prompts
-from .selfdistill import DistillSettings, generate_shards, load_shards
-from .trainer import Sequences, TrainEvent, TrainSettings, default_layer_ids, drafter_config, train
+from .selfdistill import Continuer, DistillSettings, generate_shards, load_shards, torch_continuer
+from .trainer import Sequences, TrainEvent, TrainSettings, default_layer_ids, draft_vocabulary, drafter_config, train
 
 
 @dataclass(frozen=True)
@@ -29,6 +36,8 @@ class TrainRequest:
     max_prompts: int | None = None
     mask_token_id: int | None = None
     target_layer_ids: list[int] | None = None
+    draft_vocab: int | None = None  # draft over the most frequent ids of the data only (None: all of them)
+    threads: int | None = None
     resume: bool = False
     device: str = "cpu"
     distill: DistillSettings = field(default_factory=DistillSettings)
@@ -53,7 +62,12 @@ def check_request(request: TrainRequest) -> None:
         raise DFlashError(f"The block size must be at least 2, not {request.train.block_size}.")
     if request.train.layers < 1:
         raise DFlashError("The drafter needs at least 1 layer.")
-    read_config(request.target)
+    if request.target.suffix == ".gguf":
+        read_gguf(request.target)
+    else:
+        read_config(request.target)
+    if request.draft_vocab is not None and request.draft_vocab < 2:
+        raise DFlashError(f"--draft-vocab must be at least 2, not {request.draft_vocab}.")
     if not request.corpus:
         raise DFlashError("Give at least one --corpus path.")
     if not corpus_files(request.corpus):
@@ -65,33 +79,162 @@ def _mask_token(tokenizer: TextTokenizer | None, vocab_size: int, requested: int
         if not 0 <= requested < vocab_size:
             raise DFlashError(f"The mask token id {requested} is outside the vocabulary (0..{vocab_size - 1}).")
         return requested
-    found = tokenizer.token_id("<|mask|>") if tokenizer else None
-    return found if found is not None else vocab_size - 1
+    for name in ("<|mask|>", "<mask>"):
+        found = tokenizer.token_id(name) if tokenizer else None
+        if found is not None:
+            return found
+    return vocab_size - 1
+
+
+def gguf_target_config(path: Path) -> TargetConfig:
+    """The shape fields a drafter copies from a GGUF target's metadata."""
+    fields = read_header(path).fields
+    arch = str(fields["general.architecture"])
+
+    def key(name: str, default=None):
+        value = fields.get(f"{arch}.{name}", default)
+        if value is None:
+            raise DFlashError(f"{path} lacks the GGUF metadata key {arch}.{name}.")
+        return value
+
+    info = read_gguf(path)
+    heads = int(key("attention.head_count"))
+    return TargetConfig(
+        model_type=arch,
+        vocab_size=info.vocab_size,
+        hidden_size=info.hidden_size,
+        intermediate_size=int(key("feed_forward_length")),
+        num_layers=info.num_layers,
+        num_heads=heads,
+        num_kv_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=int(key("attention.key_length", info.hidden_size // heads)),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        tie_word_embeddings="output.weight" not in info.tensors,
+        attention_bias=False,
+        mlp_bias=False,
+        max_position_embeddings=info.context_length,
+        raw={"rope_theta": float(key("rope.freq_base", 10000.0))},
+    )
+
+
+def gguf_drafter_fields(path: Path, cfg: TargetConfig) -> dict:
+    """How a drafter must embed and cap like this GGUF target: Gemma scales embeddings by sqrt(hidden)."""
+    fields = read_header(path).fields
+    extra: dict = {}
+    if cfg.model_type.startswith("gemma"):
+        extra["input_embedding_scale"] = math.sqrt(cfg.hidden_size)
+    cap = fields.get(f"{cfg.model_type}.final_logit_softcapping")
+    if cap:
+        extra["final_logit_softcapping"] = float(cap)
+    return extra
+
+
+def dequantized(tensor: GGUFTensor, rows: int, width: int, chunk: int = 4096) -> torch.Tensor:
+    """A GGUF matrix in fp32, dequantized a few thousand rows at a time (gguf-py's intermediates are several times
+    the rows' size)."""
+    out = torch.empty(rows, width)
+    for begin in range(0, rows, chunk):
+        values = gguf.quants.dequantize(tensor.read_rows(slice(begin, begin + chunk)), tensor.tensor_type)
+        block = np.asarray(values, dtype=np.float32).reshape(-1, width)
+        out[begin : begin + len(block)] = torch.from_numpy(block)
+    return out
+
+
+@dataclass
+class _Prepared:
+    """What distillation and training need from a target, whichever backend runs it."""
+
+    cfg: TargetConfig
+    tokenizer: object
+    stop_ids: frozenset[int]
+    continuer: Callable[[list[list[int]]], Continuer]  # made for the prompts it will continue
+    embed: torch.Tensor
+    head: torch.Tensor
+    extra: dict
+
+
+def _prepare_torch(request: TrainRequest, layer_ids_of) -> _Prepared:
+    target = TorchLlamaTarget.load(request.target, dtype=torch.float32, device=request.device)
+    layer_ids = layer_ids_of(target.cfg)
+    stops = stop_token_ids(request.target)
+    return _Prepared(
+        target.cfg,
+        TextTokenizer.load(request.target),
+        stops,
+        lambda prompts: torch_continuer(target.model, request.distill.new_tokens, layer_ids, stops),
+        target.model.model.embed_tokens.weight.detach(),
+        target.model.lm_head.weight.detach(),
+        {},
+    )
+
+
+def _prepare_gguf(request: TrainRequest, layer_ids_of) -> _Prepared:
+    from ..gguf_tokenizer import GGUFTokenizer
+    from .gguf_distill import ParallelTarget, continue_prompts
+
+    cfg = gguf_target_config(request.target)
+    layer_ids = layer_ids_of(cfg)
+    settings = request.distill
+    threads = request.threads or torch.get_num_threads()
+
+    def continuer(prompts: list[list[int]]) -> Continuer:
+        length = max(map(len, prompts)) + settings.new_tokens + 1
+        target = ParallelTarget(request.target, settings.batch_size, length, layer_ids, threads)
+
+        def run(batch: list[list[int]], params, generator: torch.Generator):
+            return continue_prompts(target, batch, settings.new_tokens, params, target.info.eos_ids, generator)
+
+        return run
+
+    info = read_gguf(request.target)
+    embed = dequantized(info.tensors["token_embd.weight"], cfg.vocab_size, cfg.hidden_size)
+    head_tensor = info.tensors.get("output.weight")
+    head = embed if head_tensor is None else dequantized(head_tensor, cfg.vocab_size, cfg.hidden_size)
+    return _Prepared(
+        cfg,
+        GGUFTokenizer.load(request.target),
+        info.eos_ids,
+        continuer,
+        embed,
+        head,
+        gguf_drafter_fields(request.target, cfg),
+    )
 
 
 def run_training(request: TrainRequest) -> Iterator[DistillProgress | TrainEvent]:
     """Yield progress while distilling and training; the drafter ends up in request.out."""
     check_request(request)
-    target = TorchLlamaTarget.load(request.target, dtype=torch.float32, device=request.device)
-    cfg = target.cfg
-    layer_ids = request.target_layer_ids or default_layer_ids(cfg, request.train.layers)
-    bad = [i for i in layer_ids if not 0 <= i < cfg.num_layers]
-    if bad:
-        raise DFlashError(f"Target layer ids {layer_ids} do not fit a target with {cfg.num_layers} layers.")
-    tokenizer = TextTokenizer.load(request.target)
-    mask_id = _mask_token(tokenizer, cfg.vocab_size, request.mask_token_id)
-    prompts = load_prompts(request.corpus, tokenizer, request.prompt_tokens, request.distill.seed)
+
+    def layer_ids_of(cfg: TargetConfig) -> list[int]:
+        layer_ids = request.target_layer_ids or default_layer_ids(cfg, request.train.layers)
+        bad = [i for i in layer_ids if not 0 <= i < cfg.num_layers]
+        if bad:
+            raise DFlashError(f"Target layer ids {layer_ids} do not fit a target with {cfg.num_layers} layers.")
+        return layer_ids
+
+    prepare = _prepare_gguf if request.target.suffix == ".gguf" else _prepare_torch
+    ready = prepare(request, layer_ids_of)
+    cfg = ready.cfg
+    layer_ids = layer_ids_of(cfg)
+    mask_id = _mask_token(ready.tokenizer, cfg.vocab_size, request.mask_token_id)
+    prompts = load_prompts(request.corpus, ready.tokenizer, request.prompt_tokens, request.distill.seed)
     if request.max_prompts:
         prompts = prompts[: request.max_prompts]
     data_dir = request.work_dir / "data"
-    for done, total in generate_shards(
-        target.model, prompts, layer_ids, stop_token_ids(request.target), data_dir, request.distill
-    ):
+    for done, total in generate_shards(lambda: ready.continuer(prompts), prompts, data_dir, request.distill):
         yield DistillProgress(done, total)
     data = Sequences(load_shards(data_dir), request.train.heldout_fraction, request.train.seed)
-    config = drafter_config(cfg, request.train.layers, request.train.block_size, layer_ids, mask_id)
-    embed = target.model.model.embed_tokens.weight.detach()
-    head = target.model.lm_head.weight.detach()
+    d2t = draft_vocabulary(data, request.draft_vocab, cfg.vocab_size) if request.draft_vocab else None
+    config = drafter_config(cfg, request.train.layers, request.train.block_size, layer_ids, mask_id, ready.extra, d2t)
     yield from train(
-        embed, head, data, config, request.out, request.work_dir, request.train, request.resume, request.device
+        ready.embed,
+        ready.head,
+        data,
+        config,
+        request.out,
+        request.work_dir,
+        request.train,
+        request.resume,
+        request.device,
+        d2t,
     )

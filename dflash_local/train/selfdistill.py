@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,16 +108,28 @@ def pack_shard(rows: list[tuple[list[int], torch.Tensor, int, bool]], path: Path
     )
 
 
+# Continues a batch of prompts: (prompts, sampling, generator) -> per prompt (ids, features of the fed positions).
+Continuer = Callable[[list[list[int]], SamplingParams, torch.Generator], list[tuple[list[int], torch.Tensor]]]
+
+
+def torch_continuer(model: LlamaModel, new_tokens: int, layer_ids: list[int], stop_ids: frozenset[int]) -> Continuer:
+    """continue_batch on a torch target."""
+
+    device = model.lm_head.weight.device
+
+    def run(prompts: list[list[int]], params: SamplingParams, generator: torch.Generator):
+        on_device = torch.Generator(device=device).manual_seed(generator.initial_seed())
+        return continue_batch(model, prompts, new_tokens, layer_ids, params, stop_ids, on_device)
+
+    return run
+
+
 def generate_shards(
-    model: LlamaModel,
-    prompts: list[list[int]],
-    layer_ids: list[int],
-    stop_ids: frozenset[int],
-    folder: Path,
-    settings: DistillSettings,
+    make_continuer: Callable[[], Continuer], prompts: list[list[int]], folder: Path, settings: DistillSettings
 ) -> Iterator[tuple[int, int]]:
-    """Write shard_NNNNN.safetensors files under folder, skipping shards already written; yields
-    (prompts done, prompts total) as it goes."""
+    """Write shard_NNNNN.safetensors files under folder, skipping shards already written (the continuer is made only
+    when one is missing); yields (prompts done, prompts total) as it goes."""
+    continuer: Continuer | None = None
     folder.mkdir(parents=True, exist_ok=True)
     total = len(prompts)
     for shard_index, first in enumerate(range(0, total, settings.shard_size)):
@@ -132,8 +144,9 @@ def generate_shards(
             number = first + offset
             sampled = random.Random(settings.seed + number).random() < settings.sampled_fraction
             params = SamplingParams(temperature=settings.temperature if sampled else 0.0)
-            generator = torch.Generator(device=model.lm_head.weight.device).manual_seed(settings.seed + number)
-            results = continue_batch(model, batch, settings.new_tokens, layer_ids, params, stop_ids, generator)
+            generator = torch.Generator().manual_seed(settings.seed + number)
+            continuer = continuer or make_continuer()
+            results = continuer(batch, params, generator)
             rows += [(ids, feats, len(prompt), sampled) for (ids, feats), prompt in zip(results, batch, strict=True)]
             yield first + offset + len(batch), total
         pack_shard(rows, path)

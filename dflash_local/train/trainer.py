@@ -19,7 +19,7 @@ from ..drafter import DFlashModel, DrafterConfig, default_target_layer_ids
 from ..errors import DFlashError
 from ..runtime import bf16_is_fast
 from ..targets.torch_llama import TargetConfig
-from .objective import block_loss, make_blocks
+from .objective import IGNORE, block_loss, make_blocks
 
 
 @dataclass(frozen=True)
@@ -53,8 +53,17 @@ class TrainEvent:
     tau_estimate: float | None = None
 
 
-def drafter_config(target: TargetConfig, layers: int, block_size: int, layer_ids: list[int], mask_id: int) -> dict:
-    """A published-layout (Qwen3-style + dflash_config) config.json for a drafter of this target."""
+def drafter_config(
+    target: TargetConfig,
+    layers: int,
+    block_size: int,
+    layer_ids: list[int],
+    mask_id: int,
+    extra: dict | None = None,
+    d2t: torch.Tensor | None = None,
+) -> dict:
+    """A published-layout (Qwen3-style + dflash_config) config.json for a drafter of this target; extra holds fields
+    that make it embed and cap as the target does, d2t its draft vocabulary (target ids, in llama.cpp's layout)."""
     raw = target.raw
     config = {
         "architectures": ["DFlashDraftModel"],
@@ -77,15 +86,18 @@ def drafter_config(target: TargetConfig, layers: int, block_size: int, layer_ids
         "num_target_layers": target.num_layers,
         "dflash_config": {"mask_token_id": mask_id, "target_layer_ids": layer_ids},
         "dtype": "bfloat16",
+        **(extra or {}),
     }
+    if d2t is not None:
+        config["draft_vocab_size"] = len(d2t)
     for key in ("rope_theta", "rope_scaling", "rope_parameters"):
         if key in raw:
             config[key] = raw[key]
     return config
 
 
-def new_drafter(config: dict, seed: int) -> DFlashModel:
-    """A freshly initialised drafter (normal(0, 0.02) linears, unit norms)."""
+def new_drafter(config: dict, seed: int, d2t: torch.Tensor | None = None) -> DFlashModel:
+    """A freshly initialised drafter (normal(0, 0.02) linears, unit norms), drafting over d2t if given."""
     torch.manual_seed(seed)
     model = DFlashModel(DrafterConfig.from_dict(config, Path("<new drafter>")))
     for name, param in model.named_parameters():
@@ -93,13 +105,29 @@ def new_drafter(config: dict, seed: int) -> DFlashModel:
             torch.nn.init.ones_(param)
         else:
             torch.nn.init.normal_(param, std=0.02)
+    if d2t is not None:
+        model.d2t.copy_(d2t)
     return model
+
+
+def draft_vocabulary(data: Sequences, size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` target ids most frequent among the training rows' generated tokens (what the drafter predicts),
+    most frequent first: FR-Spec's reduced draft vocabulary. The target still verifies over every id."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for index in data.train:
+        shard, row = data.rows[index]
+        begin, end = int(shard["prompt_lengths"][row]), int(shard["lengths"][row])
+        counts += torch.bincount(shard["tokens"][row, begin:end].long(), minlength=vocab_size)
+    return torch.argsort(counts, descending=True, stable=True)[:size].clone()
 
 
 def save_drafter(model: DFlashModel, config: dict, folder: Path) -> None:
     """Write config.json + model.safetensors (bf16), each atomically."""
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.detach().to(torch.bfloat16).contiguous() for name, t in model.state_dict().items()}
+    tensors = {
+        name: (t.detach().to(torch.bfloat16) if t.is_floating_point() else t.detach()).contiguous()
+        for name, t in model.state_dict().items()
+    }
     save_file(tensors, str(folder / "model.safetensors.partial"))
     os.replace(folder / "model.safetensors.partial", folder / "model.safetensors")
     write_text_atomic(folder / "config.json", json.dumps(config, indent=2) + "\n")
@@ -125,10 +153,12 @@ class Sequences:
         rows = [self.rows[i] for i in indices]
         lengths = torch.stack([shard["lengths"][r] for shard, r in rows]).long()
         width = int(lengths.max())
-        tokens = torch.stack([shard["tokens"][r, :width] for shard, r in rows])
         dim = rows[0][0]["features"].shape[-1]
+        tokens = torch.zeros(len(rows), width, dtype=rows[0][0]["tokens"].dtype)
         features = torch.zeros(len(rows), width, dim, dtype=torch.bfloat16)
-        for i, (shard, r) in enumerate(rows):
+        for i, (shard, r) in enumerate(rows):  # shards are padded to their own longest row
+            n = min(width, shard["tokens"].shape[1])
+            tokens[i, :n] = shard["tokens"][r, :n]
             n = min(width, shard["features"].shape[1])
             features[i, :n] = shard["features"][r, :n]
         prompt_lengths = torch.stack([shard["prompt_lengths"][r] for shard, r in rows]).long()
@@ -149,7 +179,9 @@ def _autocast(device: str):
 
 
 @torch.no_grad()
-def estimate_tau(model, embed, head, data: Sequences, settings: TrainSettings, mask_id: int, device: str) -> float:
+def estimate_tau(
+    model, embed, head, data: Sequences, settings: TrainSettings, mask_id: int, device: str, label_map=None
+) -> float:
     """Greedy tau on held-out sequences: blocks at every position, chained as decoding would walk them."""
     steps = tokens_made = 0
     block = settings.block_size
@@ -161,7 +193,9 @@ def estimate_tau(model, embed, head, data: Sequences, settings: TrainSettings, m
             continue
         blocks = _to(make_blocks(tokens, lengths, prompts, block, anchors, mask_id, torch.Generator()), device)
         with _autocast(device):
-            result = block_loss(model, embed, head, features.to(device).float(), blocks, block, complete_only=False)
+            result = block_loss(
+                model, embed, head, features.to(device).float(), blocks, block, complete_only=False, label_map=label_map
+            )
         accepted = result.accepted.tolist()  # one per anchor, in position order
         position = first
         while position < length - 1:
@@ -188,9 +222,17 @@ def train(
     settings: TrainSettings,
     resume: bool,
     device: str = "cpu",
+    d2t: torch.Tensor | None = None,
 ) -> Iterator[TrainEvent]:
-    """Optimise a drafter, yielding a TrainEvent per step; writes checkpoints to work and the drafter to out."""
-    model = new_drafter(config, settings.seed).to(device)
+    """Optimise a drafter, yielding a TrainEvent per step; writes checkpoints to work and the drafter to out.
+    With d2t the drafter's head is those rows of the target's, and labels outside them count as misses."""
+    model = new_drafter(config, settings.seed, d2t).to(device)
+    label_map = None
+    if d2t is not None:
+        head = head[d2t]
+        label_map = torch.full((len(embed),), IGNORE, dtype=torch.long)
+        label_map[d2t] = torch.arange(len(d2t))
+        label_map = label_map.to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
@@ -222,7 +264,9 @@ def train(
         for group in optimizer.param_groups:
             group["lr"] = lr
         with _autocast(device):
-            result = block_loss(model, embed, head, features.to(device).float(), blocks, settings.block_size)
+            result = block_loss(
+                model, embed, head, features.to(device).float(), blocks, settings.block_size, label_map=label_map
+            )
         optimizer.zero_grad(set_to_none=True)
         result.loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -231,7 +275,7 @@ def train(
         tau = None
         if step % settings.eval_every == 0 or step == settings.steps:
             model.eval()
-            tau = estimate_tau(model, embed, head, data, settings, mask_id, device)
+            tau = estimate_tau(model, embed, head, data, settings, mask_id, device, label_map)
         if step % settings.checkpoint_every == 0 or step == settings.steps:
             work.mkdir(parents=True, exist_ok=True)
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}

@@ -1,0 +1,132 @@
+"""Self-distillation through llama.cpp for a GGUF target: many prompts continue at once, one llama.cpp sequence each,
+and the layer taps give the features of every position as it is fed (what the drafter conditions on at inference)."""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import DFlashError
+from ..gguf_file import read_gguf
+from ..llama_lib import llama_cpp, tapped_architectures
+from ..sampling import SamplingParams, pick
+from ..targets.llama_taps import first_llama_error, output_functions, quiet_llama_logs, tap_functions
+from ..targets.llamacpp import BATCH, model_params
+
+
+def _free(batch, ctx, model) -> None:
+    llama_cpp.llama_batch_free(batch)
+    llama_cpp.llama_free(ctx)
+    llama_cpp.llama_model_free(model)
+
+
+class ParallelTarget:
+    """A llama.cpp context over a GGUF file holding up to `sequences` sequences of `length` tokens at once, with the
+    feature layers' inputs tapped (HF hidden_states[id + 1] for each id in layer_ids)."""
+
+    def __init__(self, path: Path, sequences: int, length: int, layer_ids: list[int], threads: int) -> None:
+        self.info = read_gguf(path)
+        if self.info.architecture not in tapped_architectures():
+            raise DFlashError(
+                f"{path.name} holds a '{self.info.architecture}' model, whose layer features this libllama does not "
+                f"read (it reads {', '.join(tapped_architectures())}), so no drafter can be trained for it."
+            )
+        if any(not 0 <= i < self.info.num_layers - 1 for i in layer_ids):
+            raise DFlashError(f"Target layer ids {layer_ids} must lie in 0..{self.info.num_layers - 2} for a GGUF.")
+        quiet_llama_logs()
+        llama_cpp.llama_backend_init()
+        model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params("cpu"))
+        if not model:
+            raise DFlashError(f"llama.cpp could not load {path} ({first_llama_error() or 'no reason given'}).")
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx, params.n_batch, params.n_ubatch = sequences * length, BATCH, BATCH
+        params.n_seq_max, params.kv_unified = sequences, True  # one stream: batches keep their order in the taps
+        params.n_threads = params.n_threads_batch = threads
+        params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_NONE
+        ctx = llama_cpp.llama_init_from_model(model, params)
+        if not ctx:
+            llama_cpp.llama_model_free(model)
+            raise DFlashError(f"llama.cpp could not create a context of {sequences} x {length} tokens for {path}.")
+        self._ctx, self._memory = ctx, llama_cpp.llama_get_memory(ctx)
+        self._batch = llama_cpp.llama_batch_init(BATCH, 0, 1)
+        weakref.finalize(self, _free, self._batch, ctx, model)
+        set_tap, self._get_tap = tap_functions()
+        self._logits_at, _ = output_functions()
+        self.layer_ids = list(layer_ids)
+        for layer in self.layer_ids:
+            set_tap(ctx, layer + 1, True)
+
+    def clear(self) -> None:
+        llama_cpp.llama_memory_clear(self._memory, True)
+
+    def _rows(self, address: int | None, rows: int, width: int) -> np.ndarray:
+        if not address:
+            raise DFlashError("llama.cpp returned no output rows for the batch.")
+        return np.frombuffer((ctypes.c_float * (rows * width)).from_address(address), np.float32).reshape(rows, width)
+
+    def decode(self, rows: list[tuple[int, int, int, bool]]) -> tuple[torch.Tensor, np.ndarray]:
+        """Feed (sequence, position, token, wants_logits) rows, at most BATCH; return the logits of the rows that want
+        them, in order (a view, valid until the next decode), and every row's concatenated features (a copy)."""
+        batch = self._batch
+        batch.n_tokens = len(rows)
+        for index, (sequence, position, token, wants) in enumerate(rows):
+            batch.token[index], batch.pos[index] = token, position
+            batch.n_seq_id[index], batch.seq_id[index][0], batch.logits[index] = 1, sequence, wants
+        status = llama_cpp.llama_decode(self._ctx, batch)
+        if status != 0:
+            raise DFlashError(f"llama.cpp failed to evaluate the batch (status {status}).")
+        width = self.info.hidden_size
+        features = np.concatenate(
+            [self._rows(self._get_tap(self._ctx, i + 1), len(rows), width) for i in self.layer_ids], axis=1
+        )
+        wanted = sum(1 for row in rows if row[3])
+        logits = torch.from_numpy(self._rows(self._logits_at(self._ctx), wanted, self.info.vocab_size))
+        return logits, features
+
+
+def continue_prompts(
+    target: ParallelTarget,
+    prompts: list[list[int]],
+    new_tokens: int,
+    params: SamplingParams,
+    stop_ids: frozenset[int],
+    generator: torch.Generator,
+) -> list[tuple[list[int], torch.Tensor]]:
+    """Continue the prompts together (one sequence each); per prompt (prompt + continuation ids, bf16 features of
+    every position fed to the target, shape [len(ids) - 1, features])."""
+    target.clear()
+    ids = [list(prompt) for prompt in prompts]
+    features: list[list[np.ndarray]] = [[] for _ in prompts]
+    pending = [
+        (seq, pos, token, pos == len(prompt) - 1)
+        for seq, prompt in enumerate(prompts)
+        for pos, token in enumerate(prompt)
+    ]
+    live = list(range(len(prompts)))
+    for _ in range(new_tokens + 1):
+        picked: list[int] = []
+        for begin in range(0, len(pending), BATCH):
+            chunk = pending[begin : begin + BATCH]
+            logits, feats = target.decode(chunk)
+            for row, (seq, _, _, _) in enumerate(chunk):
+                features[seq].append(feats[row : row + 1])
+            if len(logits):
+                picked += pick(logits, params, generator).tolist()
+        wanting = [seq for seq, _, _, wants in pending if wants]
+        live = []
+        for seq, token in zip(wanting, picked, strict=True):
+            ids[seq].append(token)
+            if token not in stop_ids and len(ids[seq]) < len(prompts[seq]) + new_tokens:
+                live.append(seq)
+        pending = [(seq, len(ids[seq]) - 1, ids[seq][-1], True) for seq in live]
+        if not pending:
+            break
+    out = []
+    for seq in range(len(prompts)):
+        rows = torch.from_numpy(np.concatenate(features[seq])).to(torch.bfloat16)
+        out.append((ids[seq], rows[: len(ids[seq]) - 1]))
+    return out
