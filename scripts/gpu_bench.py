@@ -251,7 +251,7 @@ def decode_bytes(target: TorchLlamaTarget, context: int) -> int:
     over the context."""
     model, cfg = target.model, target.cfg
     tensors = {}
-    for name, module in model.named_modules():
+    for name, module in model.named_modules(remove_duplicate=False):  # a tied head is lm_head too
         if name.startswith("model.embed_tokens"):
             continue
         for tensor in itertools.chain(module.parameters(recurse=False), module.buffers(recurse=False)):
