@@ -12,7 +12,7 @@ Costs come from a calibration that a burst of load cannot skew (interleaved roun
 fit that never falls with k and at most doubles per doubling of k), are cached per pair and machine, and are checked
 at each load (consistency, then a few timings; recalibrated or rescaled where off). Sizes not timed since the load,
 or since plain steps' cost drifted, are stale: probes and explorations try those that could beat the best, within
-PROBE_SHARE of the time, and a stale size's first timing replaces its estimate. docs/block-size.md has the design.
+PROBE_SHARE of the time, and a stale size's timing lowers its estimate where lower. docs/block-size.md has the design.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ SHAPE_TOLERANCE = 1.5  # the check's verify-block / decode-1 off the table's by 
 LEVEL_TOLERANCE = 1.5  # its costs off the table's by more than this (same shape): rescale the table
 DRIFT = 1.5  # plain steps' cost moved by more than this since the table was confirmed: its other sizes go stale
 STALE_AFTER = 64  # steps: the sizes not timed in each run of this many go stale
+FASTEST_RISE = 0.01  # per timing of a size, how far its recent fastest timing rises toward slower ones
 SLACK = 1.5  # consistency: a cost may fall with k to 1/SLACK, and a batch cost up to SLACK x the batches it splits into
 
 Samples = dict[int, list[float]]  # seconds of each timing per verify size k
@@ -80,6 +81,7 @@ class CostTable:
     anchor_s: float = field(default=0.0, init=False)  # plain steps' cost when the table was last confirmed
     timed: set[int] = field(default_factory=set, init=False)  # sizes timed in this run of STALE_AFTER steps
     steps_left: int = field(default=STALE_AFTER, init=False)  # ... and the steps left in it
+    fastest: dict[int, float] = field(default_factory=dict, init=False)  # each size's recent fastest timing
 
     def __post_init__(self) -> None:
         self.anchor_s = self.target_s[1]
@@ -87,12 +89,14 @@ class CostTable:
     def step_s(self, k: int) -> float:
         return self.target_s[k] + (self.draft_s[k] if k > 1 else 0.0)
 
-    def observe(self, k: int, draft_s: float, target_s: float, steps: int = 1) -> None:
+    def observe(self, k: int, draft_s: float, target_s: float, steps: int = 1, fastest: float | None = None) -> None:
         """Move the costs toward `steps` timed steps of size k (their mean times): each part's level follows, its
         calibrated shape over k stays (a slower context or a busy machine slows every k alike); one stall moves
-        little (clamped, averaged). A stale size's target cost is replaced instead (see refresh); plain steps whose
+        little (clamped, averaged). A stale size's target cost is refreshed instead (see refresh); plain steps whose
         cost drifted by more than DRIFT make every other size stale, and so does each run of STALE_AFTER steps for the
-        sizes it did not time."""
+        sizes it did not time. `fastest`: the fastest of the steps (default: their mean)."""
+        rising = self.fastest.get(k, float("inf")) * (1 + FASTEST_RISE) ** steps
+        self.fastest[k] = min(rising, target_s if fastest is None else fastest)
         self.timed.add(k)
         self.steps_left -= steps
         if self.steps_left <= 0:
@@ -109,16 +113,21 @@ class CostTable:
             self.anchor_s = self.target_s[1]
 
     def refresh(self, k: int, target_s: float) -> None:
-        """A stale size timed: its target cost becomes that timing, kept within what the fresh sizes allow (no less
-        than a smaller one's, no more than a larger one's); stale sizes around it follow so that cost never falls
-        with k."""
-        fresh = [j for j in self.target_s if j not in self.stale]
-        low = max((self.target_s[j] for j in fresh if j < k), default=0.0)
-        high = min((self.target_s[j] for j in fresh if j > k), default=float("inf"))
-        self.target_s[k] = cost = min(max(target_s, low), high)
+        """A stale size timed: its target cost becomes that timing on the scale of the costs (times the cost over the
+        recent fastest timing of the nearest fresh size timed lately: the running costs follow the mean of timings,
+        stalls included, a single timing mostly misses them) and at least a smaller fresh size's: at once where lower,
+        as a timed step moves a level where higher (a stall only lengthens a timing); smaller stale sizes come down
+        with it, so that cost never falls with k. It is fresh again."""
+        fresh = [j for j in self.fastest if j != k and j not in self.stale]
+        ref = min(fresh, key=lambda j: abs(j - k), default=None)
+        scaled = target_s if ref is None else target_s * self.target_s[ref] / self.fastest[ref]
+        low = max(self.target_s[j] for j in self.target_s if j < k and j not in self.stale)
+        scaled = max(scaled, low)
+        self.target_s[k] = cost = scaled if scaled < self.target_s[k] else _blend(self.target_s[k], scaled, 1)
         self.stale.discard(k)
         for j in self.stale:
-            self.target_s[j] = min(self.target_s[j], cost) if j < k else max(self.target_s[j], cost)
+            if j < k:
+                self.target_s[j] = min(self.target_s[j], cost)
 
     def bounds(self, k: int) -> tuple[float, float] | None:
         """The least and most a stale size's target cost can be, from the fresh sizes: no less than the largest
@@ -297,6 +306,7 @@ class BlockPolicy:
     draft_share: float = field(default=1.0, init=False)  # the best drafting k's estimated speed over plain steps'
     unsettled_steps: int = field(default=0, init=False)  # plain steps not learnt from yet, and their total time
     unsettled_s: float = field(default=0.0, init=False)
+    unsettled_fastest: float = field(default=float("inf"), init=False)
     explore_run: int = field(default=0, init=False)  # drafting choices since the last exploring step
 
     def __post_init__(self) -> None:
@@ -309,7 +319,7 @@ class BlockPolicy:
         self.probes = 0
         self.probe_at = 0
         self.draft_share = 1.0
-        self.unsettled_steps, self.unsettled_s = 0, 0.0
+        self.unsettled_steps, self.unsettled_s, self.unsettled_fastest = 0, 0.0, float("inf")
         self.explore_run = 0
 
     def rates(self) -> list[float]:
@@ -405,6 +415,7 @@ class BlockPolicy:
         if k == 1:
             self.unsettled_steps += 1
             self.unsettled_s += target_s
+            self.unsettled_fastest = min(self.unsettled_fastest, target_s)
             return
         self.settle()
         self.costs.observe(k, draft_s, target_s)
@@ -415,9 +426,10 @@ class BlockPolicy:
         """Learn from the plain steps seen since the last time: their mean cost, and the fading of this text's
         evidence."""
         if self.unsettled_steps:
-            self.costs.observe(1, 0.0, self.unsettled_s / self.unsettled_steps, self.unsettled_steps)
+            mean = self.unsettled_s / self.unsettled_steps
+            self.costs.observe(1, 0.0, mean, self.unsettled_steps, self.unsettled_fastest)
             self.current.fade(self.unsettled_steps)
-            self.unsettled_steps, self.unsettled_s = 0, 0.0
+            self.unsettled_steps, self.unsettled_s, self.unsettled_fastest = 0, 0.0, float("inf")
 
     def save(self) -> None:
         """Keep the costs and the drafter's history for the next load of the same pair on this machine (skipped
