@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from .block_policy import CostTable
 from .decode import Settings, Stats, run
 from .errors import DFlashError
 from .generation import LoadedModels
@@ -118,3 +119,23 @@ def plot(report: dict, path: Path) -> None:
     right.set(title=f"decode tokens/s (mean, {report['mean']['speedup']:.2f}x)", ylabel="tokens/s")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
+
+
+def calibration_report(costs: CostTable) -> dict:
+    """The table behind --block-size auto: when it was measured, and per k (ms) the calibration's timings of the
+    target and the drafter where it timed k (sorted), the fitted costs, the step's, and the tokens a step must make
+    to beat a plain step."""
+    plain = costs.step_s(1)
+    sizes = [
+        {
+            "k": k,
+            "target_samples_ms": sorted(s * 1000 for s in costs.target_samples.get(k, [])),
+            "target_ms": costs.target_s[k] * 1000,
+            "draft_samples_ms": sorted(s * 1000 for s in costs.draft_samples.get(k, [])),
+            "draft_ms": costs.draft_s[k] * 1000 if k > 1 else 0.0,
+            "step_ms": costs.step_s(k) * 1000,
+            "break_even_tokens": costs.step_s(k) / plain,
+        }
+        for k in sorted(costs.target_s)
+    ]
+    return {"measured_at": costs.measured_at, "sizes": sizes}

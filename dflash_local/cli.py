@@ -465,7 +465,7 @@ def bench(
         if limit is not None and limit < 1:
             raise DFlashError(f"--limit must be at least 1, got {limit}.")
 
-        from .bench import plot, read_prompts, run_bench
+        from .bench import calibration_report, plot, read_prompts, run_bench
         from .decode import Settings
         from .generation import OUT_OF_MEMORY, load_models, out_of_memory, recalibrate
         from .runtime import RuntimeConfig
@@ -492,8 +492,9 @@ def bench(
                 drafter_quantize=_drafter_quantize(drafter_quantize),
                 auto_block=block_size is None,
             )
-            if calibrate:
-                _print_costs(model, recalibrate(models))
+            calibration = calibration_report(recalibrate(models).costs) if calibrate else None
+            if calibration is not None and not as_json:
+                _print_costs(model, calibration)
             settings = Settings(
                 max_new_tokens=max_new_tokens,
                 sampling=sampling,
@@ -506,6 +507,8 @@ def bench(
             except OUT_OF_MEMORY:
                 raise out_of_memory(f"A benchmark run of {model}", models.target.device.type) from None
             report["model"] = model
+            if calibration is not None:
+                report["calibration"] = calibration
             if plot_path is not None:
                 suffix = f"-{Path(model).name}" if len(names or []) > 1 else ""
                 plot(report, plot_path.with_name(f"{plot_path.stem}{suffix}{plot_path.suffix}"))
@@ -516,20 +519,48 @@ def bench(
             typer.echo(json.dumps(reports[0] if len(reports) == 1 else reports))
 
 
-def _print_costs(model: str, policy) -> None:
-    """The cost table behind --block-size auto: per k, the target's and drafter's step and the break-even tau."""
+def _print_costs(model: str, calibration: dict) -> None:
+    """The cost table behind --block-size auto: when it was measured, and per k the calibration's timings (fastest,
+    median, slowest, rounds), the fitted target and drafter costs, the step's, and the break-even tokens per step."""
+    import statistics
+    import time
+
     from rich.console import Console
     from rich.table import Table
 
-    costs = policy.costs
-    table = Table(title=f"{model}: cost per step on this machine (--block-size auto)")
-    for column in ("k", "target ms", "drafter ms", "step ms", "tokens/step to beat plain"):
+    def timings(samples: list[float]) -> str:
+        if not samples:
+            return "-"
+        return f"{samples[0]:.2f} / {statistics.median(samples):.2f} / {samples[-1]:.2f} ({len(samples)})"
+
+    measured = time.strftime("%Y-%m-%d %H:%M", time.localtime(calibration["measured_at"]))
+    table = Table(
+        title=f"{model}: cost per step on this machine (--block-size auto), measured {measured}",
+        caption="timings: fastest / median / slowest (rounds); the fit: each size's fastest, never falling with k and "
+        "at most doubling per doubling of k; sizes not timed are interpolated",
+    )
+    columns = (
+        "k",
+        "target timings ms",
+        "target ms",
+        "drafter timings ms",
+        "drafter ms",
+        "step ms",
+        "tokens to beat plain",
+    )
+    for column in columns:
         table.add_column(column, justify="right")
-    plain = costs.step_s(1)
-    for k in sorted(costs.target_s):
-        drafter = f"{costs.draft_s[k] * 1000:.2f}" if k > 1 else "-"
-        step = costs.step_s(k)
-        table.add_row(str(k), f"{costs.target_s[k] * 1000:.2f}", drafter, f"{step * 1000:.2f}", f"{step / plain:.2f}")
+    for row in calibration["sizes"]:
+        drafter = f"{row['draft_ms']:.2f}" if row["k"] > 1 else "-"
+        table.add_row(
+            str(row["k"]),
+            timings(row["target_samples_ms"]),
+            f"{row['target_ms']:.2f}",
+            timings(row["draft_samples_ms"]),
+            drafter,
+            f"{row['step_ms']:.2f}",
+            f"{row['break_even_tokens']:.2f}",
+        )
     Console().print(table)
 
 
