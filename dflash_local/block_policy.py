@@ -104,8 +104,7 @@ class CostTable:
             self.timed, self.steps_left = set(), STALE_AFTER
         if k in self.stale:
             self.refresh(k, target_s)
-        else:
-            _rescale(self.target_s, _blend(self.target_s[k], target_s, steps) / self.target_s[k])
+        _rescale(self.target_s, _blend(self.target_s[k], target_s, steps) / self.target_s[k])
         if k > 1:
             _rescale(self.draft_s, _blend(self.draft_s[k], draft_s, steps) / self.draft_s[k])
         elif not 1 / DRIFT <= self.target_s[1] / self.anchor_s <= DRIFT:
@@ -115,15 +114,14 @@ class CostTable:
     def refresh(self, k: int, target_s: float) -> None:
         """A stale size timed: its target cost becomes that timing on the scale of the costs (times the cost over the
         recent fastest timing of the nearest fresh size timed lately: the running costs follow the mean of timings,
-        stalls included, a single timing mostly misses them) and at least a smaller fresh size's: at once where lower,
-        as a timed step moves a level where higher (a stall only lengthens a timing); smaller stale sizes come down
-        with it, so that cost never falls with k. It is fresh again."""
+        stalls included, a single timing mostly misses them), where that is lower (a stall only lengthens a timing,
+        and the levels follow slower steps), at least a smaller fresh size's; smaller stale sizes come down with it,
+        so that cost never falls with k. It is fresh again."""
         fresh = [j for j in self.fastest if j != k and j not in self.stale]
         ref = min(fresh, key=lambda j: abs(j - k), default=None)
         scaled = target_s if ref is None else target_s * self.target_s[ref] / self.fastest[ref]
         low = max(self.target_s[j] for j in self.target_s if j < k and j not in self.stale)
-        scaled = max(scaled, low)
-        self.target_s[k] = cost = scaled if scaled < self.target_s[k] else _blend(self.target_s[k], scaled, 1)
+        self.target_s[k] = cost = min(self.target_s[k], max(scaled, low))
         self.stale.discard(k)
         for j in self.stale:
             if j < k:
