@@ -92,7 +92,7 @@ class CostTable:
     def observe(self, k: int, draft_s: float, target_s: float, steps: int = 1, fastest: float | None = None) -> None:
         """Move the costs toward `steps` timed steps of size k (their mean times): each part's level follows, its
         calibrated shape over k stays (a slower context or a busy machine slows every k alike); one stall moves
-        little (clamped, averaged). A stale size's target cost is refreshed instead (see refresh); plain steps whose
+        little (clamped, averaged). A stale size's target cost is refreshed first (see refresh); plain steps whose
         cost drifted by more than DRIFT make every other size stale, and so does each run of STALE_AFTER steps for the
         sizes it did not time. `fastest`: the fastest of the steps (default: their mean)."""
         rising = self.fastest.get(k, float("inf")) * (1 + FASTEST_RISE) ** steps
