@@ -1,7 +1,9 @@
 """Every bad input a user can give ends in one `error: <sentence>` line on stderr and exit status 1.
 
-Errors that come before any model loads are checked through the real CLI in a subprocess; rules with many
-cases (config fields, catalog shapes, sampling ranges) are checked in-process on the function that applies them.
+Errors that come before any model loads are checked through the CLI in this process (Typer's CliRunner: exit
+status and stderr as the console script gives them); a subprocess only where a real one is needed (argv bytes, a
+killed convert, the console script). Rules with many cases (config fields, catalog shapes, sampling ranges) are
+checked on the function that applies them.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 from dflash_local import __version__, bench, chat, cli, generation
 from dflash_local.catalog import load_catalog
@@ -35,10 +37,20 @@ def dflash(*args: str | bytes | Path, env: dict | None = None) -> subprocess.Com
     return subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env or ENV)
 
 
-def assert_one_error(result: subprocess.CompletedProcess, message: str) -> None:
+def invoke(*args: str | Path, env: dict[str, str | None] | None = None) -> Result:
+    """The CLI in this process, with `env` over the environment (None removes a variable)."""
+    return CliRunner().invoke(cli.app, [str(a) for a in args], env={"COLUMNS": "200", **(env or {})})
+
+
+def assert_one_error(result: subprocess.CompletedProcess | Result, message: str) -> None:
     """Exit status 1 and exactly `error: message` on stderr: one line, no traceback."""
+    if isinstance(result, Result):  # an exception that escaped the CLI would have been a traceback
+        assert isinstance(result.exception, SystemExit), repr(result.exception)
+        code = result.exit_code
+    else:
+        code = result.returncode
     assert "Traceback" not in result.stderr, result.stderr
-    assert result.returncode == 1, result.stderr
+    assert code == 1, result.stderr
     assert result.stderr.splitlines() == [f"error: {message}"]
 
 
@@ -73,12 +85,12 @@ OPTION_CASES = {
 @pytest.mark.parametrize("case", OPTION_CASES)
 def test_generate_options_out_of_range(case):
     extra, message = OPTION_CASES[case]
-    assert_one_error(dflash(*GENERATE, *extra), message)
+    assert_one_error(invoke(*GENERATE, *extra), message)
 
 
 def test_runtime_defaults_come_from_the_environment():
     """DFLASH_KERNELS sets --kernels' default: a bad value is refused like the flag's."""
-    result = dflash(*GENERATE, env={**ENV, "DFLASH_KERNELS": "cuda"})
+    result = invoke(*GENERATE, env={"DFLASH_KERNELS": "cuda"})
     assert_one_error(result, "Unknown kernels 'cuda' (use auto, triton, torch).")
 
 
@@ -219,7 +231,7 @@ def test_bad_config_through_the_cli(tmp_path):
     (target / "config.json").write_text(json.dumps({**TARGET, "hidden_size": -8}))
     args = ("--target", target, "--no-draft", "--prompt-ids", "1,2")
     message = f"{target}/config.json: hidden_size must be a positive integer, got -8."
-    assert_one_error(dflash("generate", *args), message)
+    assert_one_error(invoke("generate", *args), message)
     (target / "config.json").write_text("[1, 2]")
     with pytest.raises(DFlashError) as caught:
         read_config(target)
@@ -289,7 +301,7 @@ def test_good_user_catalog_loads_and_bad_one_stops_the_cli(tmp_path, monkeypatch
         load_catalog()
     path.write_text("[mine]\ntarget = { repo = 'a/b..c' }\n")
     message = f"{path}: entry 'mine': target: repo must be a valid Hub repo name (owner/name), got 'a/b..c'."
-    assert_one_error(dflash("models", env={**ENV, "DFLASH_CATALOG": str(path)}), message)
+    assert_one_error(invoke("models", env={"DFLASH_CATALOG": str(path)}), message)
 
 
 # --- folders that cannot be written ---------------------------------------------------------------------------
@@ -299,16 +311,16 @@ def test_unwritable_cache_folders(tmp_path, monkeypatch):
     """HF_HOME and DFLASH_HOME under a regular file: unwritable even for root. Nothing is fetched (no Hub here)."""
     blocker = tmp_path / "afile"
     blocker.write_text("")
-    env = {k: v for k, v in ENV.items() if k not in ("HF_HUB_CACHE", "XDG_CACHE_HOME", "HF_HOME", "DFLASH_HOME")}
-    env |= {"HF_ENDPOINT": "http://127.0.0.1:9", "DFLASH_HOME": str(tmp_path / "dflash")}
+    hub = {"HF_HUB_CACHE": None, "XDG_CACHE_HOME": None, "HF_ENDPOINT": "http://127.0.0.1:9"}  # None: unset
     bad = blocker / "sub"
-    result = dflash("pull", "someone/model", env={**env, "HF_HOME": str(bad)})
+    result = invoke("pull", "someone/model", env=hub | {"HF_HOME": str(bad), "DFLASH_HOME": str(tmp_path / "dflash")})
     message = f"The Hugging Face cache {bad}/hub (from HF_HOME={bad}) is not writable (Not a directory): "
     assert_one_error(result, message + "point HF_HOME at a writable folder.")
-    for name in ("HF_HUB_CACHE", "XDG_CACHE_HOME"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in (env | {"HF_HOME": str(tmp_path / "hf"), "DFLASH_HOME": str(bad)}).items():
-        monkeypatch.setenv(name, value)
+    for name, value in (hub | {"HF_HOME": str(tmp_path / "hf"), "DFLASH_HOME": str(bad)}).items():
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
     with pytest.raises(DFlashError) as caught:
         cli._resolve("someone/model", None, False, None)  # what generate/chat/bench call before pulling
     message = f"The dflash folder {bad} (from DFLASH_HOME={bad}) is not writable (Not a directory): "
@@ -323,7 +335,7 @@ def test_convert_out_that_cannot_be_written(tmp_path):
     folder = tmp_path / "model.gguf"
     folder.mkdir()
     message = f"--out {folder} is an existing folder; name the GGUF file to write, e.g. {folder}/model.gguf."
-    assert_one_error(dflash("convert", TINY / "target", "--out", folder), message)
+    assert_one_error(invoke("convert", TINY / "target", "--out", folder), message)
     (tmp_path / "afile").write_text("")
     out = tmp_path / "afile" / "sub" / "x.gguf"
     with pytest.raises(DFlashError) as caught:
