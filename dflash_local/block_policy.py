@@ -56,7 +56,6 @@ CHECK_ROUNDS = 3  # a cached table is checked at load by this many rounds of dec
 SHAPE_TOLERANCE = 1.5  # the check's verify-block / decode-1 off the table's by more than this: calibrate afresh
 LEVEL_TOLERANCE = 1.5  # its costs off the table's by more than this (same shape): rescale the table
 DRIFT = 1.5  # plain steps' cost moved by more than this since the table was confirmed: its other sizes go stale
-STALE_AFTER = 64  # steps: the sizes not timed in each run of this many go stale
 FASTEST_RISE = 0.01  # per timing of a size, how far its recent fastest timing rises toward slower ones
 SLACK = 1.5  # consistency: a cost may fall with k to 1/SLACK, and a batch cost up to SLACK x the batches it splits into
 
@@ -67,8 +66,8 @@ Samples = dict[int, list[float]]  # seconds of each timing per verify size k
 class CostTable:
     """Seconds per step by verify size k: the target's forward of k tokens, and the drafter's step for k-1 rows.
 
-    Sizes in `stale` have not been timed since this load, or in the last STALE_AFTER steps, or since plain steps' cost
-    drifted: probes explore them."""
+    Sizes in `stale` have not been timed since this load, or since plain steps' fastest timing drifted: probes explore
+    them."""
 
     target_s: dict[int, float]
     draft_s: dict[int, float]
@@ -78,9 +77,7 @@ class CostTable:
     checked_at: float = 0.0  # when a load last checked it, and what that check found
     check: str = ""
     stale: set[int] = field(default_factory=set)
-    anchor_s: float = field(default=0.0, init=False)  # plain steps' cost when the table was last confirmed
-    timed: set[int] = field(default_factory=set, init=False)  # sizes timed in this run of STALE_AFTER steps
-    steps_left: int = field(default=STALE_AFTER, init=False)  # ... and the steps left in it
+    anchor_s: float = field(default=0.0, init=False)  # plain steps' (fastest) cost when the table was last confirmed
     fastest: dict[int, float] = field(default_factory=dict, init=False)  # each size's recent fastest timing
 
     def __post_init__(self) -> None:
@@ -93,23 +90,18 @@ class CostTable:
         """Move the costs toward `steps` timed steps of size k (their mean times): each part's level follows, its
         calibrated shape over k stays (a slower context or a busy machine slows every k alike); one stall moves
         little (clamped, averaged). A stale size's target cost is refreshed first (see refresh); plain steps whose
-        cost drifted by more than DRIFT make every other size stale, and so does each run of STALE_AFTER steps for the
-        sizes it did not time. `fastest`: the fastest of the steps (default: their mean)."""
+        recent fastest timing drifted by more than DRIFT (a stall moves a mean, not that) make every other size stale.
+        `fastest`: the fastest of the steps (default: their mean)."""
         rising = self.fastest.get(k, float("inf")) * (1 + FASTEST_RISE) ** steps
         self.fastest[k] = min(rising, target_s if fastest is None else fastest)
-        self.timed.add(k)
-        self.steps_left -= steps
-        if self.steps_left <= 0:
-            self.stale |= set(self.target_s) - self.timed - {1}
-            self.timed, self.steps_left = set(), STALE_AFTER
         if k in self.stale:
             self.refresh(k, target_s)
         _rescale(self.target_s, _blend(self.target_s[k], target_s, steps) / self.target_s[k])
         if k > 1:
             _rescale(self.draft_s, _blend(self.draft_s[k], draft_s, steps) / self.draft_s[k])
-        elif not 1 / DRIFT <= self.target_s[1] / self.anchor_s <= DRIFT:
+        elif not 1 / DRIFT <= self.fastest[1] / self.anchor_s <= DRIFT:
             self.stale = set(self.target_s) - {1}
-            self.anchor_s = self.target_s[1]
+            self.anchor_s = self.fastest[1]
 
     def refresh(self, k: int, target_s: float) -> None:
         """A stale size timed: its target cost becomes that timing on the scale of the costs (times the cost over the
