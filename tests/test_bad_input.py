@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from in_process import invoke
 from typer.testing import CliRunner, Result
 
 from dflash_local import __version__, bench, chat, cli, generation
@@ -35,11 +36,6 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
 def dflash(*args: str | bytes | Path, env: dict | None = None) -> subprocess.CompletedProcess:
     argv = [sys.executable, "-m", "dflash_local", *(a if isinstance(a, bytes) else str(a) for a in args)]
     return subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env or ENV)
-
-
-def invoke(*args: str | Path, env: dict[str, str | None] | None = None) -> Result:
-    """The CLI in this process, with `env` over the environment (None removes a variable)."""
-    return CliRunner().invoke(cli.app, [str(a) for a in args], env={"COLUMNS": "200", **(env or {})})
 
 
 def assert_one_error(result: subprocess.CompletedProcess | Result, message: str) -> None:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from in_process import invoke
 from tiny_models import add_char_tokenizer, make_drafter, make_target
 
 
@@ -153,8 +154,9 @@ def test_bad_input_is_one_clear_sentence(case, bad_files, llama_target):
     if "--prompt" in args:
         del args["--prompt-ids"]
     argv = [item for pair in args.items() for item in pair] + flags
-    result = dflash("generate", *argv)
-    assert result.returncode != 0
+    result = invoke("generate", *argv)
+    assert result.exit_code != 0
+    assert isinstance(result.exception, SystemExit), repr(result.exception)  # else a traceback
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
@@ -162,8 +164,8 @@ def test_bad_input_is_one_clear_sentence(case, bad_files, llama_target):
 
 
 def test_empty_text_prompt(texted_target):
-    result = dflash("generate", "--target", texted_target, "--no-draft", "--prompt", "")
-    assert result.returncode == 1 and result.stderr.strip() == "error: The prompt is empty."
+    result = invoke("generate", "--target", texted_target, "--no-draft", "--prompt", "")
+    assert result.exit_code == 1 and result.stderr.strip() == "error: The prompt is empty."
 
 
 def test_quantized_drafter_from_the_command_line_is_lossless():
