@@ -90,6 +90,11 @@ def run_bench(
     histogram = {
         length: sum(r["dflash"]["acceptance_histogram"][length] for r in rows) for length in range(1, block + 1)
     }
+    # steps that drafted: every step less auto's plain ones (block size 1, acceptance length 1, nothing drafted)
+    drafting = sum(histogram.values()) - sum(r["dflash"]["block_histogram"].get(1, 0) for r in rows)
+    by_position = [
+        sum(count for length, count in histogram.items() if length > j) / max(drafting, 1) for j in range(1, block)
+    ]
     return {
         "block_size": "auto" if policy is not None else block,
         "max_new_tokens": settings.max_new_tokens,
@@ -97,6 +102,7 @@ def run_bench(
         "prompts": rows,
         "mean": mean,
         "dflash_acceptance_histogram": histogram,
+        "dflash_acceptance_by_position": by_position,  # of drafting steps: share that accepted at least j drafts
         "all_identical": all(r["identical"] for r in rows),
     }
 

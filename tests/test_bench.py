@@ -24,6 +24,13 @@ def test_bench_json_and_plot(tmp_path):
         assert all(1 <= int(k) <= 16 for k in row["dflash"]["block_histogram"])
         assert row["identical"] is True
     assert report["all_identical"] is True
+    histograms = [row["dflash"]["acceptance_histogram"] for row in report["prompts"]]
+    plain = sum(row["dflash"]["block_histogram"].get("1", 0) for row in report["prompts"])  # auto's: none drafted
+    drafting = sum(sum(h.values()) for h in histograms) - plain
+    accepted_one = sum(count for h in histograms for length, count in h.items() if int(length) > 1)
+    by_position = report["dflash_acceptance_by_position"]
+    assert len(by_position) == 15 and by_position == sorted(by_position, reverse=True)
+    assert by_position[0] == accepted_one / drafting
     assert set(report["mean"]) == {"autoregressive", "dflash", "prompt_lookup", "speedup"}
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -125,10 +125,11 @@ class LlamaCppTarget:
         tapped = tapped_architectures()
         arch = self.info.architecture
         if arch not in tapped:
-            hint = "; scripts/build_libllama.sh (run by install.sh) builds one that does" if arch == "gemma3" else ""
+            hint = ", and scripts/build_libllama.sh (run by install.sh) builds a libllama that reads gemma3's"
             raise DFlashError(
-                f"{self.info.path.name} holds a '{arch}' model and this libllama reads layer features only from "
-                f"{', '.join(tapped)} models{hint}, so DFlash cannot draft for it: plain decoding works (--no-draft)."
+                f"{self.info.path.name} holds a '{arch}' model, whose layer features this libllama does not read "
+                f"(it reads {', '.join(tapped)} models), so DFlash cannot draft for it; plain decoding works "
+                f"(--no-draft){hint if arch == 'gemma3' else ''}."
             )
         bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
         if bad:
