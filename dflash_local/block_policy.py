@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -135,25 +136,25 @@ class CostTable:
         return target + (self.draft_s[k] if k > 1 else 0.0)
 
     def verify(self, target_samples: Samples, draft_samples: Samples) -> bool:
-        """Compare a load's few timings (decode-1 and one verify size k; the drafter's step at k) with the table:
-        False where verify-k / decode-1 is off by more than SHAPE_TOLERANCE (calibrate afresh); where only a part's
+        """Compare a load's few timings (decode-1 and some verify sizes k, the drafter's step at each) with the table:
+        False where a verify-k / decode-1 is off by more than SHAPE_TOLERANCE (calibrate afresh); where only a part's
         level is off by more than LEVEL_TOLERANCE, that part is rescaled. The sizes not timed become stale."""
-        k = max(target_samples)
-        plain, verify, draft = min(target_samples[1]), min(target_samples[k]), min(draft_samples[k])
-        shape = (verify / plain) / (self.target_s[k] / self.target_s[1])
-        factors = ((verify * plain / (self.target_s[k] * self.target_s[1])) ** 0.5, draft / self.draft_s[k])
+        timed = {k: min(v) for k, v in target_samples.items()}
+        drafted = {k: min(v) for k, v in draft_samples.items()}
         self.checked_at = time.time()
-        if not 1 / SHAPE_TOLERANCE <= shape <= SHAPE_TOLERANCE:
-            self.check = (
-                f"verify-{k} / decode-1 was {self.target_s[k] / self.target_s[1]:.2f}, timed {verify / plain:.2f}"
-            )
-            return False
+        for k in sorted(timed)[1:]:
+            shape = (timed[k] / timed[1]) / (self.target_s[k] / self.target_s[1])
+            if not 1 / SHAPE_TOLERANCE <= shape <= SHAPE_TOLERANCE:
+                was, now = self.target_s[k] / self.target_s[1], timed[k] / timed[1]
+                self.check = f"verify-{k} / decode-1 was {was:.2f}, timed {now:.2f}"
+                return False
+        factors = (_geometric_mean(timed, self.target_s), _geometric_mean(drafted, self.draft_s))
         self.check = "kept"
         if any(not 1 / LEVEL_TOLERANCE <= f <= LEVEL_TOLERANCE for f in factors):
             _rescale(self.target_s, factors[0])
             _rescale(self.draft_s, factors[1])
             self.check = f"rescaled: target x{factors[0]:.2f}, drafter x{factors[1]:.2f}"
-        self.stale = set(self.target_s) - {1, k}
+        self.stale = set(self.target_s) - set(timed)
         self.anchor_s = self.target_s[1]
         return True
 
@@ -197,6 +198,11 @@ def inconsistencies(costs: CostTable) -> list[str]:
             j, k = bad[0]
             found.append(f"{name} of k = {k} costs {table[k] / table[j]:.2f}x its cost at k = {j}")
     return found
+
+
+def _geometric_mean(timed: dict[int, float], costs: dict[int, float]) -> float:
+    """The geometric mean over the timed sizes of timing over cost."""
+    return math.prod(timed[k] / costs[k] for k in timed) ** (1 / len(timed))
 
 
 def _rescale(costs: dict[int, float], factor: float) -> None:
@@ -357,10 +363,12 @@ class BlockPolicy:
         tokens = expected_tokens(self.rates(), top)
         return tokens, [0.0] + [tokens[k] / self.costs.step_s(k) for k in range(1, top + 1)]
 
-    def checked_size(self) -> int:
-        """The drafting size a choice from the costs rests on, the fastest by them: a load times it to check them."""
+    def checked_sizes(self) -> list[int]:
+        """The sizes a load times to check the costs: decode-1, the drafting size a choice from them rests on (the
+        fastest by them), and the block."""
         speeds = self.speeds(self.block_size)[1]
-        return max(range(2, self.block_size + 1), key=speeds.__getitem__)
+        best = max(range(2, self.block_size + 1), key=speeds.__getitem__)
+        return sorted({1, best, self.block_size})
 
     def explore_size(self, tokens: list[float], best_speed: float, top: int) -> int | None:
         """The stale size (at most top and trial_limit()) that could beat best_speed by the least it can cost (see
@@ -449,7 +457,7 @@ def load_policy(
 ) -> BlockPolicy:
     """The policy saved at path for this pair and machine, its costs checked: consistent in themselves (see
     inconsistencies) and, given `check` (timings of the sizes it is passed, taken now), with this machine now (see
-    CostTable.verify, at decode-1 and the checked_size()). Otherwise one calibrated afresh now; the drafter's history is
+    CostTable.verify, at checked_sizes()). Otherwise one calibrated afresh now; the drafter's history is
     kept either way."""
     history, reason = AcceptanceEstimate.empty(block_size - 1, HISTORY_DECAY), ""
     try:
@@ -461,7 +469,7 @@ def load_policy(
                 history, problems = cached, inconsistencies(costs)
                 costs.stale = set(costs.target_s) - {1}
                 policy = BlockPolicy(block_size, costs, history, path)
-                if not problems and (check is None or costs.verify(*check([1, policy.checked_size()]))):
+                if not problems and (check is None or costs.verify(*check(policy.checked_sizes()))):
                     return policy
                 reason = f"calibrated afresh at load: {problems[0] if problems else costs.check}"
     except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
