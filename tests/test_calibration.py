@@ -175,8 +175,8 @@ def timed(factor: float = 1.0, noise: float = 1.0, draft_factor: float = 1.0):
 
 def test_a_cached_table_is_checked_against_a_few_timings_at_load(tmp_path):
     """Consistent in itself but not with this machine now: another verify-k / decode-1 ratio (k: the size the table's
-    choice rests on) is calibrated afresh, a machine twice as slow throughout rescales the table (shape kept), one
-    within the noise keeps it as it is."""
+    choice rests on, or the block) is calibrated afresh, a machine twice as slow throughout rescales the table (shape
+    kept), one within the noise keeps it as it is."""
     path = tmp_path / "pair.json"
     calls = []
 
