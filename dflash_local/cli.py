@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional, get_type_hints
 
 import typer
 
 from .errors import DFlashError
+
+if TYPE_CHECKING:
+    from .catalog import ResolvedModel
+    from .generation import LoadedModels
 
 app = typer.Typer(
     add_completion=False,
@@ -22,20 +29,87 @@ app = typer.Typer(
 )
 
 
-# How models run (the runtime config): the same options on generate, chat, serve and bench; the environment
-# variables give their defaults.
-DEVICE_OPTION = typer.Option("auto", "--device", help="auto, cpu or cuda.")
-DTYPE_OPTION = typer.Option("auto", "--dtype", help="auto, float32, bfloat16 or float16.")
-KERNELS_OPTION = typer.Option(
-    "auto", "--kernels", envvar="DFLASH_KERNELS", help="auto (Triton on CUDA), triton or torch."
-)
-GRAPHS_OPTION = typer.Option(
-    True, "--cuda-graphs/--no-cuda-graphs", envvar="DFLASH_CUDA_GRAPHS", help="Replay fixed-shape steps on CUDA."
-)
-DRAFTER_KIND_OPTION = typer.Option(
-    "auto", "--drafter-kind", envvar="DFLASH_DRAFTER", help="GGUF targets: auto, native (llama.cpp's) or torch."
-)
-THREADS_OPTION = typer.Option(None, "--threads", envvar="DFLASH_THREADS", help="CPU threads (default: torch's).")
+# How models are found, loaded and run: the options generate, chat, serve and bench share, declared once here; the
+# environment variables give their defaults.
+@dataclass(frozen=True)
+class ModelOptions:
+    """The shared model options as one value, and the one way from them to loaded models."""
+
+    device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto"
+    dtype: Annotated[str, typer.Option("--dtype", help="auto, float32, bfloat16 or float16.")] = "auto"
+    kernels: Annotated[
+        str, typer.Option("--kernels", envvar="DFLASH_KERNELS", help="auto (Triton on CUDA), triton or torch.")
+    ] = "auto"
+    cuda_graphs: Annotated[
+        bool,
+        typer.Option(
+            "--cuda-graphs/--no-cuda-graphs", envvar="DFLASH_CUDA_GRAPHS", help="Replay fixed-shape steps on CUDA."
+        ),
+    ] = True
+    drafter_kind: Annotated[
+        str,
+        typer.Option(
+            "--drafter-kind", envvar="DFLASH_DRAFTER", help="GGUF targets: auto, native (llama.cpp's) or torch."
+        ),
+    ] = "auto"
+    threads: Annotated[
+        Optional[int], typer.Option("--threads", envvar="DFLASH_THREADS", help="CPU threads (default: torch's).")
+    ] = None
+    max_context: int = 4096  # the command's own --max-context (its default and help differ; bench has none)
+    offline: Annotated[bool, typer.Option("--offline", help="Use only models already pulled.")] = False
+    quantize: Annotated[
+        str, typer.Option("--quantize", help="Torch targets: auto (model's default), none, int4, nf4.")
+    ] = "auto"
+    drafter_quantize: Annotated[str, typer.Option("--drafter-quantize", help="Drafter linears: none, int8 or nf4.")] = (
+        "none"
+    )
+    token: Annotated[Optional[str], typer.Option("--token", help="Hugging Face token (default: HF_TOKEN).")] = None
+
+    def load(self, resolved: ResolvedModel, drafter: Path | None, backend: str, auto_block: bool) -> LoadedModels:
+        """Load the resolved target and `drafter` (None: none) with `backend`, running as these options say."""
+        from .generation import load_models
+        from .runtime import RuntimeConfig
+
+        quantize = _quantize(self.quantize, resolved.quantize)
+        runtime = RuntimeConfig(
+            self.device, self.dtype, self.kernels, self.cuda_graphs, self.drafter_kind, self.threads
+        )
+        drafter_quantize = _drafter_quantize(self.drafter_quantize)
+        return load_models(
+            resolved.target,
+            drafter,
+            runtime,
+            backend,
+            self.max_context,
+            quantize,
+            drafter_quantize,
+            auto_block=auto_block,
+        )
+
+
+def model_options(max_context: Any = None) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Give a command the model options after its own, with `max_context` (a typer.Option, or None for none) as
+    --max-context among them, and call it with their values as one ModelOptions, `options`."""
+    hints, keyword = get_type_hints(ModelOptions, include_extras=True), inspect.Parameter.KEYWORD_ONLY
+    shared = [
+        inspect.Parameter(f.name, keyword, default=f.default, annotation=hints[f.name])
+        if f.name != "max_context"
+        else inspect.Parameter(f.name, keyword, default=max_context, annotation=int)
+        for f in fields(ModelOptions)
+        if f.name != "max_context" or max_context is not None
+    ]
+
+    def decorate(command: Callable[..., None]) -> Callable[..., None]:
+        @functools.wraps(command)
+        def run(**values: Any) -> None:
+            options = ModelOptions(**{p.name: values.pop(p.name) for p in shared})
+            command(**values, options=options)
+
+        own = inspect.signature(command, eval_str=True).parameters.values()
+        run.__signature__ = inspect.Signature([p for p in own if p.name != "options"] + shared)  # type: ignore[attr-defined]
+        return run
+
+    return decorate
 
 
 def _print_version(wanted: bool) -> None:
@@ -167,6 +241,7 @@ def _parse_ids(text: str, option: str) -> list[int]:
 
 
 @app.command()
+@model_options(typer.Option(4096, "--max-context", help="KV cache length in tokens."))
 def generate(
     target: str = typer.Option(..., "--target", help="A model name, a Hub repo, an HF-layout folder or a .gguf file."),
     drafter: Optional[str] = typer.Option(None, "--drafter", help="DFlash drafter: a folder or a Hub repo."),
@@ -184,51 +259,30 @@ def generate(
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Do not stop at end-of-sequence tokens."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
     backend: str = typer.Option("auto", "--backend", help="auto (llamacpp for .gguf on the CPU), torch or llamacpp."),
-    device: str = DEVICE_OPTION,
-    dtype: str = DTYPE_OPTION,
-    kernels: str = KERNELS_OPTION,
-    cuda_graphs: bool = GRAPHS_OPTION,
-    drafter_kind: str = DRAFTER_KIND_OPTION,
-    threads: Optional[int] = THREADS_OPTION,
-    max_context: int = typer.Option(4096, "--max-context", help="KV cache length in tokens."),
-    offline: bool = typer.Option(False, "--offline", help="Use only models already pulled."),
-    quantize: str = typer.Option("auto", "--quantize", help="Torch targets: auto (model's default), none, int4, nf4."),
-    drafter_quantize: str = typer.Option("none", "--drafter-quantize", help="Drafter linears: none, int8 or nf4."),
-    token: Optional[str] = typer.Option(None, "--token", help="Hugging Face token (default: HF_TOKEN)."),
+    *,
+    options: ModelOptions,
 ) -> None:
     """Generate one continuation of a prompt, with DFlash drafting or without."""
     with user_errors():
         if (prompt is None) == (prompt_ids is None):
             raise DFlashError("Give exactly one of --prompt or --prompt-ids.")
-        _check_numbers(max_new_tokens, max_context, seed)
+        _check_numbers(max_new_tokens, options.max_context, seed)
         block_size = _block_size(block_option)
         ids = _parse_ids(prompt_ids, "--prompt-ids") if prompt_ids is not None else None
         if ids == [] or prompt == "":
             raise DFlashError("The prompt is empty.")
         text = _prompt_text(prompt) if prompt is not None else None
 
-        from .generation import GenerationRequest, load_models, run_request
-        from .runtime import RuntimeConfig
+        from .generation import GenerationRequest, run_request
         from .sampling import SamplingParams
 
         SamplingParams(temperature, top_p, top_k)  # checks them before anything loads
-        resolved = _resolve(target, drafter, offline, token)
+        resolved = _resolve(target, drafter, options.offline, options.token)
         if not no_draft and resolved.drafter is None:
             raise DFlashError("Pass --drafter DIR, or --no-draft for plain autoregressive decoding.")
         if backend == "auto":
             backend = resolved.backend
-        drafter_path = None if no_draft else resolved.drafter
-        quantize = _quantize(quantize, resolved.quantize)
-        models = load_models(
-            resolved.target,
-            drafter_path,
-            RuntimeConfig(device, dtype, kernels, cuda_graphs, drafter_kind, threads),
-            backend,
-            max_context,
-            quantize,
-            _drafter_quantize(drafter_quantize),
-            auto_block=block_size is None,
-        )
+        models = options.load(resolved, None if no_draft else resolved.drafter, backend, block_size is None)
         request = GenerationRequest(
             prompt=text,
             prompt_ids=ids,
@@ -258,6 +312,7 @@ def generate(
 
 
 @app.command()
+@model_options(typer.Option(2048, "--max-context"))
 def chat(
     model: str = typer.Argument("tiny", help="A model name (dflash models), a Hub repo, a folder or a .gguf file."),
     drafter: Optional[str] = typer.Option(None, "--drafter", help="Drafter folder or Hub repo (default: the model's)."),
@@ -268,42 +323,22 @@ def chat(
     block_option: str = typer.Option("auto", "--block-size", help=BLOCK_HELP),
     no_draft: bool = typer.Option(False, "--no-draft", help="Start with drafting off."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Answer until --max-new-tokens, past end-of-turn."),
-    device: str = DEVICE_OPTION,
-    dtype: str = DTYPE_OPTION,
-    kernels: str = KERNELS_OPTION,
-    cuda_graphs: bool = GRAPHS_OPTION,
-    drafter_kind: str = DRAFTER_KIND_OPTION,
-    threads: Optional[int] = THREADS_OPTION,
-    max_context: int = typer.Option(2048, "--max-context"),
-    offline: bool = typer.Option(False, "--offline", help="Use only models already pulled."),
-    quantize: str = typer.Option("auto", "--quantize", help="Torch targets: auto (model's default), none, int4, nf4."),
-    drafter_quantize: str = typer.Option("none", "--drafter-quantize", help="Drafter linears: none, int8 or nf4."),
-    token: Optional[str] = typer.Option(None, "--token", help="Hugging Face token (default: HF_TOKEN)."),
+    *,
+    options: ModelOptions,
 ) -> None:
     """Chat with a model: streaming answers, live tokens/s and acceptance, /help for commands."""
     with user_errors():
-        _check_numbers(max_new_tokens, max_context)
+        _check_numbers(max_new_tokens, options.max_context)
         block_size = _block_size(block_option)
 
         from .chat import run_chat
         from .decode import Settings
-        from .generation import OUT_OF_MEMORY, load_models, out_of_memory
-        from .runtime import RuntimeConfig
+        from .generation import OUT_OF_MEMORY, out_of_memory
         from .sampling import SamplingParams
 
         sampling = SamplingParams(temperature, top_p, top_k)
-        resolved = _resolve(model, drafter, offline, token)
-        quantize = _quantize(quantize, resolved.quantize)
-        models = load_models(
-            resolved.target,
-            resolved.drafter,
-            RuntimeConfig(device, dtype, kernels, cuda_graphs, drafter_kind, threads),
-            resolved.backend,
-            max_context,
-            quantize,
-            _drafter_quantize(drafter_quantize),
-            auto_block=block_size is None,
-        )
+        resolved = _resolve(model, drafter, options.offline, options.token)
+        models = options.load(resolved, resolved.drafter, resolved.backend, block_size is None)
         settings = Settings(
             max_new_tokens=max_new_tokens,
             sampling=sampling,
@@ -318,6 +353,7 @@ def chat(
 
 
 @app.command()
+@model_options(typer.Option(4096, "--max-context", help="KV cache length in tokens."))
 def serve(
     model: str = typer.Argument("tiny", help="A model name (dflash models), a Hub repo, a folder or a .gguf file."),
     drafter: Optional[str] = typer.Option(None, "--drafter", help="Drafter folder or Hub repo (default: the model's)."),
@@ -341,27 +377,18 @@ def serve(
         None, "--engine", help="vllm or sglang: print that engine's launch command for this pair instead of serving."
     ),
     run_engine: bool = typer.Option(False, "--exec", help="With --engine: then run it (in place of dflash)."),
-    device: str = DEVICE_OPTION,
-    dtype: str = DTYPE_OPTION,
-    kernels: str = KERNELS_OPTION,
-    cuda_graphs: bool = GRAPHS_OPTION,
-    drafter_kind: str = DRAFTER_KIND_OPTION,
-    threads: Optional[int] = THREADS_OPTION,
-    max_context: int = typer.Option(4096, "--max-context", help="KV cache length in tokens."),
-    offline: bool = typer.Option(False, "--offline", help="Use only models already pulled."),
-    quantize: str = typer.Option("auto", "--quantize", help="Torch targets: auto (model's default), none, int4, nf4."),
-    drafter_quantize: str = typer.Option("none", "--drafter-quantize", help="Drafter linears: none, int8 or nf4."),
-    token: Optional[str] = typer.Option(None, "--token", help="Hugging Face token (default: HF_TOKEN)."),
+    *,
+    options: ModelOptions,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (or print a vLLM/SGLang command for the same pair)."""
     with user_errors():
         block_size = _block_size(block_option)
         if engine is not None:
-            _hand_off(engine, model, drafter, block_size, run_engine, offline, token)
+            _hand_off(engine, model, drafter, block_size, run_engine, options.offline, options.token)
             return
         if run_engine:
             raise DFlashError("--exec runs an engine's command: use it with --engine vllm or --engine sglang.")
-        _check_numbers(1 if max_new_tokens is None else max_new_tokens, max_context)
+        _check_numbers(1 if max_new_tokens is None else max_new_tokens, options.max_context)
         counts = {"--queue-size": queue_size, "--max-body": max_body, "--max-connections": max_connections}
         for flag, value in counts.items():
             if value < 1:
@@ -371,22 +398,11 @@ def serve(
         if not 0 <= port < 2**16:
             raise DFlashError(f"--port must be from 0 to 65535, got {port}.")
 
-        from .generation import load_models
-        from .runtime import RuntimeConfig
         from .server import Engine, Limits, create_app, exposure_warning, listen, run_server
 
         sock = listen(host, port)  # before loading: a taken port fails at once
-        resolved = _resolve(model, drafter, offline, token)
-        models = load_models(
-            resolved.target,
-            None if no_draft else resolved.drafter,
-            RuntimeConfig(device, dtype, kernels, cuda_graphs, drafter_kind, threads),
-            resolved.backend,
-            max_context,
-            _quantize(quantize, resolved.quantize),
-            _drafter_quantize(drafter_quantize),
-            auto_block=block_size is None,
-        )
+        resolved = _resolve(model, drafter, options.offline, options.token)
+        models = options.load(resolved, None if no_draft else resolved.drafter, resolved.backend, block_size is None)
         worker = Engine(models, block_size, max_new_tokens, queue_size, resolved.thinking)
         warning = exposure_warning(host, api_key)
         if warning:
@@ -427,6 +443,7 @@ def _hand_off(
 
 
 @app.command()
+@model_options()
 def bench(
     names: Optional[list[str]] = typer.Argument(
         None, help="Model names (dflash models), Hub repos, folders or .gguf files; default: tiny.", show_default=False
@@ -447,16 +464,8 @@ def bench(
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG: histogram and tokens/s."),
-    device: str = DEVICE_OPTION,
-    dtype: str = DTYPE_OPTION,
-    kernels: str = KERNELS_OPTION,
-    cuda_graphs: bool = GRAPHS_OPTION,
-    drafter_kind: str = DRAFTER_KIND_OPTION,
-    threads: Optional[int] = THREADS_OPTION,
-    offline: bool = typer.Option(False, "--offline", help="Use only models already pulled."),
-    quantize: str = typer.Option("auto", "--quantize", help="Torch targets: auto (model's default), none, int4, nf4."),
-    drafter_quantize: str = typer.Option("none", "--drafter-quantize", help="Drafter linears: none, int8 or nf4."),
-    token: Optional[str] = typer.Option(None, "--token", help="Hugging Face token (default: HF_TOKEN)."),
+    *,
+    options: ModelOptions,
 ) -> None:
     """Autoregressive vs DFlash (and prompt lookup) on the same target, prompt by prompt; one table per model."""
     with user_errors():
@@ -467,8 +476,7 @@ def bench(
 
         from .bench import calibration_report, plot, read_prompts, run_bench
         from .decode import Settings
-        from .generation import OUT_OF_MEMORY, load_models, out_of_memory, recalibrate
-        from .runtime import RuntimeConfig
+        from .generation import OUT_OF_MEMORY, out_of_memory, recalibrate
         from .sampling import SamplingParams
 
         if calibrate and block_size is not None:
@@ -476,22 +484,13 @@ def bench(
         sampling = SamplingParams(temperature)
         reports = []
         for model in names or ["tiny"]:
-            resolved = _resolve(model, drafter, offline, token)
-            prompt_file = _prompt_file(prompts, offline, token) if prompts else resolved.prompts
+            resolved = _resolve(model, drafter, options.offline, options.token)
+            prompt_file = _prompt_file(prompts, options.offline, options.token) if prompts else resolved.prompts
             if prompt_file is None:
                 raise DFlashError(f"'{model}' has no built-in prompt set: pass --prompts FILE.jsonl or a dataset name.")
             if resolved.drafter is None:
                 raise DFlashError(f"'{model}' has no drafter: pass --drafter DIR or a Hub repo.")
-            quantize_as = _quantize(quantize, resolved.quantize)
-            models = load_models(
-                resolved.target,
-                resolved.drafter,
-                RuntimeConfig(device, dtype, kernels, cuda_graphs, drafter_kind, threads),
-                resolved.backend,
-                quantize=quantize_as,
-                drafter_quantize=_drafter_quantize(drafter_quantize),
-                auto_block=block_size is None,
-            )
+            models = options.load(resolved, resolved.drafter, resolved.backend, block_size is None)
             calibration = calibration_report(recalibrate(models).costs) if calibrate else None
             if calibration is not None and not as_json:
                 _print_costs(model, calibration)
@@ -609,7 +608,12 @@ def _print_bench(report: dict) -> None:
     for row in report["prompts"]:
         for k, count in row["dflash"]["block_histogram"].items():
             used[int(k)] = used.get(int(k), 0) + count
-    table.caption = "DFlash steps by block size k (1 = plain): " + " ".join(f"{k}:{n}" for k, n in sorted(used.items()))
+    rates = " ".join(f"{rate:.2f}" for rate in report["dflash_acceptance_by_position"])
+    table.caption = (
+        "DFlash steps by block size k (1 = plain): "
+        + " ".join(f"{k}:{n}" for k, n in sorted(used.items()))
+        + f"\ndrafting steps that accepted at least j = 1, 2, ... drafts: {rates}"
+    )
     Console().print(table)
 
 
