@@ -9,6 +9,7 @@ Pre-quantized checkpoints use the Hugging Face layout: per quantized linear, `we
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from collections.abc import Callable, Iterable
@@ -16,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from .errors import DFlashError
 from .kernels import dequantize, wq_matmul
@@ -58,6 +60,22 @@ def _stats(tensors: dict[str, torch.Tensor], weight_name: str) -> dict[str, torc
     return {name[len(prefix) :]: tensors.pop(name) for name in list(tensors) if name.startswith(prefix)}
 
 
+@functools.cache
+def _linear_4bit_class(bnb) -> type:
+    """bitsandbytes' Linear4bit, except that on the CPU every call dequantizes and multiplies (as bitsandbytes does
+    for 2+ rows): its fused one-row CPU kernel, taken on AVX-512-BF16 CPUs, dies of a floating-point exception
+    (bitsandbytes 0.50, a drafter's one-position context projections)."""
+
+    class Linear4bit(bnb.nn.Linear4bit):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.device.type != "cpu":
+                return super().forward(x)
+            weight = bnb.functional.dequantize_4bit(self.weight.data, self.weight.quant_state).to(x.dtype)
+            return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
+
+    return Linear4bit
+
+
 def linear_4bit(
     layer: nn.Linear,
     weight: torch.Tensor,
@@ -70,7 +88,7 @@ def linear_4bit(
     bnb = bitsandbytes()
     out_features, in_features = layer.weight.shape
     with torch.device("meta"):
-        new = bnb.nn.Linear4bit(
+        new = _linear_4bit_class(bnb)(
             in_features, out_features, bias=bias is not None, compute_dtype=compute_dtype, quant_type="nf4"
         )
     if stats:
