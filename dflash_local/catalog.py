@@ -37,8 +37,9 @@ class ModelEntry:
     memory_gb: float = 0.0
     thinking: bool | None = None  # whether the drafter was trained with the template's thinking on (None: unsaid)
 
-    def sources(self) -> list[Source]:
-        return [s for s in (self.target, self.drafter) if s is not None]
+    def sources(self) -> list[HubSource]:
+        """What pull fetches: the Hub sources (bundled folders come with dflash-local)."""
+        return [s for s in (self.target, self.drafter) if isinstance(s, HubSource)]
 
     @property
     def bundled(self) -> bool:

@@ -683,18 +683,23 @@ def pull(
 def list_models() -> None:
     """The model catalog: what each name is, what it needs, and what is downloaded."""
     with user_errors():
+        import importlib.util
+
         from rich.console import Console
         from rich.table import Table
 
         from .catalog import load_catalog
-        from .hub import human_size, local_size, pulled_files
+        from .hub import HubSource, human_size, local_size, pulled_files
 
         table = Table(title="dflash models (pull with: dflash pull NAME)")
         for column in ("name", "backend", "on disk", "needs", "runs on", "what"):
             table.add_column(column, overflow="fold")
         for entry in load_catalog().values():
+            package = entry.target.package if isinstance(entry.target, HubSource) else None
             if entry.bundled:
                 disk = "bundled"
+            elif package and importlib.util.find_spec(package) and not any(pulled_files(s) for s in entry.sources()):
+                disk = "package"  # the installed package assembles the target offline
             else:
                 sizes = [local_size(s) for s in entry.sources()]
                 partial = any(pulled_files(s) for s in entry.sources())
