@@ -92,6 +92,7 @@ ENTRY_KEYS = (
 )
 SOURCE_KEYS = ("repo", "files", "revision", "package")
 CATALOG_BACKENDS = ("auto", "torch", "llamacpp")
+CATALOG_QUANTIZE = ("int4", "nf4")  # quant.QUANT_TYPES: a torch target's linears quantized when it loads
 
 
 def _show(value: object) -> str:
@@ -116,8 +117,8 @@ def _entry(name: str, table: object, path: Path) -> ModelEntry:
     if backend not in CATALOG_BACKENDS:
         raise DFlashError(f"{where}: backend must be {', '.join(CATALOG_BACKENDS)}, got {_show(backend)}.")
     quantize = table.get("quantize")
-    if quantize not in (None, "nf4"):
-        raise DFlashError(f"{where}: quantize must be 'nf4' or left out, got {_show(quantize)}.")
+    if quantize not in (None, *CATALOG_QUANTIZE):
+        raise DFlashError(f"{where}: quantize must be 'int4', 'nf4' or left out, got {_show(quantize)}.")
     memory = _memory_gb(table, where)
     thinking = table.get("thinking")
     if thinking is not None and not isinstance(thinking, bool):

@@ -45,7 +45,7 @@ OUT_OF_MEMORY = (torch.OutOfMemoryError, MemoryError)
 def out_of_memory(what: str, device: str) -> DFlashError:
     """The one sentence for running out of (GPU) memory: what did not fit, and what to try."""
     if device.startswith("cuda"):
-        where, advice = "GPU memory", "a smaller --max-context, --quantize nf4, a smaller model or --device cpu"
+        where, advice = "GPU memory", "a smaller --max-context, --quantize int4, a smaller model or --device cpu"
     else:
         where, advice = "memory", "a smaller --max-context or a smaller model"
     return DFlashError(f"{what} does not fit in {where}: try {advice}.")

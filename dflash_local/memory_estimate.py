@@ -9,7 +9,8 @@ from pathlib import Path
 from .errors import DFlashError
 
 DEFAULT_CONTEXT = 4096  # the CLI's --max-context: what catalog and doctor figures assume
-WEIGHT_KINDS = ("q4_k_m", "q8_0", "f16", "bf16", "nf4")  # how a catalog target is stored: GGUF types, or torch
+WEIGHT_KINDS = ("q4_k_m", "q8_0", "f16", "bf16", "int4", "nf4")  # how a catalog target is stored: GGUF, or torch
+INT4_GROUP = 128  # quant.INT4_GROUP (not imported: this module stays free of torch)
 LLAMA_BATCH = 512  # n_batch = n_ubatch of LlamaCppTarget and the native drafter: the most tokens a graph holds
 # Peak RSS of the process before any model: Python, torch, llama.cpp and this package imported (measured: 0.25 GB,
 # scripts/bench_synthetic.py). On a GPU this is host memory; CUDA's own context takes about as much VRAM.
@@ -98,6 +99,22 @@ def safetensors_bytes(sizes: Sizes, element: int = 2) -> int:
     matrices = sizes.layers * sum(sizes.layer_matrices().values())
     embedding = sizes.vocab * sizes.hidden * (1 if sizes.tied else 2)
     return (matrices + embedding) * element
+
+
+def int4_linear_bytes(sizes: Sizes, scale_element: int = 2) -> int:
+    """The decoder layers' linears as `--quantize int4` holds them (quant.install_int4): a matrix whose input width is
+    a multiple of INT4_GROUP as two nibbles per uint8 code byte (64 bytes per group of 128 weights) plus a scale and a
+    min per group in scale_element bytes each (fp16: 2; fp32 compute keeps fp32, 4), i.e. 68 bytes per 128 weights in
+    16-bit compute; any other matrix stays 16-bit."""
+    q = sizes.heads * sizes.head_dim
+    inputs = {"attn_output": q, "ffn_down": sizes.intermediate}  # every other matrix reads the hidden state
+    total = 0
+    for name, count in sizes.layer_matrices().items():
+        if inputs.get(name, sizes.hidden) % INT4_GROUP:
+            total += count * 2
+        else:
+            total += count // 2 + count // INT4_GROUP * 2 * scale_element
+    return sizes.layers * total
 
 
 def drafter_bytes(target: Sizes, drafter_layers: int, target_layers: int, element: int = 2) -> int:
@@ -229,16 +246,19 @@ def estimate_files(
 
 def estimate_shape(name: str, weights: str, context: int) -> Estimate:
     """The estimate for a known shape (shapes.SHAPES) whose target is stored as weights: a GGUF type (llama.cpp)
-    or bf16 / nf4 safetensors (torch); the drafter is its published bf16 one."""
+    or bf16 safetensors for the torch target as stored, quantized on load (int4: quant.install_int4, nf4:
+    bitsandbytes), or pre-quantized nf4; the drafter is its published bf16 one."""
     from .shapes import SHAPES, drafter_config, target_config
 
     shape = SHAPES[name]
     sizes = Sizes.from_config(target_config(shape))
     drafter = Sizes.from_config(drafter_config(shape))
-    if weights in ("bf16", "nf4"):
+    if weights in ("bf16", "int4", "nf4"):
         stored = safetensors_bytes(sizes)
+        linears = sizes.layers * sum(sizes.layer_matrices().values())
+        if weights == "int4":  # the layers' linears as int4 groups; embeddings and head stay bf16
+            stored -= linears * 2 - int4_linear_bytes(sizes)
         if weights == "nf4":  # linears in 4 bits + an fp32 scale per 64 weights; embeddings and head stay bf16
-            linears = sizes.layers * sum(sizes.layer_matrices().values())
             stored -= linears * 2 - linears * 17 // 32
         backend = "torch"
     else:

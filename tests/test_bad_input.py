@@ -249,7 +249,10 @@ CATALOG_CASES = {
         GOOD_ENTRY + "memory_gb = '8'\n",
         "entry 'mine': memory_gb must be a number of GB (0 or more), got '8'.",
     ),
-    "quantize": (GOOD_ENTRY + "quantize = 'int3'\n", "entry 'mine': quantize must be 'nf4' or left out, got 'int3'."),
+    "quantize": (
+        GOOD_ENTRY + "quantize = 'int3'\n",
+        "entry 'mine': quantize must be 'int4', 'nf4' or left out, got 'int3'.",
+    ),
     "summary": (GOOD_ENTRY + "summary = 1\n", "entry 'mine': summary must be a string, got 1."),
     "target type": (
         "[mine]\ntarget = 3\n",
@@ -382,7 +385,7 @@ def test_out_of_memory_is_one_sentence(monkeypatch):
     assert result.exit_code == 1
     assert result.stderr == (
         f"error: The target {target} with a 512-token KV cache does not fit in GPU memory: "
-        "try a smaller --max-context, --quantize nf4, a smaller model or --device cpu.\n"
+        "try a smaller --max-context, --quantize int4, a smaller model or --device cpu.\n"
     )
     with monkeypatch.context() as patch:
         patch.setattr(DFlashDrafter, "load", _oom)

@@ -105,7 +105,7 @@ def test_huggingface_hub_check(monkeypatch):
 def test_models_lists_the_catalog():
     result = dflash("models")
     assert result.returncode == 0, result.stderr
-    for name in ("tiny", "llama3-8b-q4", "qwen3-8b-q4", "qwen3-4b-q4", "qwen3-4b", "qwen3-8b-nf4"):
+    for name in ("tiny", "llama3-8b-q4", "qwen3-8b-q4", "qwen3-4b-q4", "qwen3-4b", "qwen3-8b-int4"):
         assert f" {name} " in result.stdout
     assert "bundled" in result.stdout
 
@@ -132,13 +132,49 @@ def test_catalog_figures_come_from_shapes(monkeypatch, tmp_path):
     entry = '[mine]\ntarget = { repo = "a/b" }\n'
     for extra, message in (
         ('shape = "llama9"\nweights = "q4_k_m"\n', "shape must be one of llama3.1-8b, "),
-        ('shape = "qwen3-8b"\nweights = "q5"\n', "weights must be one of q4_k_m, q8_0, f16, bf16, nf4, got 'q5'."),
+        (
+            'shape = "qwen3-8b"\nweights = "q5"\n',
+            "weights must be one of q4_k_m, q8_0, f16, bf16, int4, nf4, got 'q5'.",
+        ),
         ('shape = "qwen3-8b"\nweights = "nf4"\nmemory_gb = 3\n', "give memory_gb or shape and weights, not both."),
     ):
         mine.write_text(entry + extra)
         with pytest.raises(DFlashError) as error:
             load_catalog()
         assert str(error.value).startswith(f"{mine}: entry 'mine': {message}")
+
+
+def test_the_quantize_on_load_entry_is_int4_counted_as_loaded(monkeypatch, tmp_path):
+    """The catalog's bf16-quantized-on-load entry is int4 (NF4 is for bnb-4bit checkpoints), its figure holds the
+    bytes int4 keeps: int4_linear_bytes is, to the byte, what --quantize int4 makes of the tiny target's layers in
+    bf16 (uint8 nibble pairs, fp16 scale and min per 128); an unknown quantize is one sentence."""
+    from dflash_local.catalog import load_catalog
+    from dflash_local.quant import INT4_GROUP, GroupQuantLinear
+    from dflash_local.shapes import SHAPES, target_config
+    from dflash_local.targets.torch_llama import TorchLlamaTarget
+
+    entry = load_catalog()["qwen3-8b-int4"]
+    assert (entry.quantize, entry.backend) == ("int4", "torch")
+    int4 = memory_estimate.estimate_shape("qwen3-8b", "int4", 4096)
+    assert entry.memory_gb == round(int4.total_gb, 1)
+    sizes = memory_estimate.Sizes.from_config(target_config(SHAPES["qwen3-8b"]))
+    linears = sizes.layers * sum(sizes.layer_matrices().values())
+    bf16 = memory_estimate.estimate_shape("qwen3-8b", "bf16", 4096).parts["target weights"]
+    assert bf16 - int4.parts["target weights"] == linears * 2 - linears * 68 // 128  # every Qwen3-8B linear is int4
+
+    assert memory_estimate.INT4_GROUP == INT4_GROUP
+    target = TorchLlamaTarget.load(TINY / "target", torch.bfloat16, max_context=64, quantize="int4")
+    quantized = [m for m in target.model.model.layers.modules() if isinstance(m, GroupQuantLinear)]
+    held = sum(b.numel() * b.element_size() for m in quantized for b in m.buffers())
+    tiny = memory_estimate.target_sizes(TINY / "target")
+    assert len(quantized) == 7 * tiny.layers and held == memory_estimate.int4_linear_bytes(tiny)
+
+    mine = tmp_path / "mine.toml"
+    monkeypatch.setenv("DFLASH_CATALOG", str(mine))
+    mine.write_text('[mine]\ntarget = { repo = "a/b" }\nquantize = "int3"\n')
+    with pytest.raises(DFlashError) as error:
+        load_catalog()
+    assert str(error.value) == f"{mine}: entry 'mine': quantize must be 'int4', 'nf4' or left out, got 'int3'."
 
 
 @pytest.mark.parametrize("shape,report", [("llama3.2-1b", "synth-1b"), ("llama3.1-8b", "synth-8b")])
