@@ -787,6 +787,7 @@ def train(
     batch_size: int = typer.Option(8, "--batch-size", help="Sequences per optimisation step."),
     anchors: int = typer.Option(16, "--anchors", help="Blocks per sequence per step."),
     lr: float = typer.Option(6e-4, "--lr"),
+    warmup: int = typer.Option(100, "--warmup", help="Steps of linear learning-rate warm-up."),
     eval_every: int = typer.Option(100, "--eval-every"),
     seed: int = typer.Option(0, "--seed"),
     draft_vocab: Optional[int] = typer.Option(
@@ -829,6 +830,7 @@ def train(
                 batch_size=batch_size,
                 anchors=anchors,
                 lr=lr,
+                warmup=warmup,
                 eval_every=eval_every,
                 seed=seed,
             ),

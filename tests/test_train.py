@@ -185,3 +185,30 @@ def test_a_gguf_target_trains_a_reduced_vocabulary_drafter_both_drafters_run(tin
         assert run(target, each, prompt, Settings(max_new_tokens=24, block_size=4))[0] == plain
     resumed = replace(request, resume=True, train=replace(request.train, steps=18))
     assert [e.step for e in run_training(resumed) if not isinstance(e, DistillProgress)] == list(range(13, 19))
+
+
+def test_the_exported_fc_takes_raw_features(tmp_path):
+    """Training divides the features by their per-channel scale; the export folds that into fc, so the drafter
+    projects the target's raw features as training projected the scaled ones."""
+    from dflash_local.train.trainer import new_drafter, save_drafter
+
+    config = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 96,
+        "block_size": 4,
+        "num_target_layers": 4,
+        "dflash_config": {"mask_token_id": 95, "target_layer_ids": [1, 2]},
+    }
+    model = new_drafter(config, 0)
+    scale = torch.logspace(-2, 4, 128)  # channels 10^6 apart, as Gemma's layers and outliers are
+    raw = torch.randn(5, 128) * scale
+    save_drafter(model, config, tmp_path / "d", scale)
+    loaded = DFlashDrafter.load(tmp_path / "d")
+    expected = model.project_context(raw / scale)
+    assert torch.allclose(loaded.model.project_context(raw), expected, rtol=2e-2, atol=2e-2)
+    assert not torch.allclose(model.project_context(raw), expected, rtol=2e-2, atol=2e-2)

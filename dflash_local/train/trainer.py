@@ -125,12 +125,16 @@ def draft_vocabulary(data: Sequences, size: int, vocab_size: int) -> torch.Tenso
     return torch.argsort(rank, descending=True, stable=True)[:size].clone()
 
 
-def save_drafter(model: DFlashModel, config: dict, folder: Path) -> None:
-    """Write config.json + model.safetensors (bf16), each atomically."""
+def save_drafter(model: DFlashModel, config: dict, folder: Path, feature_scale: torch.Tensor | None = None) -> None:
+    """Write config.json + model.safetensors (bf16), each atomically; fc trained on features divided by
+    feature_scale is folded back to take the target's raw features."""
     folder.mkdir(parents=True, exist_ok=True)
+    state = model.state_dict()
+    if feature_scale is not None:
+        state = {**state, "fc.weight": state["fc.weight"] / feature_scale.to(state["fc.weight"].device)}
     tensors = {
         name: (t.detach().to(torch.bfloat16) if t.is_floating_point() else t.detach()).contiguous()
-        for name, t in model.state_dict().items()
+        for name, t in state.items()
     }
     save_file(tensors, str(folder / "model.safetensors.partial"))
     os.replace(folder / "model.safetensors.partial", folder / "model.safetensors")
@@ -151,6 +155,14 @@ class Sequences:
         self.heldout = greedy[:count]
         held = set(self.heldout)
         self.train = [i for i in order if i not in held]
+
+    def feature_scale(self, rows: int = 64) -> torch.Tensor:
+        """Per feature channel, its RMS over the first `rows` training sequences (at least 1e-3). Target layers
+        differ in scale by 100x and a few channels by 10^4 (Gemma): training on features divided by it lets fc
+        learn from every channel at one learning rate."""
+        tokens, features, lengths, _ = self.batch(self.train[:rows])
+        live = torch.arange(features.shape[1])[None, :] < (lengths - 1)[:, None]
+        return features[live].float().pow(2).mean(dim=0).sqrt().clamp_min(1e-3)
 
     def batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """tokens, features, lengths, prompt lengths for the rows, padded to the longest."""
@@ -184,7 +196,7 @@ def _autocast(device: str):
 
 @torch.no_grad()
 def estimate_tau(
-    model, embed, head, data: Sequences, settings: TrainSettings, mask_id: int, device: str, label_map=None
+    model, embed, head, data: Sequences, settings: TrainSettings, mask_id: int, device: str, label_map, scale
 ) -> float:
     """Greedy tau on held-out sequences: blocks at every position, chained as decoding would walk them."""
     steps = tokens_made = 0
@@ -198,7 +210,7 @@ def estimate_tau(
         blocks = _to(make_blocks(tokens, lengths, prompts, block, anchors, mask_id, torch.Generator()), device)
         with _autocast(device):
             result = block_loss(
-                model, embed, head, features.to(device).float(), blocks, block, complete_only=False, label_map=label_map
+                model, embed, head, features.to(device).float() / scale, blocks, block, False, label_map
             )
         accepted = result.accepted.tolist()  # one per anchor, in position order
         position = first
@@ -247,11 +259,14 @@ def train(
     )
     checkpoint = work / "checkpoint.pt"
     step = 0
+    scale = data.feature_scale()
     if resume and checkpoint.is_file():
         state = torch.load(checkpoint, map_location=device, weights_only=True)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         step = int(state["step"])
+        scale = state["feature_scale"]
+    scale = scale.to(device)
     mask_id = int(config["dflash_config"]["mask_token_id"])
     generator = torch.Generator().manual_seed(settings.seed + step)
     order_rng = random.Random(settings.seed + step)
@@ -269,7 +284,7 @@ def train(
             group["lr"] = lr
         with _autocast(device):
             result = block_loss(
-                model, embed, head, features.to(device).float(), blocks, settings.block_size, label_map=label_map
+                model, embed, head, features.to(device).float() / scale, blocks, settings.block_size, True, label_map
             )
         optimizer.zero_grad(set_to_none=True)
         result.loss.backward()
@@ -279,13 +294,14 @@ def train(
         tau = None
         if step % settings.eval_every == 0 or step == settings.steps:
             model.eval()
-            tau = estimate_tau(model, embed, head, data, settings, mask_id, device, label_map)
+            tau = estimate_tau(model, embed, head, data, settings, mask_id, device, label_map, scale)
         if step % settings.checkpoint_every == 0 or step == settings.steps:
             work.mkdir(parents=True, exist_ok=True)
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+            state["feature_scale"] = scale
             torch.save(state, work / "checkpoint.pt.partial")
             os.replace(work / "checkpoint.pt.partial", checkpoint)
-            save_drafter(model, config, out)
+            save_drafter(model, config, out, scale)
         elapsed = time.perf_counter() - began
         yield TrainEvent(step, settings.steps, float(result.loss.detach()), lr, int(lengths.sum()) / elapsed, tau)
 
