@@ -34,7 +34,8 @@ def main() -> None:
     lines = (ROOT / "models" / "gemma3-270m" / "heldout_prompts.jsonl").read_text().splitlines()[: args.prompts]
     tokenizer = GGUFTokenizer.load(path)
     prompts = [tokenizer.encode(json.loads(line)["prompt"]) for line in lines]
-    llama_cpp.llama_model_default_params = lambda: model_params("cpu")  # the target's options (no repacking)
+    params = model_params("cpu")  # the target's options (no repacking), which Llama reads from the submodule
+    llama_cpp.llama_cpp.llama_model_default_params = lambda: params
     own = llama_cpp.Llama(str(path), n_ctx=1024, n_threads=1, n_threads_batch=1, flash_attn=True, verbose=False)
     target = LlamaCppTarget.load(path, max_context=1024, threads=1)
     rates: dict[str, list[float]] = {"llama.cpp Llama.generate": [], "dflash plain": []}

