@@ -49,5 +49,8 @@ def tapped_architectures() -> tuple[str, ...]:
     scripts/build_libllama.sh added taps to where that library is the one loaded."""
     added: list[str] = []
     if loaded_library().parent == invariant_lib():
-        added = (INVARIANT_LIB / TAPS_ADDED).read_text().split()
+        try:
+            added = (INVARIANT_LIB / TAPS_ADDED).read_text().split()
+        except OSError:  # built by an older build_libllama.sh, before it added taps
+            pass
     return (*STOCK_TAPS, *added)
