@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from scipy.stats import chisquare
-from test_gguf_lossless import auto_policy
+from test_gguf_lossless import auto_policy, llamacpp_greedy
 
 from dflash_local.catalog import load_catalog, package_file
 from dflash_local.decode import Settings, run
@@ -23,7 +23,7 @@ from dflash_local.native_drafter import NativeDrafter
 from dflash_local.sampling import SamplingParams, probabilities
 from dflash_local.targets import llamacpp
 from dflash_local.targets.llama_taps import tap_functions
-from dflash_local.targets.llamacpp import LlamaCppTarget, model_params
+from dflash_local.targets.llamacpp import LlamaCppTarget
 
 ENTRY = load_catalog()["gemma3-270m"]
 NEW_TOKENS = 48
@@ -56,30 +56,10 @@ def prompts(gemma) -> list[list[int]]:
     return [tokenizer.encode(r["prompt"]) for r in chosen]
 
 
-def llamacpp_greedy(path: Path, prompts: list[list[int]], monkeypatch) -> list[list[int]]:
-    """llama.cpp's own greedy run (Llama.generate, top_k=1, one llama_decode per token) under the target's model
-    options (its default would repack the weights for other kernels)."""
-    from llama_cpp import Llama, llama_cpp
-
-    monkeypatch.setattr(llama_cpp, "llama_model_default_params", lambda: model_params("cpu"))
-    own = Llama(str(path), n_ctx=512, n_threads=1, n_threads_batch=1, flash_attn=True, verbose=False)
-    sizes: list[int] = []
-    decode = own._ctx.decode
-    monkeypatch.setattr(own._ctx, "decode", lambda batch: sizes.append(batch.n_tokens()) or decode(batch))
-    out = []
-    for prompt in prompts:
-        own.reset()  # else generate reuses a prefix shared with the last prompt
-        sizes.clear()
-        stream = own.generate(prompt, top_k=1, temp=0.0, reset=True)
-        out.append([next(stream) for _ in range(NEW_TOKENS)])
-        assert sizes == [len(prompt)] + [1] * (NEW_TOKENS - 1)
-    return out
-
-
 def test_dflash_equals_llamacpp_one_token_greedy(gemma, target, drafters, prompts, monkeypatch):
     """Code and prose, blocks 4, 16 and auto: llama.cpp's own ids; the drafters take turns by prompt, and the
     trained drafter accepts drafts at block 16 (a random one: tau exactly 1)."""
-    expected = llamacpp_greedy(gemma, prompts, monkeypatch)
+    expected = llamacpp_greedy(gemma, prompts, monkeypatch, NEW_TOKENS)
     taus = []
     for index, prompt in enumerate(prompts):
         drafter = drafters[index % 2]
@@ -156,27 +136,7 @@ def test_a_stock_libllama_refuses_drafting_in_one_sentence_and_decodes_plain(gem
     sentence = r"'gemma3' model, .* cannot draft for it; plain decoding works \(--no-draft\), .*build_libllama\.sh"
     with pytest.raises(DFlashError, match=sentence):
         target.set_feature_layers([1, 8, 15])
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dflash_local",
-            "generate",
-            "--target",
-            str(gemma),
-            "--no-draft",
-            "--prompt",
-            "The capital of France is",
-            "--max-new-tokens",
-            "4",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["new_tokens"] == 4
+    assert _generate(gemma, "The capital of France is", 4)["new_tokens"] == 4
 
 
 def test_chat_without_a_template_continues_the_text(gemma):
@@ -192,12 +152,13 @@ def test_chat_without_a_template_continues_the_text(gemma):
     )
     assert chat.returncode == 0, chat.stderr
     assert "(this model has no chat template: each line continues the text so far)" in chat.stderr
-    first = _generate(gemma, lines[0])
-    second = _generate(gemma, lines[0] + first + "\n" + lines[1])
+    first = _generate(gemma, lines[0], 6)["text"]
+    second = _generate(gemma, lines[0] + first + "\n" + lines[1], 6)["text"]
     assert chat.stdout.startswith(first) and second in chat.stdout[len(first) :], (chat.stdout, first, second)
 
 
-def _generate(gemma: Path, prompt: str) -> str:
+def _generate(gemma: Path, prompt: str, tokens: int) -> dict:
+    """`dflash generate --no-draft --json` in its own process: the report."""
     done = subprocess.run(
         [
             sys.executable,
@@ -210,7 +171,7 @@ def _generate(gemma: Path, prompt: str) -> str:
             "--prompt",
             prompt,
             "--max-new-tokens",
-            "6",
+            str(tokens),
             "--json",
         ],
         capture_output=True,
@@ -218,4 +179,4 @@ def _generate(gemma: Path, prompt: str) -> str:
         timeout=300,
     )
     assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)["text"]
+    return json.loads(done.stdout)

@@ -30,7 +30,7 @@ def gguf_types(tiny_gguf, tmp_path_factory) -> dict[str, Path]:
     return {**tiny_gguf, **made}
 
 
-def llamacpp_greedy(path: Path, prompts: list[list[int]], monkeypatch) -> list[list[int]]:
+def llamacpp_greedy(path: Path, prompts: list[list[int]], monkeypatch, new_tokens: int = NEW_TOKENS) -> list[list[int]]:
     """llama.cpp's own greedy run (Llama.generate, top_k=1) under the target's model options; checks that every
     token after the prompt went through llama_decode alone."""
     from llama_cpp import Llama, llama_cpp
@@ -42,10 +42,11 @@ def llamacpp_greedy(path: Path, prompts: list[list[int]], monkeypatch) -> list[l
     monkeypatch.setattr(own._ctx, "decode", lambda batch: sizes.append(batch.n_tokens()) or decode(batch))
     out = []
     for prompt in prompts:
+        own.reset()  # else generate reuses a prefix shared with the last prompt
         sizes.clear()
         stream = own.generate(prompt, top_k=1, temp=0.0, reset=True)
-        out.append([next(stream) for _ in range(NEW_TOKENS)])
-        assert sizes == [len(prompt)] + [1] * (NEW_TOKENS - 1)
+        out.append([next(stream) for _ in range(new_tokens)])
+        assert sizes == [len(prompt)] + [1] * (new_tokens - 1)
     return out
 
 
