@@ -18,7 +18,6 @@ PROBE_SHARE of the time, and a stale size's timing lowers its estimate where low
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import time
@@ -442,11 +441,6 @@ class BlockPolicy:
         }
         with contextlib.suppress(OSError):
             write_text_atomic(self.path, json.dumps(data))
-
-
-def cost_key(parts: dict) -> str:
-    """A file name for one (model pair, backend, device, threads) combination."""
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
 
 
 def load_policy(

@@ -13,7 +13,8 @@ from importlib.resources import files
 from pathlib import Path
 
 from .errors import DFlashError
-from .hub import DRAFTER_FILES, MODEL_FILES, HubSource, cache_dir, cached_folder
+from .hub import DRAFTER_FILES, MODEL_FILES, HubSource, cached_folder
+from .paths import cache_dir
 
 MODELS_DIR = Path(str(files("dflash_local.models")))  # models/ in the source tree; package data in a wheel
 REPO_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?$")

@@ -143,7 +143,7 @@ def user_errors() -> Iterator[None]:
 def _check_storage(hub_cache: bool = True) -> None:
     """Before anything is downloaded: the Hub cache and dflash's own folder must take files (one sentence if not)."""
     from .atomic import unwritable_reason
-    from .hub import cache_dir, state_dir
+    from .paths import cache_dir, state_dir
 
     folders = [("The dflash folder", state_dir(), ("DFLASH_HOME",))]
     if hub_cache:

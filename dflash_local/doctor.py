@@ -10,7 +10,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .hub import HubSource, cache_dir, human_size, state_dir
+from .hub import HubSource, human_size
+from .paths import cache_dir, state_dir
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .block_policy import CHECK_ROUNDS, BlockPolicy, CostTable, cost_key, load_policy, measure_costs, time_steps
+from .block_policy import CHECK_ROUNDS, BlockPolicy, CostTable, load_policy, measure_costs, time_steps
 from .decode import Drafter, Settings, Stats, generate
 from .drafter import DFlashDrafter
 from .errors import DFlashError
+from .paths import files_identity, identity_key, state_dir
 from .runtime import RuntimeConfig, pick_device, pick_dtype
 from .sampling import SamplingParams
 from .session import Session
@@ -103,8 +104,8 @@ def load_models(
     policy = None
     if drafter is not None and auto_block:
         identity = {
-            "target": _files_identity(path),
-            "drafter": _files_identity(Path(drafter_path)),
+            "target": files_identity(path),
+            "drafter": files_identity(Path(drafter_path)),
             "backend": type(target).__name__,
             "drafter_kind": type(drafter).__name__,
             "device": device,
@@ -112,9 +113,8 @@ def load_models(
             "threads": torch.get_num_threads(),
         }
         from .atomic import unwritable_reason
-        from .hub import state_dir
 
-        costs = state_dir() / "block-costs" / f"{cost_key(identity)}.json"
+        costs = state_dir() / "block-costs" / f"{identity_key(identity)}.json"
         if (reason := unwritable_reason(costs.parent)) is not None:
             print(
                 f"warning: {costs.parent} is not writable ({reason}): block sizes are timed afresh at every load; "
@@ -148,12 +148,6 @@ def recalibrate(models: LoadedModels) -> BlockPolicy:
     models.policy.costs = measure_costs(models.target, models.drafter)
     models.policy.save()
     return models.policy
-
-
-def _files_identity(path: Path) -> list:
-    """Path, sizes and modification times of a model file or folder: changes when the weights change."""
-    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
-    return [str(path.resolve())] + [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
 
 
 @dataclass(frozen=True)

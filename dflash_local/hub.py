@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 from .atomic import write_text_atomic
 from .errors import DFlashError
+from .paths import cache_dir, state_dir
 
 MODEL_FILES = (
     "config.json",
@@ -78,19 +79,6 @@ class PullReport:
 
 def endpoint() -> str:
     return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
-
-
-def cache_dir() -> Path:
-    """The Hub cache every HF tool shares (HF_HUB_CACHE, else HF_HOME/hub)."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"])
-    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "huggingface"
-    return Path(home) / "hub"
-
-
-def state_dir() -> Path:
-    """dflash's own records of completed pulls (DFLASH_HOME, else ~/.cache/dflash)."""
-    return Path(os.environ.get("DFLASH_HOME") or Path.home() / ".cache" / "dflash")
 
 
 def repo_folder(repo: str) -> Path:

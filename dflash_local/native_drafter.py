@@ -18,14 +18,12 @@ import gguf
 import numpy as np
 import torch
 
-from .block_policy import cost_key
 from .drafter import DFlashDrafter, DrafterConfig, DrafterContext, check_fits
 from .errors import DFlashError
-from .generation import _files_identity
 from .gguf_convert import LAYER_TENSORS, add_shape, rope_factors
 from .gguf_file import read_header
-from .hub import state_dir
 from .llama_lib import llama_cpp
+from .paths import files_identity, identity_key, state_dir
 from .targets.llama_taps import first_llama_error, quiet_llama_logs
 from .targets.llamacpp import BATCH, LlamaCppTarget
 from .weights import load_weights, read_config
@@ -116,9 +114,9 @@ def _holds(path: Path, key: str) -> bool:
 def cached_drafter_gguf(folder: Path, cfg: DrafterConfig, target: LlamaCppTarget) -> Path:
     """The drafter's GGUF for this target in dflash's state folder, one file per pair of paths: written (atomically)
     on first use, reused while neither model's files change, rewritten when they do or when it is broken."""
-    place = cost_key({"drafter": str(folder.resolve()), "target": str(target.info.path.resolve())})
-    identity = {"drafter": _files_identity(folder), "target": _files_identity(target.info.path), "format": CACHE_FORMAT}
-    key = cost_key(identity)
+    place = identity_key({"drafter": str(folder.resolve()), "target": str(target.info.path.resolve())})
+    identity = {"drafter": files_identity(folder), "target": files_identity(target.info.path), "format": CACHE_FORMAT}
+    key = identity_key(identity)
     path = state_dir() / "native-drafters" / f"{place}.gguf"
     if _holds(path, key):
         return path

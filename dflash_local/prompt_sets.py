@@ -8,7 +8,8 @@ from pathlib import Path
 
 from .atomic import write_text_atomic
 from .errors import DFlashError
-from .hub import cache_dir, endpoint, hub_errors, state_dir
+from .hub import endpoint, hub_errors
+from .paths import cache_dir, state_dir
 
 
 @dataclass(frozen=True)

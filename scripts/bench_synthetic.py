@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.dir is None:
-        from dflash_local.hub import state_dir
+        from dflash_local.paths import state_dir
 
         args.dir = state_dir() / "synthetic" / args.name
     folder = args.dir
