@@ -626,7 +626,7 @@ def convert(
     """Convert a target to one GGUF file, quantized by llama.cpp's own quantizer."""
     with user_errors():
         try:
-            from .gguf_convert import convert as convert_to_gguf
+            from .gguf.convert import convert as convert_to_gguf
         except ImportError:
             raise DFlashError("dflash convert needs llama-cpp-python and gguf (dflash-local[gguf]).") from None
 

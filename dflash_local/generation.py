@@ -25,7 +25,7 @@ from .targets.base import Target
 from .tokenizer import Detokenizer, TextTokenizer, stop_token_ids
 
 if TYPE_CHECKING:
-    from .gguf_tokenizer import GGUFTokenizer
+    from .gguf.tokenizer import GGUFTokenizer
 
 
 @dataclass
@@ -130,7 +130,7 @@ def load_models(
             costs, drafter.block_size, calibrate, lambda sizes: time_steps(target, drafter, sizes, CHECK_ROUNDS)
         )
     if gguf:
-        from .gguf_tokenizer import GGUFTokenizer
+        from .gguf.tokenizer import GGUFTokenizer
         from .targets.torch_llama import TorchLlamaTarget
 
         # llama.cpp's vocabulary: loaded alone for the torch target, else the one loaded with the weights

@@ -198,7 +198,7 @@ def target_sizes(path: Path) -> Sizes:
 
 def _gguf_sizes(path: Path) -> Sizes:
     """Sizes from a GGUF file's metadata (the keys `dflash convert` and llama.cpp's converter write)."""
-    from .gguf_file import read_header
+    from .gguf.file import read_header
 
     try:
         header = read_header(path)

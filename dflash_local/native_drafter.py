@@ -20,8 +20,8 @@ import torch
 
 from .drafter import DFlashDrafter, DrafterConfig, DrafterContext, check_fits
 from .errors import DFlashError
-from .gguf_convert import LAYER_TENSORS, add_shape, rope_factors
-from .gguf_file import read_header
+from .gguf.file import read_header
+from .gguf.shape import LAYER_TENSORS, add_shape, rope_factors
 from .llama_lib import llama_cpp
 from .paths import files_identity, identity_key, state_dir
 from .targets.llama_taps import first_llama_error, quiet_llama_logs

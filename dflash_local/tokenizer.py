@@ -12,7 +12,7 @@ from .chat_template import render_chat
 from .errors import DFlashError
 
 if TYPE_CHECKING:
-    from .gguf_tokenizer import GGUFTokenizer
+    from .gguf.tokenizer import GGUFTokenizer
 
 
 class TextTokenizer:

@@ -172,7 +172,7 @@ def speed(paths: dict[str, str], config: str, threads: int, libraries: dict[str,
 
 
 def convert_all(folder: Path, types: list[str]) -> dict[str, str]:
-    from dflash_local.gguf_convert import convert
+    from dflash_local.gguf.convert import convert
 
     return {kind: str(convert(ROOT / "models/tiny/target", folder / f"tiny-{kind}.gguf", kind, 1)) for kind in types}
 

@@ -57,7 +57,7 @@ def gemma_file() -> Path:
 def heldout(count: int, case: str = "torch") -> list[list[int]]:
     """The case's held-out prompts as token ids: the bundled pair's, or Gemma's (code and prose)."""
     if case == "gemma":
-        from dflash_local.gguf_tokenizer import GGUFTokenizer
+        from dflash_local.gguf.tokenizer import GGUFTokenizer
 
         tokenizer, lines = GGUFTokenizer.load(gemma_file()), (GEMMA / "heldout_prompts.jsonl").read_text()
     else:
@@ -70,7 +70,7 @@ def pairs(case: str, work: Path):
     if case == "torch":
         yield "bundled, torch", TorchLlamaTarget.load(TINY / "target"), DFlashDrafter.load(TINY / "drafter")
     elif case in GGUF_CASES:
-        from dflash_local.gguf_convert import convert
+        from dflash_local.gguf.convert import convert
         from dflash_local.native_drafter import NativeDrafter
         from dflash_local.targets.llamacpp import LlamaCppTarget
 

@@ -58,7 +58,7 @@ def prepare(name: str, folder: Path, device: str, threads: int) -> tuple[Path, P
         return folder / "target", folder / "drafter"
     gguf = folder / "target-q4_k_m.gguf"
     if not gguf.is_file():
-        from dflash_local.gguf_convert import convert
+        from dflash_local.gguf.convert import convert
 
         convert(folder / "target", gguf, "q4_k_m", threads)
     return gguf, folder / "drafter"

@@ -119,7 +119,7 @@ def check_wq_matmul(device: str, gen: torch.Generator) -> dict[str, float]:
 
 def tiny_q4_k_m() -> Path:
     """The bundled target as a Q4_K_M GGUF (llama.cpp's CPU quantizer), converted once into the temp folder."""
-    from dflash_local.gguf_convert import convert
+    from dflash_local.gguf.convert import convert
 
     out = Path(tempfile.gettempdir()) / "dflash-gpu-check-tiny-q4_k_m.gguf"
     return out if out.is_file() else convert(TINY / "target", out, "q4_k_m")

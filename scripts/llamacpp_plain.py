@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 from dflash_local.catalog import package_file  # noqa: E402
 from dflash_local.decode import Settings, run  # noqa: E402
-from dflash_local.gguf_tokenizer import GGUFTokenizer  # noqa: E402
+from dflash_local.gguf.tokenizer import GGUFTokenizer  # noqa: E402
 from dflash_local.llama_lib import llama_cpp  # noqa: E402
 from dflash_local.targets.llamacpp import LlamaCppTarget, model_params  # noqa: E402
 

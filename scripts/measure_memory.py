@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dflash_local.gguf_file import read_header
+from dflash_local.gguf.file import read_header
 from dflash_local.memory_estimate import estimate_files, target_sizes
 
 GB = 1e9
@@ -49,7 +49,7 @@ print(time.perf_counter() - began)
 LOAD_PAIR = """
 import sys, time
 from pathlib import Path
-import dflash_local.gguf_tokenizer, dflash_local.native_drafter  # imports are not load time
+import dflash_local.gguf.tokenizer, dflash_local.native_drafter  # imports are not load time
 from dflash_local.generation import load_models
 from dflash_local.runtime import RuntimeConfig
 drafter = Path(sys.argv[2]) if sys.argv[2] else None

@@ -54,7 +54,7 @@ def drafters(tiny_dir, llama_target, qwen3_target) -> dict[tuple[str, int], Path
 def tiny_gguf(tmp_path_factory) -> dict[str, Path]:
     """The bundled tiny target converted once per session to F16 and Q8_0 (test_gguf, test_session)."""
     pytest.importorskip("gguf")
-    from dflash_local.gguf_convert import convert
+    from dflash_local.gguf.convert import convert
 
     root, tiny = tmp_path_factory.mktemp("gguf"), Path(__file__).resolve().parent.parent / "models" / "tiny"
     return {kind: convert(tiny / "target", root / f"tiny-{kind}.gguf", kind, threads=1) for kind in ("f16", "q8_0")}

@@ -329,7 +329,7 @@ def test_unwritable_cache_folders(tmp_path, monkeypatch):
 
 def test_convert_out_that_cannot_be_written(tmp_path):
     pytest.importorskip("llama_cpp")
-    from dflash_local.gguf_convert import convert
+    from dflash_local.gguf.convert import convert
 
     folder = tmp_path / "model.gguf"
     folder.mkdir()
@@ -345,7 +345,7 @@ def test_convert_out_that_cannot_be_written(tmp_path):
 def test_killed_convert_leaves_nothing_after_the_next_run(tmp_path):
     """SIGKILL a convert while it writes its staging file; the next convert removes the leftover."""
     pytest.importorskip("llama_cpp")
-    from dflash_local.gguf_file import read_gguf
+    from dflash_local.gguf.file import read_gguf
 
     out = tmp_path / "tiny.gguf"
     argv = [sys.executable, "-m", "dflash_local", "convert", str(TINY / "target"), "--out", str(out), "--type", "f16"]

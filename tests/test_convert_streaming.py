@@ -13,8 +13,8 @@ import pytest
 
 pytest.importorskip("gguf")
 
-from dflash_local import gguf_convert  # noqa: E402
 from dflash_local.errors import DFlashError  # noqa: E402
+from dflash_local.gguf import convert as gguf_convert  # noqa: E402
 
 TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"
 # sha256 of models/tiny/target converted by the fp32 converter (commit 52b62d3), per type

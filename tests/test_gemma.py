@@ -18,7 +18,7 @@ from dflash_local.catalog import load_catalog, package_file
 from dflash_local.decode import Settings, run
 from dflash_local.drafter import DFlashDrafter
 from dflash_local.errors import DFlashError
-from dflash_local.gguf_tokenizer import GGUFTokenizer
+from dflash_local.gguf.tokenizer import GGUFTokenizer
 from dflash_local.native_drafter import NativeDrafter
 from dflash_local.sampling import SamplingParams, probabilities
 from dflash_local.targets import llamacpp

@@ -13,7 +13,7 @@ pytest.importorskip("gguf")
 from dflash_local.decode import Settings, run  # noqa: E402
 from dflash_local.drafter import DFlashDrafter  # noqa: E402
 from dflash_local.errors import DFlashError  # noqa: E402
-from dflash_local.gguf_convert import convert  # noqa: E402
+from dflash_local.gguf.convert import convert  # noqa: E402
 from dflash_local.native_drafter import NativeDrafter, load_drafter  # noqa: E402
 from dflash_local.quant import Int8Matrix  # noqa: E402
 from dflash_local.targets.llamacpp import LlamaCppTarget, model_params  # noqa: E402

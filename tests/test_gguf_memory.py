@@ -18,8 +18,8 @@ from dflash_local import generation  # noqa: E402
 from dflash_local.decode import Settings, run  # noqa: E402
 from dflash_local.drafter import DFlashDrafter  # noqa: E402
 from dflash_local.errors import DFlashError  # noqa: E402
-from dflash_local.gguf_convert import convert  # noqa: E402
-from dflash_local.gguf_file import UnreadStrings, read_gguf, read_header  # noqa: E402
+from dflash_local.gguf.convert import convert  # noqa: E402
+from dflash_local.gguf.file import UnreadStrings, read_gguf, read_header  # noqa: E402
 from dflash_local.native_drafter import NativeDrafter  # noqa: E402
 from dflash_local.paths import state_dir  # noqa: E402
 from dflash_local.runtime import RuntimeConfig  # noqa: E402

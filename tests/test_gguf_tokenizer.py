@@ -13,8 +13,8 @@ import pytest
 pytest.importorskip("llama_cpp")
 pytest.importorskip("gguf")
 
-from dflash_local.gguf_convert import convert  # noqa: E402
-from dflash_local.gguf_tokenizer import GGUFTokenizer  # noqa: E402
+from dflash_local.gguf.convert import convert  # noqa: E402
+from dflash_local.gguf.tokenizer import GGUFTokenizer  # noqa: E402
 from dflash_local.tokenizer import TextTokenizer  # noqa: E402
 
 TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"

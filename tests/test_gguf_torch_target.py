@@ -16,8 +16,8 @@ from dflash_local.kernels import dequantize  # noqa: E402
 
 from dflash_local.block_policy import AcceptanceEstimate, BlockPolicy, CostTable  # noqa: E402
 from dflash_local.decode import Settings, run  # noqa: E402
-from dflash_local.gguf_file import read_gguf, read_header  # noqa: E402
-from dflash_local.gguf_weights import HF_NAMES, QUANT_TYPES, decode_blocks, rope_rows  # noqa: E402
+from dflash_local.gguf.file import read_gguf, read_header  # noqa: E402
+from dflash_local.gguf.tensors import HF_NAMES, QUANT_TYPES, decode_blocks, rope_rows  # noqa: E402
 from dflash_local.quant import GroupQuantEmbedding, GroupQuantLinear  # noqa: E402
 from dflash_local.targets.torch_llama import TorchLlamaTarget  # noqa: E402
 
@@ -29,7 +29,7 @@ Q = gguf.GGMLQuantizationType
 @pytest.fixture(scope="module")
 def tiny_types(tiny_gguf, tmp_path_factory) -> dict[str, Path]:
     """The bundled target as Q8_0 and F16 (conftest) and, converted here, Q4_K_M, Q5_K_M, Q6_K and Q4_0."""
-    from dflash_local.gguf_convert import convert
+    from dflash_local.gguf.convert import convert
 
     root = tmp_path_factory.mktemp("gguf-torch")
     made = {kind: convert(TINY / "target", root / f"tiny-{kind}.gguf", kind, threads=1) for kind in TYPES[:3]}
@@ -58,13 +58,6 @@ def test_blocks_decode_exactly(kind) -> None:
     if bits == 4:
         values = values[:, 0::2] | (values[:, 1::2] << 4)
     assert np.array_equal(dequantize(values.contiguous(), scales, mins, bits, group).numpy(), want)
-
-
-def test_names_are_the_converter_inverted() -> None:
-    pytest.importorskip("llama_cpp")
-    from dflash_local.gguf_convert import LAYER_TENSORS
-
-    assert HF_NAMES == {gguf_name: hf for hf, gguf_name in LAYER_TENSORS.items()}
 
 
 def dequantized_reference(target: TorchLlamaTarget, path: Path) -> TorchLlamaTarget:
@@ -175,7 +168,7 @@ def test_quantize_int4_from_the_command_line_is_lossless() -> None:
 
 def test_a_matrix_decodes_the_same_in_row_chunks(monkeypatch) -> None:
     """quantized_matrix decodes DECODE_ROWS rows at a time; the chunks join into the whole matrix's format."""
-    import dflash_local.gguf_weights as weights
+    import dflash_local.gguf.tensors as weights
 
     raw = torch.from_numpy(random_blocks(Q.Q4_K, 12 * 2, 7)).view(12, -1)
     whole = weights.quantized_matrix(raw, Q.Q4_K, torch.float32)

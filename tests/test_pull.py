@@ -399,7 +399,7 @@ def test_bench_prompt_sets_from_hub_datasets(hub):
 
 def test_a_gguf_catalog_entry_pulls_one_quantization_and_chats(hub, tmp_path):
     pytest.importorskip("llama_cpp")
-    from dflash_local.gguf_convert import convert
+    from dflash_local.gguf.convert import convert
 
     q8 = convert(MODELS / "target", tmp_path / "tiny-Q8_0.gguf", "q8_0", threads=1).read_bytes()
     hub.repos["test/tiny-gguf"] = {"tiny-Q8_0.gguf": q8, "tiny-F16.gguf": b"not needed" * 100}

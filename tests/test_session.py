@@ -152,7 +152,7 @@ MULTIBYTE = "naïve café — 日本語のテキストです 🙂🚀 ünïcöd�
 
 
 def tokenizers(tiny_gguf) -> list:
-    from dflash_local.gguf_tokenizer import GGUFTokenizer
+    from dflash_local.gguf.tokenizer import GGUFTokenizer
     from dflash_local.tokenizer import TextTokenizer
 
     return [TextTokenizer.load(TINY / "target"), GGUFTokenizer.load(tiny_gguf["f16"])]

@@ -99,7 +99,7 @@ def test_quantized_linear_and_embedding() -> None:
 def q4_k_m(tmp_path_factory):
     """The bundled target as a Q4_K_M GGUF (Q4_K and Q6_K tensors)."""
     pytest.importorskip("llama_cpp")
-    from dflash_local.gguf_convert import convert
+    from dflash_local.gguf.convert import convert
 
     return convert(BUNDLED / "target", tmp_path_factory.mktemp("wq") / "tiny-q4_k_m.gguf", "q4_k_m", threads=1)
 

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ..errors import DFlashError
-from ..gguf_file import GGUFModel, read_gguf
+from ..gguf.file import GGUFModel, read_gguf
 from ..llama_lib import llama_cpp, tapped_architectures
 from ..quant import Int8Matrix
 from .base import TargetOutput

@@ -13,7 +13,7 @@ from torch.nn import functional as F
 from ..cuda_graphs import StepGraphs, cache_span
 from ..errors import DFlashError
 from ..layers import MLP, RMSNorm, apply_rope, check_rope, rope_cos_sin, rope_inv_freq
-from ..quant import GroupQuantLinear, check_quantize, install_4bit, install_int4, prequantized
+from ..quant import GroupQuantEmbedding, GroupQuantLinear, check_quantize, install_4bit, install_int4, prequantized
 from ..runtime import check_kernels
 from ..weights import check_attention_shape, check_int, check_optional, load_weights, need, read_config
 from .base import TargetOutput
@@ -212,6 +212,59 @@ class LlamaModel(nn.Module):
         return hidden, features
 
 
+def load_gguf_model(path: Path, dtype: torch.dtype, device: str) -> tuple[LlamaModel, frozenset[int]]:
+    """The LlamaModel of a GGUF file (quantized matrices as GroupQuantLinear, on device) and its end-of-sequence ids."""
+    from ..gguf.file import read_header  # the gguf extra
+    from ..gguf.tensors import HF_NAMES, GGUFReader, gguf_config
+
+    try:
+        header = read_header(path)
+    except (ValueError, KeyError, OSError) as exc:
+        raise DFlashError(f"{path} is not a complete, readable GGUF file ({exc}).") from None
+    config = gguf_config(path, header.fields, header.tensors)
+    cfg = TargetConfig.from_dict(config, path)
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    reader = GGUFReader(path, header, dtype, device)
+    hidden, inner = cfg.hidden_size, cfg.intermediate_size
+    shapes = {
+        "q_proj": (cfg.num_heads * cfg.head_dim, hidden),
+        "k_proj": (cfg.num_kv_heads * cfg.head_dim, hidden),
+        "v_proj": (cfg.num_kv_heads * cfg.head_dim, hidden),
+        "o_proj": (hidden, cfg.num_heads * cfg.head_dim),
+        "gate_proj": (inner, hidden),
+        "up_proj": (inner, hidden),
+        "down_proj": (hidden, inner),
+    }
+    rope_heads = {"q_proj": cfg.num_heads, "k_proj": cfg.num_kv_heads} if cfg.model_type == "llama" else {}
+    with torch.no_grad():
+        for index in range(cfg.num_layers):
+            for gguf_name, hf_name in HF_NAMES.items():
+                name = f"model.layers.{index}.{hf_name.removesuffix('.weight')}"
+                if hf_name.endswith("norm.weight"):
+                    if hf_name.startswith("self_attn.") and not cfg.qk_norm:
+                        continue
+                    norm = model.get_submodule(name)
+                    norm.weight = nn.Parameter(reader.floats(f"blk.{index}.{gguf_name}"), requires_grad=False)
+                    continue
+                short = hf_name.split(".")[1]
+                module = reader.matrix(f"blk.{index}.{gguf_name}", shapes[short], rope_heads.get(short))
+                model.set_submodule(name, module)
+        model.model.norm.weight = nn.Parameter(reader.floats("output_norm.weight"), requires_grad=False)
+        table = reader.matrix("token_embd.weight", (cfg.vocab_size, hidden))
+        if isinstance(table, GroupQuantLinear):
+            model.model.embed_tokens = GroupQuantEmbedding(table, dtype)
+        else:
+            model.model.embed_tokens = nn.Embedding(cfg.vocab_size, hidden, _weight=table.weight, _freeze=True)
+        model.lm_head = table if cfg.tie_word_embeddings else reader.matrix("output.weight", (cfg.vocab_size, hidden))
+    inv_freq = rope_inv_freq(cfg.raw, cfg.head_dim)
+    if "rope_freqs.weight" in header.tensors:
+        inv_freq = inv_freq / reader.floats("rope_freqs.weight").float().cpu()
+    model.inv_freq = inv_freq.to(device)
+    eos = header.fields.get("tokenizer.ggml.eos_token_id")
+    return model.eval(), frozenset() if eos is None else frozenset([int(eos)])
+
+
 class TorchLlamaTarget:
     """A target model plus its KV cache: feed tokens, read logits and context features, roll back."""
 
@@ -239,7 +292,7 @@ class TorchLlamaTarget:
         quantize: str | None = None,
         cuda_graphs: bool = True,
     ) -> TorchLlamaTarget:
-        """Build the model from an HF-layout folder (config.json + safetensors) or a GGUF file (gguf_weights: its
+        """Build the model from an HF-layout folder (config.json + safetensors) or a GGUF file (load_gguf_model: its
         quantized blocks as int4/int8 group linears).
 
         quantize="int4" makes the decoder layers' linears int4 groups (kernels.wq_matmul), "nf4" NF4 (bitsandbytes);
@@ -251,8 +304,6 @@ class TorchLlamaTarget:
         if folder.suffix == ".gguf":
             if quantize is not None:
                 raise DFlashError("--quantize applies to safetensors targets; a GGUF file is already quantized.")
-            from ..gguf_weights import load_gguf_model
-
             model, stop_ids = load_gguf_model(folder, dtype, device)
             return cls(model, max_context, cuda_graphs, stop_ids)
         config = read_config(folder)

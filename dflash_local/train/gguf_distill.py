@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ..errors import DFlashError
-from ..gguf_file import read_gguf
+from ..gguf.file import read_gguf
 from ..llama_lib import llama_cpp, tapped_architectures
 from ..sampling import SamplingParams, pick
 from ..targets.llama_taps import first_llama_error, output_functions, quiet_llama_logs, tap_functions

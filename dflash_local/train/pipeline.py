@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..errors import DFlashError
-from ..gguf_file import GGUFTensor, read_gguf, read_header
+from ..gguf.file import GGUFTensor, read_gguf, read_header
 from ..targets.torch_llama import TargetConfig, TorchLlamaTarget
 from ..tokenizer import TextTokenizer, stop_token_ids
 from ..weights import read_config
@@ -169,7 +169,7 @@ def _prepare_torch(request: TrainRequest, layer_ids_of) -> _Prepared:
 
 
 def _prepare_gguf(request: TrainRequest, layer_ids_of) -> _Prepared:
-    from ..gguf_tokenizer import GGUFTokenizer
+    from ..gguf.tokenizer import GGUFTokenizer
     from .gguf_distill import ParallelTarget, continue_prompts
 
     cfg = gguf_target_config(request.target)

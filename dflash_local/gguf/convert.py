@@ -12,46 +12,23 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-import torch
 
-from .atomic import unwritable_reason
-from .errors import DFlashError
-from .layers import rope_inv_freq, rope_parameters
-from .llama_lib import llama_cpp
-from .targets.llama_taps import quiet_llama_logs
-from .targets.torch_llama import TargetConfig
-from .weights import StoredTensor, read_config, read_stored, stored_tensors
+from ..atomic import unwritable_reason
+from ..errors import DFlashError
+from ..llama_lib import llama_cpp
+from ..targets.llama_taps import quiet_llama_logs
+from ..targets.torch_llama import TargetConfig
+from ..weights import StoredTensor, read_config, read_stored, stored_tensors
+from .shape import LAYER_TENSORS, add_shape, rope_factors
 
 # llama_ftype values from llama.h.
 FILE_TYPES = {"f16": 1, "bf16": 32, "q8_0": 7, "q6_k": 18, "q5_k_m": 17, "q4_k_m": 15, "q4_0": 2}
-
-LAYER_TENSORS = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
 
 
 def _to_neox_interleaved(weight: np.ndarray, heads: int) -> np.ndarray:
     """Reorder q/k rows from HF's rotate-half RoPE layout to llama.cpp's interleaved one (llama arch)."""
     rows = weight.shape[0]
     return weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
-
-
-def rope_factors(config: dict, head_dim: int) -> torch.Tensor | None:
-    """llama.cpp's rope_freqs (plain frequency / scaled frequency), or None for unscaled RoPE."""
-    params = rope_parameters(config)
-    if params["rope_type"] == "default":
-        return None
-    return rope_inv_freq({"rope_theta": params["rope_theta"]}, head_dim) / rope_inv_freq(config, head_dim)
 
 
 @dataclass(frozen=True)
@@ -169,21 +146,6 @@ def _add_tokenizer(writer, folder: Path, cfg: TargetConfig) -> None:
             add(vocab[name])
     if tok_config.get("chat_template"):
         writer.add_chat_template(tok_config["chat_template"])
-
-
-def add_shape(writer: gguf.GGUFWriter, cfg, context_length: int) -> None:
-    """The transformer hyperparameters llama.cpp reads, from a target or drafter config (same field names)."""
-    writer.add_context_length(context_length)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_heads)
-    writer.add_head_count_kv(cfg.num_kv_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_rope_dimension_count(cfg.head_dim)
-    writer.add_rope_freq_base(float(rope_parameters(cfg.raw)["rope_theta"]))
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
 
 
 def _write_staged(cfg: TargetConfig, folder: Path, out: Path) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 
-from .errors import DFlashError
+from ..errors import DFlashError
 
 _SCALARS = {
     GGUFValueType.UINT8: "B",

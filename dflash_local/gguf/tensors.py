@@ -1,4 +1,4 @@
-"""A GGUF file's Llama/Qwen3 model into the torch target, its quantized blocks straight into GroupQuantLinear's int4 /
+"""A GGUF file's Llama/Qwen3 tensors for the torch target, its quantized blocks straight into GroupQuantLinear's int4 /
 int8 groups (kernels.wq_matmul's format), decoded on the target's device one tensor at a time.
 
 The mapping (v: the stored code, w = v * scale + min):
@@ -22,28 +22,14 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from torch import nn
 
-from .errors import DFlashError
-from .gguf_file import GGUFTensor, read_header
-from .layers import rope_inv_freq
-from .quant import GroupQuantEmbedding, GroupQuantLinear, group_scale_dtype
-from .targets.torch_llama import LlamaModel, TargetConfig
+from ..errors import DFlashError
+from ..quant import GroupQuantLinear, group_scale_dtype
+from .file import GGUFHeader, GGUFTensor
+from .shape import LAYER_TENSORS
 
 ARCHITECTURES = ("llama", "qwen3")
 FLOAT_TYPES = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
-# GGUF layer tensor -> HF name: gguf_convert.LAYER_TENSORS inverted (that module loads llama.cpp, not needed here)
-HF_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
+HF_NAMES = {gguf_name: hf_name for hf_name, gguf_name in LAYER_TENSORS.items()}  # GGUF layer tensor -> HF
 
 
 def _half(blocks: torch.Tensor, begin: int) -> torch.Tensor:
@@ -129,7 +115,7 @@ def rope_rows(rows: int, heads: int) -> torch.Tensor:
 class GGUFReader:
     """One GGUF file's tensors read and decoded for the torch target on a device."""
 
-    def __init__(self, path: Path, header, dtype: torch.dtype, device: str) -> None:
+    def __init__(self, path: Path, header: GGUFHeader, dtype: torch.dtype, device: str) -> None:
         self.path, self.tensors, self.dtype, self.device = path, header.tensors, dtype, device
 
     def tensor(self, name: str) -> GGUFTensor:
@@ -209,53 +195,3 @@ def gguf_config(path: Path, fields: dict, tensors: dict[str, GGUFTensor]) -> dic
     elif scaling != "none":
         raise DFlashError(f"{path}: RoPE scaling '{scaling}' is not supported by the torch backend.")
     return config
-
-
-def load_gguf_model(path: Path, dtype: torch.dtype, device: str) -> tuple[LlamaModel, frozenset[int]]:
-    """The LlamaModel of a GGUF file (quantized matrices as GroupQuantLinear, on device) and its end-of-sequence ids."""
-    try:
-        header = read_header(path)
-    except (ValueError, KeyError, OSError) as exc:
-        raise DFlashError(f"{path} is not a complete, readable GGUF file ({exc}).") from None
-    config = gguf_config(path, header.fields, header.tensors)
-    cfg = TargetConfig.from_dict(config, path)
-    with torch.device("meta"):
-        model = LlamaModel(cfg)
-    reader = GGUFReader(path, header, dtype, device)
-    hidden, inner = cfg.hidden_size, cfg.intermediate_size
-    shapes = {
-        "q_proj": (cfg.num_heads * cfg.head_dim, hidden),
-        "k_proj": (cfg.num_kv_heads * cfg.head_dim, hidden),
-        "v_proj": (cfg.num_kv_heads * cfg.head_dim, hidden),
-        "o_proj": (hidden, cfg.num_heads * cfg.head_dim),
-        "gate_proj": (inner, hidden),
-        "up_proj": (inner, hidden),
-        "down_proj": (hidden, inner),
-    }
-    rope_heads = {"q_proj": cfg.num_heads, "k_proj": cfg.num_kv_heads} if cfg.model_type == "llama" else {}
-    with torch.no_grad():
-        for index in range(cfg.num_layers):
-            for gguf_name, hf_name in HF_NAMES.items():
-                name = f"model.layers.{index}.{hf_name.removesuffix('.weight')}"
-                if hf_name.endswith("norm.weight"):
-                    if hf_name.startswith("self_attn.") and not cfg.qk_norm:
-                        continue
-                    norm = model.get_submodule(name)
-                    norm.weight = nn.Parameter(reader.floats(f"blk.{index}.{gguf_name}"), requires_grad=False)
-                    continue
-                short = hf_name.split(".")[1]
-                module = reader.matrix(f"blk.{index}.{gguf_name}", shapes[short], rope_heads.get(short))
-                model.set_submodule(name, module)
-        model.model.norm.weight = nn.Parameter(reader.floats("output_norm.weight"), requires_grad=False)
-        table = reader.matrix("token_embd.weight", (cfg.vocab_size, hidden))
-        if isinstance(table, GroupQuantLinear):
-            model.model.embed_tokens = GroupQuantEmbedding(table, dtype)
-        else:
-            model.model.embed_tokens = nn.Embedding(cfg.vocab_size, hidden, _weight=table.weight, _freeze=True)
-        model.lm_head = table if cfg.tie_word_embeddings else reader.matrix("output.weight", (cfg.vocab_size, hidden))
-    inv_freq = rope_inv_freq(cfg.raw, cfg.head_dim)
-    if "rope_freqs.weight" in header.tensors:
-        inv_freq = inv_freq / reader.floats("rope_freqs.weight").float().cpu()
-    model.inv_freq = inv_freq.to(device)
-    eos = header.fields.get("tokenizer.ggml.eos_token_id")
-    return model.eval(), frozenset() if eos is None else frozenset([int(eos)])

@@ -7,11 +7,11 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .chat_template import render_chat
-from .errors import DFlashError
+from ..chat_template import render_chat
+from ..errors import DFlashError
 
 if TYPE_CHECKING:
-    from .targets.llamacpp import LlamaCppTarget
+    from ..targets.llamacpp import LlamaCppTarget
 
 
 class GGUFTokenizer:
@@ -20,7 +20,7 @@ class GGUFTokenizer:
     `owner` keeps the model alive (the target whose weights it came with, or nothing for a vocabulary-only load)."""
 
     def __init__(self, model, owner: object = None) -> None:
-        from .llama_lib import llama_cpp
+        from ..llama_lib import llama_cpp
 
         self._model, self._owner = model, owner
         self._vocab = llama_cpp.llama_model_get_vocab(model)
@@ -34,8 +34,8 @@ class GGUFTokenizer:
     @classmethod
     def load(cls, path: Path) -> GGUFTokenizer:
         """Read the vocabulary of a .gguf file (llama.cpp loads it without the weights)."""
-        from .llama_lib import llama_cpp
-        from .targets.llama_taps import first_llama_error, quiet_llama_logs
+        from ..llama_lib import llama_cpp
+        from ..targets.llama_taps import first_llama_error, quiet_llama_logs
 
         quiet_llama_logs()
         params = llama_cpp.llama_model_default_params()
@@ -55,7 +55,7 @@ class GGUFTokenizer:
 
     def _meta(self, key: str) -> str | None:
         """A metadata value as llama.cpp prints it, or None when the file lacks the key."""
-        from .llama_lib import llama_cpp
+        from ..llama_lib import llama_cpp
 
         size = 256
         while True:
@@ -68,7 +68,7 @@ class GGUFTokenizer:
             size = length + 1
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        from .llama_lib import llama_cpp
+        from ..llama_lib import llama_cpp
 
         data = text.encode()
         add_bos = add_special_tokens and self.config["add_bos_token"]
@@ -89,7 +89,7 @@ class GGUFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         """The pieces of ids, special tokens spelled out, joined (a leading space after BOS dropped)."""
-        from .llama_lib import llama_cpp
+        from ..llama_lib import llama_cpp
 
         pieces = []
         buffer = ctypes.create_string_buffer(16)  # grown for longer pieces
