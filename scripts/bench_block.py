@@ -96,7 +96,7 @@ def pairs(case: str, work: Path):
         yield "Gemma 3 270M Q4_K_M, native drafter", target, NativeDrafter.load(GEMMA / "drafter", target, threads=1)
         yield "Gemma 3 270M Q4_K_M, torch drafter", target, DFlashDrafter.load(GEMMA / "drafter", max_context=2048)
     elif case == "synthetic":
-        from dflash_local.synthetic import write_pair
+        from synthetic import write_pair
 
         folder = work / "qwen3-0.6b"
         if not (folder / "target" / "config.json").exists():

@@ -1,4 +1,4 @@
-"""Speed-of-light sheet at real shapes, no downloads: a random-weight pair of a real shape (dflash_local/synthetic.py),
+"""Speed-of-light sheet at real shapes, no downloads: a random-weight pair of a real shape (scripts/synthetic.py),
 its load time, peak RSS (and VRAM on CUDA), per-step costs and the speedup they give at acceptance profiles.
 
     .venv/bin/python scripts/bench_synthetic.py llama3.2-1b                # CPU: Q4_K_M GGUF, no/native/torch drafter
@@ -12,7 +12,8 @@ verify-k for k = 2..B, the drafter step returning k-1 rows, greedy acceptance, t
 Writes bench_synthetic.json and bench_synthetic.md.
 
 Acceptance profiles: ASSUMED, not the paper's per-position numbers (it reports mean acceptance length per benchmark):
-per-position rates fall geometrically, a_j = r^j (share of steps accepting at least j drafts), with r set so that
+each draft position is accepted at the same rate r given the ones before it (so at least j drafts in a share r^j
+of the steps), with r set so that
 the mean acceptance length at block 16 is 6.5 (math), 5.5 (code) and 3.5 (chat), about the paper's Qwen3-8B
 figures at temperature 0.
 """
@@ -33,24 +34,26 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from step_costs import measure_steps, projected_speedup  # noqa: E402
+
 from dflash_local.memory_estimate import DEFAULT_CONTEXT, estimate_files  # noqa: E402
-from dflash_local.step_costs import measure_steps, projected_speedup  # noqa: E402
 
 PROFILE_TAUS = {"math": 6.5, "code": 5.5, "chat": 3.5}  # ASSUMED mean acceptance length at block 16 (see above)
 
 
 def geometric_rates(tau: float, block: int = 16) -> list[float]:
-    """Per-position rates r^j, j = 1..block-1, whose 1 + sum is tau (bisection on r)."""
+    """The conditional rate r at each of the block-1 draft positions, with 1 + sum of r^j (j = 1..block-1) = tau
+    (bisection on r)."""
     low, high = 0.0, 1.0
     for _ in range(60):
         r = (low + high) / 2
         low, high = (r, high) if 1 + sum(r**j for j in range(1, block)) < tau else (low, r)
-    return [low**j for j in range(1, block)]
+    return [low] * (block - 1)
 
 
 def prepare(name: str, folder: Path, device: str, threads: int) -> tuple[Path, Path]:
     """The pair's target (a Q4_K_M GGUF on CPU, the HF folder on CUDA) and drafter folder, written if missing."""
-    from dflash_local.synthetic import write_pair
+    from synthetic import write_pair
 
     if not (folder / "drafter" / "config.json").is_file():
         write_pair(name, folder)
@@ -162,7 +165,7 @@ def markdown(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("name", help="a shape of dflash_local/synthetic.py: llama3.2-1b, llama3.1-8b, qwen3-8b, ...")
+    parser.add_argument("name", help="a shape of dflash_local/shapes.py: llama3.2-1b, llama3.1-8b, qwen3-8b, ...")
     parser.add_argument("--dir", type=Path, help="where the pair lives (default: $DFLASH_HOME/synthetic/NAME)")
     parser.add_argument("--device", default="cpu", help="cpu (GGUF target) or cuda (torch target)")
     parser.add_argument("--drafters", help="comma list of none, native, torch (default: none,native,torch on CPU)")

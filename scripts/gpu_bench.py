@@ -26,6 +26,7 @@ import gguf
 import numpy as np
 import torch
 from dflash_local.kernels import dequantize, kernel_mode, use_triton, wq_matmul
+from step_costs import measure_steps, milliseconds
 from torch import nn
 from torch.nn import functional as F
 
@@ -33,7 +34,6 @@ from dflash_local.drafter import DFlashDrafter, DFlashModel, DrafterConfig, defa
 from dflash_local.layers import rope_inv_freq
 from dflash_local.quant import group_scale_dtype, install_4bit, install_int4, quantize_int4, quantize_linears
 from dflash_local.runtime import pick_device
-from dflash_local.step_costs import measure_steps, milliseconds
 from dflash_local.targets.torch_llama import LlamaModel, TargetConfig, TorchLlamaTarget
 
 TAUS = (3, 5, 7)

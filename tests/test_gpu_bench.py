@@ -16,6 +16,7 @@ def test_gpu_bench_small_on_cpu(tmp_path: Path, monkeypatch) -> None:
     spec = importlib.util.spec_from_file_location("gpu_bench", SCRIPT)
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "gpu_bench", bench)  # dataclasses look their module up there
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # its helper scripts/step_costs.py
     spec.loader.exec_module(bench)
     argv = ["--small", "--device", "cpu", "--targets", "fp32,int4,q4_k_m", "--drafters", "plain,int8"]
     bench.main(argv + ["--repeats", "1", "--context", "24", "--out", str(tmp_path)])

@@ -1,5 +1,6 @@
 """Per-step costs of a loaded target + drafter pair at a fixed context: target decode of 1 token, verify of k tokens,
-the drafter step returning k-1 rows, the greedy acceptance; and the speedup they give at an acceptance profile."""
+the drafter step returning k-1 rows, the greedy acceptance; and the speedup they give at an acceptance profile
+(scripts/bench_synthetic.py, scripts/gpu_bench.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import statistics
 
 import torch
 
-from .runtime import StepClock
-from .sampling import accept_greedy
+from dflash_local.block_policy import expected_tokens
+from dflash_local.runtime import StepClock
+from dflash_local.sampling import accept_greedy
 
 
 def milliseconds(fn, device: str, repeats: int) -> float:
@@ -60,13 +62,8 @@ def measure_steps(target, drafter, vocab: int, context: int, sizes: list[int], d
         }
 
 
-def expected_tokens(rates: list[float], k: int) -> float:
-    """Tokens a verify of k gains on average: the bonus one plus each draft position's acceptance rate (the share of
-    steps accepting at least j drafts, j = 1..k-1)."""
-    return 1.0 + sum(rates[: k - 1])
-
-
 def projected_speedup(costs: dict, rates: list[float], k: int) -> float:
-    """Speedup over plain decoding of DFlash steps verifying k tokens, from measured costs and acceptance rates."""
+    """Speedup over plain decoding of DFlash steps verifying k tokens, from measured costs and per-position acceptance
+    rates (each conditional on the positions before it, as block_policy.expected_tokens takes them)."""
     step = costs["verify_k_ms"][str(k)] + costs["drafter_rows_ms"][str(k - 1)] + costs["accept_ms"]
-    return expected_tokens(rates, k) * costs["decode_1_ms"] / step
+    return expected_tokens(rates, k)[k] * costs["decode_1_ms"] / step

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .errors import DFlashError
-from .shapes import SHAPES, SPECIAL_TOKENS, Shape, drafter_config, target_config
+from dflash_local.errors import DFlashError
+from dflash_local.shapes import SHAPES, SPECIAL_TOKENS, Shape, drafter_config, target_config
 
 
 def _layer_tensors(shape: Shape, prefix: str, generator: torch.Generator, qk_norm: bool):
