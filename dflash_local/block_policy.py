@@ -4,8 +4,7 @@ Each step verifies k tokens: the known token plus k-1 drafts. The drafter always
 blocks change what it proposes) and returns only the k-1 rows the step verifies. Expected tokens for k come from
 per-position acceptance rates, each conditional on the positions before it being accepted, as decoding sees them:
 E[k] = 1 + sum_{i<k} prod_{j<=i} p_j. The policy picks the k with the most expected tokens per second of measured
-cost; when plain steps win it still probes the drafter now and then, at a bounded share of the decode time, and while
-drafting is far from paying the target skips its features for the drafter until shortly before the next probe. A
+cost; when plain steps win it still probes the drafter now and then, at a bounded share of the decode time. A
 drafter with no history on this machine is tried with small blocks first, growing as its steps are seen.
 
 Costs come from a calibration that a burst of load cannot skew (interleaved rounds, each size's fastest timing, a
@@ -40,11 +39,6 @@ PROBE_SHARE = 0.01  # probes may cost at most this share of plain decoding time
 MAX_PROBE_INTERVAL = 4096  # plain steps between probes at most
 RECHECK = 8  # while plain steps win, the choice is made again every RECHECK steps (and before each probe): the
 # evidence moves by a few percent per step, and on a fast model the choice itself costs a few percent of a step
-FEATURE_LEAD = 16  # plain steps before a probe that read the target's features again (the rest of a plain run skips
-# them: the drafter drafts without that context, and a GGUF target's decode costs a few percent less)
-SKIP_SHARE = 0.75  # ... but only while the best drafting k is estimated at under this share of plain steps' speed:
-# where drafting is close to paying (the bundled torch pair's plain runs: 0.86-0.99; its GGUFs': 0.34-0.64) it soon
-# resumes, and drafting across a gap accepts less than the reads cost
 CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 CALIBRATION_CONTEXT = 64
 CALIBRATION_ROUNDS = 5  # a calibration times every size in at least this many rounds, interleaved ...
@@ -298,7 +292,6 @@ class BlockPolicy:
     plain_run: int = field(default=0, init=False)
     probes: int = field(default=0, init=False)
     probe_at: int = field(default=0, init=False)  # the plain_run at which the next probe is due
-    draft_share: float = field(default=1.0, init=False)  # the best drafting k's estimated speed over plain steps'
     unsettled_steps: int = field(default=0, init=False)  # plain steps not learnt from yet, and their total time
     unsettled_s: float = field(default=0.0, init=False)
     unsettled_fastest: float = field(default=float("inf"), init=False)
@@ -313,7 +306,6 @@ class BlockPolicy:
         self.plain_run = 0
         self.probes = 0
         self.probe_at = 0
-        self.draft_share = 1.0
         self.unsettled_steps, self.unsettled_s, self.unsettled_fastest = 0, 0.0, float("inf")
         self.explore_run = 0
 
@@ -350,7 +342,6 @@ class BlockPolicy:
         probe = best_draft if explore is None else explore
         self.plain_run += 1
         self.probe_at = self.probe_interval(probe)
-        self.draft_share = speeds[best_draft] / speeds[1]
         if self.plain_run >= self.probe_at:
             self.plain_run = 0
             self.probes += 1
@@ -387,13 +378,6 @@ class BlockPolicy:
         best_s = self.costs.step_s(best)
         extra = max(self.costs.worst_s(k) - tokens[k] * best_s / tokens[best], 0.0)
         return max(1, round(extra / (PROBE_SHARE * best_s)))
-
-    def reads_features(self) -> bool:
-        """Whether the step just chosen needs the target's features: every drafting step and its context does; a plain
-        step skips them only deep in a run of plain steps (the next probe more than FEATURE_LEAD steps away) while
-        drafting is far from paying (under SKIP_SHARE of plain steps' speed)."""
-        far = self.plain_run + FEATURE_LEAD < self.probe_at and self.draft_share < SKIP_SHARE
-        return self.plain_run == 0 or not far
 
     def trial_limit(self) -> int:
         """The largest k worth risking on what the drafter has shown so far: 2 for a drafter with no history,

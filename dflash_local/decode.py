@@ -42,8 +42,8 @@ class Drafter(Protocol):
         rows: int | None = None,
     ) -> torch.Tensor:
         """Draft a block of `size` at start (tokens[: start + 1] are known), given the features of positions
-        [start - len(new_features), start) (any between `length` and those are skipped); logits [rows, vocab] for
-        positions start+1..start+rows (rows defaults to size - 1)."""
+        [length, start) (None: it reads no target layers); logits [rows, vocab] for positions start+1..start+rows
+        (rows defaults to size - 1)."""
 
 
 @dataclass(frozen=True)
@@ -158,12 +158,6 @@ def _block_size(drafter: Drafter | None, settings: Settings) -> int:
     return size
 
 
-def _makes_features(drafting: bool, policy: BlockPolicy | None) -> bool:
-    """Whether the next forward makes the drafter's features: always when drafting at a fixed block; with a policy,
-    unless its step is deep in a run of plain steps (the drafter then drafts without that context)."""
-    return drafting and (policy is None or policy.reads_features())
-
-
 def _next_size(policy: BlockPolicy | None, block_size: int, left: int) -> int:
     """The next step's verify size: the policy's choice, or the fixed block (fewer near the end)."""
     return policy.choose(left) if policy is not None else min(block_size, left)
@@ -221,13 +215,11 @@ def generate(
     timer = StepClock(target.device)
     began = timer.mark()
     verify_size = _next_size(policy, block_size, max_length - start)
-    out = target.forward(ids, all_logits=False, features=_makes_features(drafting, policy))  # as the first step's
+    out = target.forward(ids, all_logits=False, features=drafting)
     first = int(pick(out.logits[-1], params, generator))
     tokens = prompt_ids + [first]
     if out.features is not None:
         pending.append(out.features)  # accepted positions' features the drafter lacks
-    elif drafting:
-        pending = []  # the features on hand no longer end at start: the drafter skips up to the next ones
     session.record(tokens, start, drafted_to, pending)
     stopped = first in settings.stop_ids
     done = stopped or start + 1 >= max_length
@@ -249,7 +241,7 @@ def generate(
                 draft_probs = probabilities(draft_logits, params)
                 block[1:] = torch.multinomial(draft_probs, 1, generator=generator)[:, 0]
         t1 = timer.mark()
-        out = target.forward(block, all_logits=True, features=_makes_features(drafting, policy), greedy=params.greedy)
+        out = target.forward(block, all_logits=True, features=drafting, greedy=params.greedy)
         if params.greedy:
             accepted, made = accept_greedy(block[1:], out.logits if out.argmax is None else out.argmax)
         else:
@@ -269,8 +261,6 @@ def generate(
         target.rollback(start)
         if out.features is not None:
             pending.append(out.features[:produced])
-        elif drafting:
-            pending = []  # the features on hand no longer end at start: the drafter skips up to the next ones
         session.record(tokens, start, drafted_to, pending)
         t2 = timer.mark()
         draft_s, target_s = timer.seconds(t0, t1), timer.seconds(t1, t2)

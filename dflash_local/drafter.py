@@ -261,41 +261,7 @@ def check_fits(cfg: DrafterConfig, target: Target) -> None:
         raise DFlashError(f"The drafter's mask token id {cfg.mask_token_id} is outside the target's vocabulary.")
 
 
-class DrafterContext:
-    """Which target positions a drafter's context cache covers: [0, length), less ranges that decoding skipped (no
-    features were read there). The cache holds one row per covered position in order, and the drafter sees the
-    context without the skipped ones: positions close up over a gap (llama.cpp's caches need consecutive positions)."""
-
-    def __init__(self) -> None:
-        self._length = 0
-        self.skipped: list[tuple[int, int]] = []  # position ranges [begin, end) below length without cache rows
-
-    @property
-    def length(self) -> int:
-        """Context positions covered, skipped ones included; setting it lower rolls the cache back."""
-        return self._length
-
-    @length.setter
-    def length(self, value: int) -> None:
-        self.skipped = [(begin, min(end, value)) for begin, end in self.skipped if begin < value]
-        self._length = value
-
-    def filled(self) -> int:
-        """Cache rows in use, one per covered position that was not skipped: the next row's (closed-up) position."""
-        return self._length - sum(end - begin for begin, end in self.skipped)
-
-    def skip_to(self, first: int) -> int:
-        """The next features are those of position `first`: skip any positions before it not covered yet; return the
-        cache row (closed-up position) they go to."""
-        if first < self._length:
-            raise ValueError(f"drafter cache holds {self._length} positions, got features from {first}")
-        if first > self._length:
-            self.skipped.append((self._length, first))
-            self._length = first
-        return self.filled()
-
-
-class DFlashDrafter(DrafterContext):
+class DFlashDrafter:
     """A loaded DFlash drafter with its context KV cache; proposes a block of tokens in one forward."""
 
     def __init__(self, model: DFlashModel, max_context: int, cuda_graphs: bool = True) -> None:
@@ -306,7 +272,7 @@ class DFlashDrafter(DrafterContext):
         shape = (self.cfg.num_layers, 1, self.cfg.num_kv_heads, max_context, self.cfg.head_dim)
         self.cache_k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.cache_v = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        super().__init__()
+        self.length = 0
         self.graphs = StepGraphs() if cuda_graphs and self.device.type == "cuda" else None
         self._draft_head: tuple[int, torch.Tensor] | None = None  # (id of its target, the head's d2t rows)
 
@@ -400,42 +366,37 @@ class DFlashDrafter(DrafterContext):
     def propose(
         self,
         target: Target,
-        new_features: torch.Tensor | None,
+        new_features: torch.Tensor,
         tokens: list[int],
         start: int,
         size: int,
         rows: int | None = None,
     ) -> torch.Tensor:
-        """Cache the features of positions [start - n, start) (n = len(new_features), 0 for None); draft
-        [tokens[start], MASK x size-1] at start and return the logits of its first `rows` drafted positions (default
-        all size-1): the LM head runs on those rows only. Positions from `length` up to start - n are skipped
-        (see DrafterContext).
+        """Cache the features of positions [length, start); draft [tokens[start], MASK x size-1] at start and return
+        the logits of its first `rows` drafted positions (default all size-1): the LM head runs on those rows only.
 
         Runs `step`: eagerly over exactly the cached context, or on CUDA, for steps with at most `size` new positions,
         as a replayed graph over a power-of-two span of the cache (the head on all size-1 rows, one graph per size).
         """
         rows = size - 1 if rows is None else rows
-        if new_features is None:
-            width = len(self.cfg.target_layer_ids) * self.cfg.hidden_size
-            new_features = torch.zeros(0, width, dtype=self.dtype, device=self.device)
         num_new = new_features.shape[0]
-        row = self.skip_to(start - num_new)  # the closed-up position of the first new feature
-        end = row + num_new  # the block's closed-up position
+        if self.length + num_new != start:
+            raise ValueError(f"drafter cache holds {self.length} positions, got features up to {start}")
         block_ids = torch.full((size,), self.cfg.mask_token_id, dtype=torch.long, device=self.device)
         block_ids[0] = tokens[start]
-        block_positions = torch.arange(end, end + size, device=self.device)
+        block_positions = torch.arange(start, start + size, device=self.device)
         if self.graphs is None or num_new > size:
-            context_positions = torch.arange(row, end, device=self.device)
+            context_positions = torch.arange(self.length, start, device=self.device)
             features = new_features.to(self.dtype)
-            logits = self.step(target, features, block_ids, context_positions, block_positions, None, end, rows)
+            logits = self.step(target, features, block_ids, context_positions, block_positions, None, start, rows)
         else:
             features = torch.zeros(size, new_features.shape[1], dtype=self.dtype, device=self.device)
             features[:num_new] = new_features
             capacity = self.cache_k.shape[3]
-            # Rows past the new ones land at or after end (clamped into the cache), where nothing reads them.
-            context_positions = (row + torch.arange(size, device=self.device)).clamp_max(capacity - 1)
-            context_len = torch.tensor([end], device=self.device)
-            span = cache_span(end, capacity)
+            # Rows past the new ones land at or after start (clamped into the cache), where nothing reads them.
+            context_positions = (self.length + torch.arange(size, device=self.device)).clamp_max(capacity - 1)
+            context_len = torch.tensor([start], device=self.device)
+            span = cache_span(start, capacity)
 
             def step(*inputs: torch.Tensor) -> tuple[torch.Tensor]:
                 return (self.step(target, *inputs, span, size - 1),)
@@ -443,7 +404,7 @@ class DFlashDrafter(DrafterContext):
             key = (size, id(target), span)
             inputs = (features, block_ids, context_positions, block_positions, context_len)
             logits = self.graphs.run(key, step, *inputs)[0][:rows]
-        self._length = start
+        self.length = start
         return logits
 
     def step(

@@ -18,7 +18,7 @@ import gguf
 import numpy as np
 import torch
 
-from .drafter import DFlashDrafter, DrafterConfig, DrafterContext, check_fits
+from .drafter import DFlashDrafter, DrafterConfig, check_fits
 from .errors import DFlashError
 from .gguf.file import read_header
 from .gguf.shape import LAYER_TENSORS, add_shape, rope_factors
@@ -131,7 +131,7 @@ def cached_drafter_gguf(folder: Path, cfg: DrafterConfig, target: LlamaCppTarget
     return path
 
 
-class NativeDrafter(DrafterContext):
+class NativeDrafter:
     """The Drafter interface of decode.py over a llama.cpp `dflash` context tied to one GGUF target."""
 
     def __init__(self, cfg: DrafterConfig, model, ctx, target: LlamaCppTarget) -> None:
@@ -140,7 +140,7 @@ class NativeDrafter(DrafterContext):
         self._memory = llama_cpp.llama_get_memory(ctx)
         self._batch = llama_cpp.llama_batch_ext_init(ctx)
         weakref.finalize(self, _free, self._batch, ctx, model)
-        super().__init__()
+        self.length = 0
 
     @classmethod
     def load(cls, folder: str | Path, target: LlamaCppTarget, threads: int | None = None) -> NativeDrafter:
@@ -214,32 +214,29 @@ class NativeDrafter(DrafterContext):
     def propose(
         self,
         target,
-        new_features: torch.Tensor | None,
+        new_features: torch.Tensor,
         tokens: list[int],
         start: int,
         size: int,
         rows: int | None = None,
     ) -> torch.Tensor:
-        """Cache the features of positions [start - n, start) (n = len(new_features), 0 for None); draft
-        [tokens[start], MASK x size-1] at start and return the logits of its first `rows` drafted positions (default
-        all size-1). Positions from `length` up to start - n are skipped (see DrafterContext: llama.cpp's KV cache
-        takes consecutive positions only). llama.cpp's dflash graph computes the head on every row (it has no output
-        pruning) and hands back the first n_outputs rows, so the batch flags rows 0..rows as outputs: a smaller
-        `rows` saves the copy, not the compute."""
+        """Cache the features of positions [length, start); draft [tokens[start], MASK x size-1] at start and return
+        the logits of its first `rows` drafted positions (default all size-1). llama.cpp's dflash graph computes the
+        head on every row (it has no output pruning) and hands back the first n_outputs rows, so the batch flags
+        rows 0..rows as outputs: a smaller `rows` saves the copy, not the compute."""
         rows = size - 1 if rows is None else rows
-        num_new = 0 if new_features is None else new_features.shape[0]
-        row = self.skip_to(start - num_new)  # the closed-up position of the first new feature
-        llama_cpp.llama_memory_seq_rm(self._memory, 0, row, -1)
-        if new_features is not None:
-            self._inject(new_features.float().cpu().numpy(), row)
+        if self.length + new_features.shape[0] != start:
+            raise ValueError(f"drafter cache holds {self.length} positions, got features up to {start}")
+        llama_cpp.llama_memory_seq_rm(self._memory, 0, self.length, -1)
+        self._inject(new_features.float().cpu().numpy(), self.length)
         llama_cpp.llama_batch_ext_clear(self._batch)
         for index in range(size):
             token = tokens[start] if index == 0 else self.cfg.mask_token_id
             slot = llama_cpp.llama_batch_ext_add_token(self._batch, 0, token)
-            self._add(slot, row + num_new + index)
+            self._add(slot, start + index)
             llama_cpp.llama_batch_ext_set_output_logits(self._batch, slot, index <= rows)
         self._process()
-        self._length = start
+        self.length = start
         vocab = target.vocab_size
         drafted = [
             np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, i), shape=(vocab,))

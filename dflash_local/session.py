@@ -31,8 +31,7 @@ class Session:
         self.tokens: list[int] = []  # the target's cache holds tokens[:length]
         self.length = 0
         self.drafter_length = 0
-        self.pending: list[torch.Tensor] = []  # features of the positions just below length, in order (all from
-        # drafter_length on, unless decoding skipped some: the drafter goes without those)
+        self.pending: list[torch.Tensor] = []  # features of positions drafter_length..length-1, in order
         self.owner: tuple | None = None  # (target, drafter, feature layers) that filled the caches
 
     def resume(

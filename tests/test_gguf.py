@@ -206,28 +206,6 @@ def test_taps_switch_only_in_forwards_that_change_them(tiny_gguf, heldout):
     assert switches[6:] == [(3, True), (5, True)]
 
 
-def test_both_drafters_draft_across_skipped_positions_alike(tiny_gguf, heldout, drafter):
-    """Features for positions 0..19 and 30..46 only (decoding skipped 20..29): the torch drafter and the native one
-    (llama.cpp's KV cache, which takes consecutive positions only) close up over the gap alike, and it counts."""
-    target = LlamaCppTarget.load(tiny_gguf["f16"], max_context=512, threads=1)
-    native = NativeDrafter.load(TINY / "drafter", target, threads=1)
-    target.set_feature_layers(drafter.target_layer_ids)
-    prompt = heldout[0]
-    features = target.forward(torch.tensor(prompt), all_logits=False).features
-    end = len(prompt) - 1
-    drafts = {}
-    for name, model in (("torch", drafter), ("native", native)):
-        model.reset()
-        model.propose(target, features[:20], prompt, 20, 16)
-        drafts[name] = model.propose(target, features[30:end], prompt, end, 16)
-    drafter.reset()
-    whole = drafter.propose(target, features[:end], prompt, end, 16)
-    assert drafter.length == end and drafter.filled() == end
-    scale = whole.abs().max()
-    assert (drafts["torch"] - drafts["native"]).abs().max() / scale < 2e-3
-    assert (drafts["torch"] - whole).abs().max() / scale > 2e-2
-
-
 def test_drafter_choice(tiny_gguf):
     """auto: the native drafter beside a GGUF target on CPU (measured faster), torch otherwise; clear errors."""
     gguf_target = LlamaCppTarget.load(tiny_gguf["f16"], max_context=2048, threads=1)

@@ -197,15 +197,15 @@ class Cache:
 
 
 def test_a_resume_keeps_the_pending_features_below_the_kept_prefix():
-    """Pending features end at the cached length (decoding skipped the positions between the drafter's and theirs):
-    a resume keeps those of positions below the kept prefix, and the drafter's length."""
+    """Pending features cover the drafter's length to the cached length: a resume keeps those of positions below
+    the kept prefix, and the drafter's length where it is below that."""
     target, drafter, session = Cache(), Cache(), Session()
     tokens = list(range(100, 151))
     session.resume(target, drafter, tokens[:2], (1,))  # the session owns both caches from here
     features = torch.arange(40.0, 50.0)[:, None]  # positions 40..49
-    for kept, want in ((45, [40.0, 41.0, 42.0, 43.0, 44.0]), (38, [])):
+    for kept, want, drafted in ((45, [40.0, 41.0, 42.0, 43.0, 44.0], 40), (38, [], 38)):
         target.length = drafter.length = 50
-        session.record(tokens, 50, 20, [features])
+        session.record(tokens, 50, 40, [features])
         assert session.resume(target, drafter, tokens[:kept] + [7], (1,))[0] == kept
         assert [row.item() for chunk in session.pending for row in chunk] == want
-        assert drafter.length == 20 and target.length == kept
+        assert drafter.length == drafted and target.length == kept
