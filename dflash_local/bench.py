@@ -7,9 +7,9 @@ from pathlib import Path
 
 from .block_policy import CostTable
 from .decode import Settings, Stats, run
+from .drafters.lookup import PromptLookupDrafter
 from .errors import DFlashError
 from .generation import LoadedModels
-from .lookup import PromptLookupDrafter
 from .weights import read_jsonl
 
 

@@ -13,7 +13,7 @@ import torch
 
 from .block_policy import CHECK_ROUNDS, BlockPolicy, CostTable, load_policy, measure_costs, time_steps
 from .decode import Drafter, Settings, Stats, generate
-from .drafter import DFlashDrafter
+from .drafters.torch_drafter import DFlashDrafter
 from .errors import DFlashError
 from .paths import files_identity, identity_key, state_dir
 from .runtime import RuntimeConfig, pick_device, pick_dtype
@@ -91,7 +91,7 @@ def load_models(
         phase("loading the drafter")
         with memory_guard(f"The drafter {drafter_path} with a {target.max_context}-token cache", device):
             if gguf or backend == "llamacpp":
-                from .native_drafter import load_drafter  # llama.cpp's own drafter where it is faster (CPU)
+                from .drafters import load_drafter  # llama.cpp's own drafter where it is faster (CPU)
 
                 drafter = load_drafter(
                     drafter_path, target, torch_dtype, device, runtime.drafter, drafter_quantize, runtime.cuda_graphs

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .catalog import REPO_NAME, ModelEntry, Source, is_repo_name, load_catalog, lookup
-from .drafter import DrafterConfig
+from .drafters.config import DrafterConfig
 from .errors import DFlashError
 from .hub import HubSource
 

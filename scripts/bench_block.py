@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from dflash_local.block_policy import load_policy, measure_costs  # noqa: E402
 from dflash_local.decode import Settings, run  # noqa: E402
-from dflash_local.drafter import DFlashDrafter  # noqa: E402
+from dflash_local.drafters.torch_drafter import DFlashDrafter  # noqa: E402
 from dflash_local.targets.torch_llama import TorchLlamaTarget  # noqa: E402
 from dflash_local.tokenizer import TextTokenizer  # noqa: E402
 
@@ -70,8 +70,8 @@ def pairs(case: str, work: Path):
     if case == "torch":
         yield "bundled, torch", TorchLlamaTarget.load(TINY / "target"), DFlashDrafter.load(TINY / "drafter")
     elif case in GGUF_CASES:
+        from dflash_local.drafters.native import NativeDrafter
         from dflash_local.gguf.convert import convert
-        from dflash_local.native_drafter import NativeDrafter
         from dflash_local.targets.llamacpp import LlamaCppTarget
 
         path = work / f"tiny-{case}.gguf"
@@ -89,7 +89,7 @@ def pairs(case: str, work: Path):
             NativeDrafter.load(TINY / "drafter", target, threads=1),
         )
     elif case == "gemma":
-        from dflash_local.native_drafter import NativeDrafter
+        from dflash_local.drafters.native import NativeDrafter
         from dflash_local.targets.llamacpp import LlamaCppTarget
 
         target = LlamaCppTarget.load(gemma_file(), max_context=2048, threads=1)

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
+from dflash_local.drafters import load_drafter
 from dflash_local.generation import GenerationRequest, LoadedModels, load_models, run_request
 from dflash_local.gguf.convert import convert
-from dflash_local.native_drafter import load_drafter
 from dflash_local.runtime import RuntimeConfig
 from dflash_local.tokenizer import TextTokenizer
 

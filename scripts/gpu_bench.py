@@ -30,7 +30,8 @@ from step_costs import measure_steps, milliseconds
 from torch import nn
 from torch.nn import functional as F
 
-from dflash_local.drafter import DFlashDrafter, DFlashModel, DrafterConfig, default_target_layer_ids
+from dflash_local.drafters.config import DrafterConfig, default_target_layer_ids
+from dflash_local.drafters.torch_drafter import DFlashDrafter, DFlashModel
 from dflash_local.layers import rope_inv_freq
 from dflash_local.quant import group_scale_dtype, install_4bit, install_int4, quantize_int4, quantize_linears
 from dflash_local.runtime import pick_device

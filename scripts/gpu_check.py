@@ -31,7 +31,7 @@ from dflash_local.kernels.wq_matmul import wq_matmul_reference
 from dflash_local.kernels.wq_matmul_triton import wq_matmul_triton
 
 from dflash_local.decode import Settings, run
-from dflash_local.drafter import DFlashDrafter
+from dflash_local.drafters.torch_drafter import DFlashDrafter
 from dflash_local.targets.torch_llama import TorchLlamaTarget
 
 TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"

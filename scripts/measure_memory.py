@@ -49,7 +49,7 @@ print(time.perf_counter() - began)
 LOAD_PAIR = """
 import sys, time
 from pathlib import Path
-import dflash_local.gguf.tokenizer, dflash_local.native_drafter  # imports are not load time
+import dflash_local.drafters.native, dflash_local.gguf.tokenizer  # imports are not load time
 from dflash_local.generation import load_models
 from dflash_local.runtime import RuntimeConfig
 drafter = Path(sys.argv[2]) if sys.argv[2] else None

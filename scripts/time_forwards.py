@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_local.drafter import DFlashDrafter
+from dflash_local.drafters.torch_drafter import DFlashDrafter
 from dflash_local.targets.torch_llama import TorchLlamaTarget
 
 TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"

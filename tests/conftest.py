@@ -76,7 +76,7 @@ def heldout() -> list[list[int]]:
 @pytest.fixture(scope="session")
 def drafter():
     """The bundled DFlash drafter, 2048-token context cache (the GGUF tests)."""
-    from dflash_local.drafter import DFlashDrafter
+    from dflash_local.drafters.torch_drafter import DFlashDrafter
 
     return DFlashDrafter.load(Path(__file__).resolve().parent.parent / "models" / "tiny" / "drafter", max_context=2048)
 

@@ -23,7 +23,8 @@ from typer.testing import CliRunner, Result
 
 from dflash_local import __version__, bench, chat, cli, generation
 from dflash_local.catalog import load_catalog
-from dflash_local.drafter import DFlashDrafter, DrafterConfig
+from dflash_local.drafters.config import DrafterConfig
+from dflash_local.drafters.torch_drafter import DFlashDrafter
 from dflash_local.errors import DFlashError
 from dflash_local.sampling import SamplingParams
 from dflash_local.targets.torch_llama import TargetConfig, TorchLlamaTarget

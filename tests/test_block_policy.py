@@ -22,7 +22,7 @@ from dflash_local.block_policy import (
     measure_costs,
 )
 from dflash_local.decode import Settings, generate, run
-from dflash_local.drafter import DFlashDrafter
+from dflash_local.drafters.torch_drafter import DFlashDrafter
 from dflash_local.targets.torch_llama import TorchLlamaTarget
 
 TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"
@@ -245,7 +245,7 @@ def test_probes_after_plain_runs_stay_lossless(backend, request):
         target = TorchLlamaTarget.load(TINY / "target", max_context=512)
         drafter = DFlashDrafter.load(TINY / "drafter", max_context=512)
     else:
-        from dflash_local.native_drafter import NativeDrafter
+        from dflash_local.drafters.native import NativeDrafter
         from dflash_local.targets.llamacpp import LlamaCppTarget
 
         target = LlamaCppTarget.load(request.getfixturevalue("tiny_gguf")["q8_0"], max_context=512, threads=1)

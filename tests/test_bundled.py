@@ -9,7 +9,7 @@ import pytest
 from reference import reference_generate
 
 from dflash_local.decode import Settings, run
-from dflash_local.drafter import DFlashDrafter
+from dflash_local.drafters.torch_drafter import DFlashDrafter
 from dflash_local.targets.torch_llama import TorchLlamaTarget
 from dflash_local.tokenizer import TextTokenizer, stop_token_ids
 

@@ -17,7 +17,7 @@ from tiny_models import make_drafter  # noqa: E402
 from dflash_local import cuda_graphs  # noqa: E402
 from dflash_local.cuda_graphs import StepGraphs, cache_span  # noqa: E402
 from dflash_local.decode import Settings, run  # noqa: E402
-from dflash_local.drafter import DFlashDrafter  # noqa: E402
+from dflash_local.drafters.torch_drafter import DFlashDrafter  # noqa: E402
 from dflash_local.targets.torch_llama import TorchLlamaTarget  # noqa: E402
 from dflash_local.tokenizer import TextTokenizer  # noqa: E402
 

@@ -16,10 +16,10 @@ from test_gguf_lossless import auto_policy, llamacpp_greedy
 
 from dflash_local.catalog import load_catalog, package_file
 from dflash_local.decode import Settings, run
-from dflash_local.drafter import DFlashDrafter
+from dflash_local.drafters.native import NativeDrafter
+from dflash_local.drafters.torch_drafter import DFlashDrafter
 from dflash_local.errors import DFlashError
 from dflash_local.gguf.tokenizer import GGUFTokenizer
-from dflash_local.native_drafter import NativeDrafter
 from dflash_local.sampling import SamplingParams, probabilities
 from dflash_local.targets import llamacpp
 from dflash_local.targets.llama_taps import tap_functions

@@ -11,10 +11,11 @@ pytest.importorskip("llama_cpp")
 pytest.importorskip("gguf")
 
 from dflash_local.decode import Settings, run  # noqa: E402
-from dflash_local.drafter import DFlashDrafter  # noqa: E402
+from dflash_local.drafters import load_drafter  # noqa: E402
+from dflash_local.drafters.native import NativeDrafter  # noqa: E402
+from dflash_local.drafters.torch_drafter import DFlashDrafter  # noqa: E402
 from dflash_local.errors import DFlashError  # noqa: E402
 from dflash_local.gguf.convert import convert  # noqa: E402
-from dflash_local.native_drafter import NativeDrafter, load_drafter  # noqa: E402
 from dflash_local.quant import Int8Matrix  # noqa: E402
 from dflash_local.targets.llamacpp import LlamaCppTarget, model_params  # noqa: E402
 from dflash_local.targets.torch_llama import TorchLlamaTarget  # noqa: E402
@@ -225,7 +226,7 @@ def test_drafter_choice(tiny_gguf):
 def test_torch_drafter_borrows_an_int8_head(quantize, tiny_gguf, heldout):
     """A torch drafter on the CPU (fp32 or int8) makes the GGUF target keep its head as packed int8 rows: logits within
     int8 rounding of the file's head and the hidden state, output still llama.cpp's greedy ids."""
-    from dflash_local.native_drafter import load_drafter
+    from dflash_local.drafters import load_drafter
 
     target = LlamaCppTarget.load(tiny_gguf["q8_0"], max_context=512, threads=1)
     hidden = torch.randn(3, target.hidden_size, generator=torch.Generator().manual_seed(0))

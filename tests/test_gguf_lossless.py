@@ -12,9 +12,9 @@ pytest.importorskip("gguf")
 
 from dflash_local.block_policy import AcceptanceEstimate, BlockPolicy, CostTable  # noqa: E402
 from dflash_local.decode import Settings, run  # noqa: E402
+from dflash_local.drafters.native import NativeDrafter  # noqa: E402
 from dflash_local.gguf.convert import convert  # noqa: E402
 from dflash_local.llama_lib import loaded_library  # noqa: E402
-from dflash_local.native_drafter import NativeDrafter  # noqa: E402
 from dflash_local.targets.llamacpp import LlamaCppTarget, model_params  # noqa: E402
 
 TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"

@@ -16,11 +16,11 @@ gguf = pytest.importorskip("gguf")
 
 from dflash_local import generation  # noqa: E402
 from dflash_local.decode import Settings, run  # noqa: E402
-from dflash_local.drafter import DFlashDrafter  # noqa: E402
+from dflash_local.drafters.native import NativeDrafter  # noqa: E402
+from dflash_local.drafters.torch_drafter import DFlashDrafter  # noqa: E402
 from dflash_local.errors import DFlashError  # noqa: E402
 from dflash_local.gguf.convert import convert  # noqa: E402
 from dflash_local.gguf.file import UnreadStrings, read_gguf, read_header  # noqa: E402
-from dflash_local.native_drafter import NativeDrafter  # noqa: E402
 from dflash_local.paths import state_dir  # noqa: E402
 from dflash_local.runtime import RuntimeConfig  # noqa: E402
 from dflash_local.targets.llamacpp import LlamaCppTarget  # noqa: E402

@@ -23,7 +23,7 @@ from dflash_local.kernels.rmsnorm import rms_norm_reference  # noqa: E402
 from dflash_local.kernels.rmsnorm_triton import rms_norm_triton  # noqa: E402
 
 from dflash_local.decode import Settings, run  # noqa: E402
-from dflash_local.drafter import DFlashDrafter  # noqa: E402
+from dflash_local.drafters.torch_drafter import DFlashDrafter  # noqa: E402
 from dflash_local.errors import DFlashError  # noqa: E402
 from dflash_local.runtime import RuntimeConfig  # noqa: E402
 from dflash_local.targets.torch_llama import TorchLlamaTarget  # noqa: E402

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from reference import reference_layer_ids, reference_save_sharded
 
-from dflash_local.drafter import default_target_layer_ids
+from dflash_local.drafters.config import default_target_layer_ids
 from dflash_local.targets.torch_llama import TorchLlamaTarget
 
 IDS = torch.tensor([4, 8, 15, 16, 23, 42, 7, 1])
@@ -66,7 +66,7 @@ def test_loading_the_bundled_pair_never_imports_torch_dynamo() -> None:
     import sys
 
     code = (
-        "import sys; from pathlib import Path; from dflash_local.drafter import DFlashDrafter;"
+        "import sys; from pathlib import Path; from dflash_local.drafters.torch_drafter import DFlashDrafter;"
         "from dflash_local.targets.torch_llama import TorchLlamaTarget;"
         "TorchLlamaTarget.load(Path(sys.argv[1]) / 'target'); DFlashDrafter.load(Path(sys.argv[1]) / 'drafter');"
         "print('torch._dynamo' in sys.modules)"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dflash_local.decode import Settings, run
-from dflash_local.drafter import DFlashDrafter
+from dflash_local.drafters.torch_drafter import DFlashDrafter
 from dflash_local.errors import DFlashError
 from dflash_local.targets.torch_llama import TorchLlamaTarget
 
@@ -127,7 +127,7 @@ def test_block_size_outside_trained_range(target, bad_block):
 
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_prompt_lookup_is_lossless(target, block_size):
-    from dflash_local.lookup import PromptLookupDrafter
+    from dflash_local.drafters.lookup import PromptLookupDrafter
 
     drafter = PromptLookupDrafter(block_size)
     for prompt in PROMPTS[:8]:
@@ -138,7 +138,7 @@ def test_prompt_lookup_is_lossless(target, block_size):
 
 
 def test_prompt_lookup_continuation():
-    from dflash_local.lookup import PromptLookupDrafter
+    from dflash_local.drafters.lookup import PromptLookupDrafter
 
     lookup = PromptLookupDrafter(max_ngram=2)
     assert lookup.continuation([1, 2, 3, 4, 9, 1, 2], 3) == [3, 4, 9]

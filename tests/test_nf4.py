@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from dflash_local.decode import Settings, run
-from dflash_local.drafter import DFlashDrafter
+from dflash_local.drafters.torch_drafter import DFlashDrafter
 from dflash_local.errors import DFlashError
 from dflash_local.quant import Int8Linear
 from dflash_local.targets.torch_llama import TorchLlamaTarget

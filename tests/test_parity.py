@@ -7,7 +7,7 @@ import torch
 from reference import reference_draft_logits, reference_forward, reference_generate
 
 from dflash_local.decode import Settings, run
-from dflash_local.drafter import DFlashDrafter
+from dflash_local.drafters.torch_drafter import DFlashDrafter
 from dflash_local.targets.torch_llama import TorchLlamaTarget
 
 PROMPTS = ([5], [3, 9, 27, 14, 2], [7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9, 0, 4, 5, 2, 3], list(range(10, 40)))

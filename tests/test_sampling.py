@@ -13,7 +13,7 @@ from tiny_models import make_drafter, make_target
 import dflash_local.decode as decode
 from dflash_local.block_policy import AcceptanceEstimate, BlockPolicy, CostTable
 from dflash_local.decode import Settings, run
-from dflash_local.drafter import DFlashDrafter
+from dflash_local.drafters.torch_drafter import DFlashDrafter
 from dflash_local.sampling import SamplingParams, probabilities
 from dflash_local.targets.torch_llama import TorchLlamaTarget
 

@@ -11,7 +11,7 @@ import pytest
 
 from dflash_local.block_policy import expected_tokens
 from dflash_local.decode import Settings, run
-from dflash_local.drafter import DFlashDrafter
+from dflash_local.drafters.torch_drafter import DFlashDrafter
 from dflash_local.targets.torch_llama import TorchLlamaTarget
 
 ROOT = Path(__file__).resolve().parent.parent

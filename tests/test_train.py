@@ -12,7 +12,7 @@ from test_cli import dflash
 from tiny_models import add_char_tokenizer, make_target
 
 from dflash_local.decode import Settings, run
-from dflash_local.drafter import DFlashDrafter
+from dflash_local.drafters.torch_drafter import DFlashDrafter
 from dflash_local.targets.torch_llama import TorchLlamaTarget
 from dflash_local.train.pipeline import DistillProgress, TrainRequest, run_training
 from dflash_local.train.selfdistill import DistillSettings
@@ -147,7 +147,7 @@ def test_a_gguf_target_trains_a_reduced_vocabulary_drafter_both_drafters_run(tin
     """--target FILE.gguf: llama.cpp continues the prompts (its taps give the features, equal to the one-sequence
     target's), the drafter drafts over the data's most frequent ids (d2t) and runs as torch and native drafter alike,
     losslessly; resuming continues from the checkpoint."""
-    from dflash_local.native_drafter import NativeDrafter
+    from dflash_local.drafters.native import NativeDrafter
     from dflash_local.targets.llamacpp import LlamaCppTarget
     from dflash_local.train.selfdistill import load_shards
 

@@ -20,7 +20,7 @@ from dflash_local.kernels.wq_matmul_triton import wq_matmul_triton  # noqa: E402
 from torch import nn  # noqa: E402
 
 from dflash_local.decode import Settings, run  # noqa: E402
-from dflash_local.drafter import DFlashDrafter  # noqa: E402
+from dflash_local.drafters.torch_drafter import DFlashDrafter  # noqa: E402
 from dflash_local.quant import GroupQuantEmbedding, GroupQuantLinear, quantize_int4  # noqa: E402
 from dflash_local.targets.torch_llama import TorchLlamaTarget  # noqa: E402
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from ..drafter import DFlashModel
+from ..drafters.torch_drafter import DFlashModel
 from ..layers import rope_cos_sin
 
 IGNORE = -100

@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import save_file
 
 from ..atomic import write_text_atomic
-from ..drafter import DFlashModel, DrafterConfig, default_target_layer_ids
+from ..drafters.config import DrafterConfig, default_target_layer_ids
+from ..drafters.torch_drafter import DFlashModel
 from ..errors import DFlashError
 from ..runtime import bf16_is_fast
 from ..targets.torch_llama import TargetConfig

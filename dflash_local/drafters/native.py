@@ -18,15 +18,15 @@ import gguf
 import numpy as np
 import torch
 
-from .drafter import DFlashDrafter, DrafterConfig, check_fits
-from .errors import DFlashError
-from .gguf.file import read_header
-from .gguf.shape import LAYER_TENSORS, add_shape, rope_factors
-from .llama_lib import llama_cpp
-from .paths import files_identity, identity_key, state_dir
-from .targets.llama_taps import first_llama_error, quiet_llama_logs
-from .targets.llamacpp import BATCH, LlamaCppTarget
-from .weights import load_weights, read_config
+from ..errors import DFlashError
+from ..gguf.file import read_header
+from ..gguf.shape import LAYER_TENSORS, add_shape, rope_factors
+from ..llama_lib import llama_cpp
+from ..paths import files_identity, identity_key, state_dir
+from ..targets.llama_taps import first_llama_error, quiet_llama_logs
+from ..targets.llamacpp import BATCH, LlamaCppTarget
+from ..weights import load_weights, read_config
+from .config import DrafterConfig, check_fits
 
 CACHE_FORMAT = 1  # part of the cache key: bump when write_drafter_gguf writes something different
 CACHE_KEY_FIELD = "dflash_local.cache_key"
@@ -246,33 +246,3 @@ class NativeDrafter:
         cap = self.cfg.final_logit_softcapping
         # ids outside a reduced draft vocabulary come at -inf and stay there, as in the torch drafter
         return torch.where(logits.isinf(), logits, torch.tanh(logits / cap) * cap) if cap else logits
-
-
-def load_drafter(
-    folder: str | Path,
-    target,
-    dtype: torch.dtype = torch.float32,
-    device: str = "cpu",
-    kind: str = "auto",
-    quantize: str | None = None,
-    cuda_graphs: bool = True,
-) -> DFlashDrafter | NativeDrafter:
-    """The torch drafter or llama.cpp's native one; auto takes the one measured faster for the device.
-
-    On the CPU native for GGUF targets: faster on small models (scripts/bench_gguf.py), and at real sizes it loads in
-    a quarter of the time of the torch drafter (which packs its linears), whose steps are faster there (README).
-    CUDA is unmeasured, so auto keeps torch there.
-    """
-    if kind == "auto":
-        native_fits = isinstance(target, LlamaCppTarget) and target.device.type == "cpu" and quantize is None
-        kind = "native" if native_fits else "torch"
-    if kind == "native" and quantize is not None:
-        raise DFlashError("The native llama.cpp drafter cannot be quantized; use --drafter-kind torch.")
-    if kind == "native":
-        return NativeDrafter.load(folder, target)
-    if kind == "torch":
-        drafter = DFlashDrafter.load(folder, dtype, device, target.max_context, quantize, cuda_graphs)
-        if isinstance(target, LlamaCppTarget) and drafter.device.type == "cpu":
-            target.int8_head = True  # it borrows the head as packed int8 rows: faster than fp32, 1/4 the size
-        return drafter
-    raise DFlashError(f"Unknown drafter kind '{kind}' (use auto, torch or native).")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .targets.base import Target
+from ..targets.base import Target
 
 
 class PromptLookupDrafter:
