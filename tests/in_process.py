@@ -4,11 +4,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+from dflash_local.kernels import kernel_mode, set_kernel_mode
 from typer.testing import CliRunner, Result
 
 from dflash_local import cli
 
 
-def invoke(*args: str | Path, env: dict[str, str | None] | None = None) -> Result:
-    """`dflash ARGS` in this process, with `env` over the environment (None removes a variable)."""
-    return CliRunner().invoke(cli.app, [str(a) for a in args], env={"COLUMNS": "200", **(env or {})})
+def invoke(*args: str | Path, env: dict[str, str | None] | None = None, input: str | None = None) -> Result:
+    """`dflash ARGS` in this process, with `env` over the environment (None removes a variable) and `input` on
+    stdin. The process-wide choices a command makes (kernel mode, torch's threads) come back afterwards."""
+    mode, threads = kernel_mode(), torch.get_num_threads()
+    try:
+        return CliRunner().invoke(cli.app, [str(a) for a in args], env={"COLUMNS": "200", **(env or {})}, input=input)
+    finally:
+        set_kernel_mode(mode)
+        torch.set_num_threads(threads)
