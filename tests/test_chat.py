@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pexpect
 import pytest
+from in_process import invoke
 from rich.console import Console
 from test_chat_template import QWEN3_LIKE
 
@@ -160,10 +161,8 @@ def test_chat_as_a_pipe_answers_on_stdout_and_fails_when_the_last_line_failed():
 
 
 def test_unknown_model_suggests_close_names():
-    result = subprocess.run(
-        [sys.executable, "-m", "dflash_local", "chat", "tinyy"], capture_output=True, text=True, env=ENV, timeout=60
-    )
-    assert result.returncode == 1
+    result = invoke("chat", "tinyy")
+    assert isinstance(result.exception, SystemExit) and result.exit_code == 1, repr(result.exception)
     assert result.stderr.strip() == (
         "error: 'tinyy' is neither a known model, a Hub repo (owner/name) nor a path. Did you mean tiny?"
     )
@@ -171,10 +170,8 @@ def test_unknown_model_suggests_close_names():
 
 def test_a_path_that_is_not_a_model():
     readme = Path(__file__).resolve().parent.parent / "README.md"
-    result = subprocess.run(
-        [sys.executable, "-m", "dflash_local", "chat", str(readme)], capture_output=True, text=True, env=ENV, timeout=60
-    )
-    assert result.returncode == 1
+    result = invoke("chat", readme)
+    assert isinstance(result.exception, SystemExit) and result.exit_code == 1, repr(result.exception)
     expected = f"error: {readme} is neither a model folder (config.json + safetensors) nor a .gguf file."
     assert result.stderr.strip() == expected
 
