@@ -30,7 +30,7 @@ def texted_target(tmp_path_factory, llama_target) -> Path:
 
 
 def test_generate_json(llama_target, drafters):
-    result = dflash(
+    result = invoke(
         "generate",
         "--target",
         llama_target,
@@ -44,14 +44,14 @@ def test_generate_json(llama_target, drafters):
         "4",
         "--json",
     )
-    assert result.returncode == 0, result.stderr
+    assert result.exit_code == 0, result.stderr
     report = json.loads(result.stdout)
     for key in ("output_ids", "acceptance_lengths", "tau", "decode_tokens_per_s", "prefill_s"):
         assert key in report
     assert len(report["output_ids"]) == 20
     assert sum(report["acceptance_lengths"]) == 19
     baseline = json.loads(
-        dflash(
+        invoke(
             "generate",
             "--target",
             llama_target,
@@ -67,7 +67,7 @@ def test_generate_json(llama_target, drafters):
 
 
 def test_generate_text_streams(texted_target, drafters):
-    result = dflash(
+    result = invoke(
         "generate",
         "--target",
         texted_target,
@@ -78,11 +78,11 @@ def test_generate_text_streams(texted_target, drafters):
         "--max-new-tokens",
         "12",
     )
-    assert result.returncode == 0, result.stderr
+    assert result.exit_code == 0, result.stderr
     assert len(result.stdout.strip("\n")) == 12
     assert "tau" in result.stderr
     report = json.loads(
-        dflash(
+        invoke(
             "generate",
             "--target",
             texted_target,
@@ -171,11 +171,11 @@ def test_empty_text_prompt(texted_target):
 def test_quantized_drafter_from_the_command_line_is_lossless():
     pytest.importorskip("bitsandbytes")
     base = ("generate", "--target", "tiny", "--prompt", "def main():", "--max-new-tokens", "24", "--json")
-    plain = json.loads(dflash(*base, "--no-draft").stdout)
+    plain = json.loads(invoke(*base, "--no-draft").stdout)
     for kind in ("int8", "nf4"):
-        result = dflash(*base, "--drafter-quantize", kind)
-        assert result.returncode == 0, result.stderr
+        result = invoke(*base, "--drafter-quantize", kind)
+        assert result.exit_code == 0, result.stderr
         assert json.loads(result.stdout)["output_ids"] == plain["output_ids"]
-    assert dflash(*base, "--drafter-quantize", "int4").stderr.strip() == (
+    assert invoke(*base, "--drafter-quantize", "int4").stderr.strip() == (
         "error: --drafter-quantize must be none, int8 or nf4, got 'int4'."
     )
