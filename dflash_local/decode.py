@@ -16,9 +16,9 @@ import torch
 from .block_policy import BlockPolicy
 from .errors import DFlashError
 from .runtime import StepClock
-from .sampling import SamplingParams, accept_greedy, accept_sampled, pick, probabilities
+from .sampling import Sampler, SamplingParams, make_sampler
 from .session import Session
-from .targets.base import Target
+from .targets.base import Target, TargetOutput
 
 
 class Drafter(Protocol):
@@ -158,9 +158,103 @@ def _block_size(drafter: Drafter | None, settings: Settings) -> int:
     return size
 
 
+def _check_prompt(target: Target, prompt_ids: list[int], settings: Settings) -> None:
+    """One clear sentence for a prompt or length the target cannot take."""
+    if not prompt_ids:
+        raise DFlashError("The prompt is empty.")
+    bad = [i for i in prompt_ids if not 0 <= i < target.vocab_size]
+    if bad:
+        raise DFlashError(f"Prompt token id {bad[0]} is outside the vocabulary (0..{target.vocab_size - 1}).")
+    if settings.max_new_tokens < 1:
+        raise DFlashError("max new tokens must be at least 1.")
+    if len(prompt_ids) >= target.max_context:
+        raise DFlashError(f"The prompt ({len(prompt_ids)} tokens) does not fit the {target.max_context}-token context.")
+
+
 def _next_size(policy: BlockPolicy | None, block_size: int, left: int) -> int:
     """The next step's verify size: the policy's choice, or the fixed block (fewer near the end)."""
     return policy.choose(left) if policy is not None else min(block_size, left)
+
+
+class _Decoding:
+    """One generation's state between its steps, and the four things a step does: prefill (once), draft, verify,
+    commit. tokens[: start + 1] are final; the token at start is not fed to the target yet."""
+
+    def __init__(
+        self,
+        target: Target,
+        drafter: Drafter | None,
+        sampler: Sampler,
+        session: Session,
+        prompt_ids: list[int],
+        settings: Settings,
+    ) -> None:
+        self.target, self.drafter, self.sampler, self.session = target, drafter, sampler, session
+        self.stop_ids = settings.stop_ids
+        self.drafting = drafter is not None
+        layers = tuple(drafter.target_layer_ids) if drafter is not None else None
+        self.kept, self.pending = session.resume(target, drafter, prompt_ids, layers)  # pending: features the
+        # drafter lacks, of the accepted positions drafted_to..start-1
+        self.drafted_to = session.drafter_length
+        self.tokens = list(prompt_ids)
+        self.start = len(prompt_ids)
+        self.max_length, self.length_reason = self.start + settings.max_new_tokens, "length"
+        if self.max_length > target.max_context:
+            self.max_length, self.length_reason = target.max_context, "context"
+
+    def prefill(self) -> list[int]:
+        """Forward the prompt past what the caches hold; pick the first new token."""
+        ids = torch.tensor(self.tokens[self.kept :], dtype=torch.long, device=self.target.device)
+        out = self.target.forward(ids, all_logits=False, features=self.drafting)
+        first = self.sampler.first(out.logits[-1])
+        self.tokens.append(first)
+        if out.features is not None:
+            self.pending.append(out.features)
+        self.session.record(self.tokens, self.start, self.drafted_to, self.pending)
+        return [first]
+
+    def draft(self, verify_size: int, draft_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The block to verify, [tokens[start], verify_size - 1 drafts], and the drafts' probabilities (None where
+        the sampler keeps none); the drafter drafts draft_size positions, taking the pending features first."""
+        block = torch.full((verify_size,), self.tokens[self.start], dtype=torch.long, device=self.target.device)
+        if verify_size == 1:
+            return block, None
+        pending = self.pending
+        new_features = (pending[0] if len(pending) == 1 else torch.cat(pending)) if pending else None
+        logits = self.drafter.propose(self.target, new_features, self.tokens, self.start, draft_size, verify_size - 1)
+        self.pending, self.drafted_to = [], self.start
+        block[1:], draft_probs = self.sampler.draft(logits)
+        return block, draft_probs
+
+    def verify(self, block: torch.Tensor, draft_probs: torch.Tensor | None) -> tuple[int, list[int], TargetOutput]:
+        """The target's forward over the block: how many drafts it accepts, the tokens that makes final, its output."""
+        out = self.target.forward(block, all_logits=True, features=self.drafting, greedy=self.sampler.greedy)
+        scores = out.logits if out.argmax is None else out.argmax
+        accepted, made = self.sampler.accept(block[1:], draft_probs, scores)
+        return accepted, made, out
+
+    def commit(self, made: list[int], features: torch.Tensor | None) -> tuple[list[int], bool]:
+        """Keep the made tokens up to the length limit and the first stop id; roll the target's cache back to them
+        and record the caches' state. Returns the kept tokens and whether a stop id ended them."""
+        made = made[: self.max_length - self.start - 1]
+        stopped = False
+        for index, token in enumerate(made):
+            if token in self.stop_ids:
+                made, stopped = made[: index + 1], True
+                break
+        self.tokens.extend(made)
+        self.start += len(made)
+        self.target.rollback(self.start)
+        if features is not None:
+            self.pending.append(features[: len(made)])
+        self.session.record(self.tokens, self.start, self.drafted_to, self.pending)
+        return made, stopped
+
+    def finish_reason(self, stopped: bool) -> str | None:
+        """Why the generation ends after this step, or None while it goes on."""
+        if stopped:
+            return "stop"
+        return self.length_reason if self.start + 1 >= self.max_length else None
 
 
 def generate(
@@ -178,101 +272,44 @@ def generate(
     prefill forwards only what follows the longest common prefix of the prompt and the caches' ids, and the
     session records the caches' state after every step; without one, both caches start empty."""
     block_size = _block_size(drafter, settings)
-    if not prompt_ids:
-        raise DFlashError("The prompt is empty.")
-    bad = [i for i in prompt_ids if not 0 <= i < target.vocab_size]
-    if bad:
-        raise DFlashError(f"Prompt token id {bad[0]} is outside the vocabulary (0..{target.vocab_size - 1}).")
-    if settings.max_new_tokens < 1:
-        raise DFlashError("max new tokens must be at least 1.")
-    if len(prompt_ids) >= target.max_context:
-        raise DFlashError(f"The prompt ({len(prompt_ids)} tokens) does not fit the {target.max_context}-token context.")
-    drafting = block_size > 1
-    if drafting:
+    _check_prompt(target, prompt_ids, settings)
+    drafter = drafter if block_size > 1 else None
+    policy = policy if drafter is not None else None
+    if drafter is not None:
         drafter.check_target(target)
         target.set_feature_layers(drafter.target_layer_ids)
-    if not drafting:
-        policy = None
-    elif policy is not None:
+    if policy is not None:
         policy.start()
-    session = Session() if session is None else session
-    layers = tuple(drafter.target_layer_ids) if drafting else None
-    kept, pending = session.resume(target, drafter if drafting else None, prompt_ids, layers)
-    drafted_to = session.drafter_length  # positions the drafter's cache holds
-    params = settings.sampling
     generator = None
     if settings.seed is not None:
         generator = torch.Generator(device=target.device).manual_seed(settings.seed)
-
-    prompt_len = len(prompt_ids)
-    max_length = prompt_len + settings.max_new_tokens
-    length_reason = "length"
-    if max_length > target.max_context:
-        max_length, length_reason = target.max_context, "context"
-    ids = torch.tensor(prompt_ids[kept:], dtype=torch.long, device=target.device)
-
-    start = prompt_len
+    sampler = make_sampler(settings.sampling, generator)
+    decoding = _Decoding(target, drafter, sampler, Session() if session is None else session, prompt_ids, settings)
     timer = StepClock(target.device)
     began = timer.mark()
-    verify_size = _next_size(policy, block_size, max_length - start)
-    out = target.forward(ids, all_logits=False, features=drafting)
-    first = int(pick(out.logits[-1], params, generator))
-    tokens = prompt_ids + [first]
-    if out.features is not None:
-        pending.append(out.features)  # accepted positions' features the drafter lacks
-    session.record(tokens, start, drafted_to, pending)
-    stopped = first in settings.stop_ids
-    done = stopped or start + 1 >= max_length
-    reason = ("stop" if stopped else length_reason) if done else None
-    yield Step([first], None, 0.0, timer.seconds(began, timer.mark()), block_size, reason, prompt_len - kept)
+    verify_size = _next_size(policy, block_size, decoding.max_length - decoding.start)
+    first = decoding.prefill()
+    reason = decoding.finish_reason(first[0] in decoding.stop_ids)
+    yield Step(
+        first, None, 0.0, timer.seconds(began, timer.mark()), block_size, reason, len(prompt_ids) - decoding.kept
+    )
 
-    while not done:
-        block = torch.full((verify_size,), tokens[start], dtype=torch.long, device=target.device)
+    while reason is None:
         t0 = timer.mark()
-        draft_probs = None
-        if verify_size > 1:
-            new_features = (pending[0] if len(pending) == 1 else torch.cat(pending)) if pending else None
-            draft_size = block_size if policy is not None else verify_size
-            draft_logits = drafter.propose(target, new_features, tokens, start, draft_size, verify_size - 1)
-            pending, drafted_to = [], start
-            if params.greedy:
-                block[1:] = draft_logits.argmax(dim=-1)
-            else:
-                draft_probs = probabilities(draft_logits, params)
-                block[1:] = torch.multinomial(draft_probs, 1, generator=generator)[:, 0]
+        block, draft_probs = decoding.draft(verify_size, block_size if policy is not None else verify_size)
         t1 = timer.mark()
-        out = target.forward(block, all_logits=True, features=drafting, greedy=params.greedy)
-        if params.greedy:
-            accepted, made = accept_greedy(block[1:], out.logits if out.argmax is None else out.argmax)
-        else:
-            if verify_size > 1:
-                accepted, bonus = accept_sampled(block[1:], draft_probs, probabilities(out.logits, params), generator)
-            else:
-                accepted, bonus = 0, int(pick(out.logits[-1], params, generator))
-            made = block[1 : accepted + 1].tolist() + [bonus]
-        made = made[: max_length - start - 1]
-        for index, token in enumerate(made):
-            if token in settings.stop_ids:
-                made, stopped = made[: index + 1], True
-                break
-        produced = len(made)
-        tokens.extend(made)
-        start += produced
-        target.rollback(start)
-        if out.features is not None:
-            pending.append(out.features[:produced])
-        session.record(tokens, start, drafted_to, pending)
+        accepted, made, out = decoding.verify(block, draft_probs)
+        made, stopped = decoding.commit(made, out.features)
         t2 = timer.mark()
         draft_s, target_s = timer.seconds(t0, t1), timer.seconds(t1, t2)
         if policy is not None:
             policy.observe(verify_size, accepted, draft_s, target_s)
-        done = stopped or start + 1 >= max_length
-        reason = ("stop" if stopped else length_reason) if done else None
+        reason = decoding.finish_reason(stopped)
         step_size = verify_size
-        if not done:
-            verify_size = _next_size(policy, block_size, max_length - start)
+        if reason is None:
+            verify_size = _next_size(policy, block_size, decoding.max_length - decoding.start)
         choice_s = timer.seconds(t2, timer.mark())  # learning from this step and choosing the next: drafting's share
-        yield Step(made, produced, draft_s + choice_s, target_s, step_size, reason)
+        yield Step(made, len(made), draft_s + choice_s, target_s, step_size, reason)
     if policy is not None:
         policy.save()
 

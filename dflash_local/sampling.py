@@ -89,3 +89,58 @@ def accept_sampled(
     total = residual.sum()
     residual = residual / total if total > 0 else target_probs[accepted]
     return accepted, int(draw(residual, generator))
+
+
+class GreedySampler:
+    """Temperature 0: every token is an argmax, and a draft stands while it equals the target's."""
+
+    greedy = True  # the target may hand back each row's argmax instead of its logits
+
+    def first(self, logits: torch.Tensor) -> int:
+        """The token after the prompt, from the last position's logits."""
+        return int(logits.argmax(dim=-1))
+
+    def draft(self, draft_logits: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The drafted tokens: each row's argmax (no probabilities to keep)."""
+        return draft_logits.argmax(dim=-1), None
+
+    def accept(self, draft: torch.Tensor, draft_probs: None, target_scores: torch.Tensor) -> tuple[int, list[int]]:
+        """Accepted drafts and the tokens made final; target_scores: logits [B, vocab] or argmax per row [B]."""
+        return accept_greedy(draft, target_scores)
+
+
+class RandomSampler:
+    """Temperature, top-k and top-p sampling; drafts are kept or rejected so the output follows the target's own
+    distribution. Draws come from `generator` in a fixed order: drafts, then acceptance, then the bonus."""
+
+    greedy = False
+
+    def __init__(self, params: SamplingParams, generator: torch.Generator | None) -> None:
+        self.params, self.generator = params, generator
+
+    def first(self, logits: torch.Tensor) -> int:
+        """The token after the prompt, sampled from the last position's logits."""
+        return int(draw(probabilities(logits, self.params), self.generator))
+
+    def draft(self, draft_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafted tokens, sampled from the drafter's distribution, and that distribution."""
+        draft_probs = probabilities(draft_logits, self.params)
+        return torch.multinomial(draft_probs, 1, generator=self.generator)[:, 0], draft_probs
+
+    def accept(
+        self, draft: torch.Tensor, draft_probs: torch.Tensor | None, target_scores: torch.Tensor
+    ) -> tuple[int, list[int]]:
+        """Rejection sampling of the drafts against the target's logits [B, vocab]; with no draft, a plain sample."""
+        if draft.shape[0] == 0:
+            return 0, [self.first(target_scores[-1])]
+        target_probs = probabilities(target_scores, self.params)
+        accepted, bonus = accept_sampled(draft, draft_probs, target_probs, self.generator)
+        return accepted, draft[:accepted].tolist() + [bonus]
+
+
+Sampler = GreedySampler | RandomSampler
+
+
+def make_sampler(params: SamplingParams, generator: torch.Generator | None = None) -> Sampler:
+    """The sampler of one generation: greedy at temperature 0, else random, drawing from generator."""
+    return GreedySampler() if params.greedy else RandomSampler(params, generator)

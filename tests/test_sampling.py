@@ -10,7 +10,7 @@ import torch
 from scipy.stats import chisquare
 from tiny_models import make_drafter, make_target
 
-import dflash_local.decode as decode
+import dflash_local.sampling as sampling
 from dflash_local.block_policy import AcceptanceEstimate, BlockPolicy, CostTable
 from dflash_local.decode import Settings, run
 from dflash_local.drafters.torch_drafter import DFlashDrafter
@@ -96,7 +96,7 @@ def test_biased_sampler_is_detected(pair, monkeypatch):
     def accept_everything(draft, draft_probs, target_probs, generator):
         return draft.shape[0], int(torch.multinomial(target_probs[-1], 1, generator=generator))
 
-    monkeypatch.setattr(decode, "accept_sampled", accept_everything)
+    monkeypatch.setattr(sampling, "accept_sampled", accept_everything)
     assert _p_value(target, drafter, SamplingParams(temperature=1.0)) < 1e-6
 
 
