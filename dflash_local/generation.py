@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from .block_policy import CHECK_ROUNDS, BlockPolicy, CostTable, load_policy, measure_costs, time_steps
-from .decode import Drafter, Settings, Stats, generate
+from .decode import Settings, Stats, generate
+from .drafters.base import Drafter
 from .drafters.torch_drafter import DFlashDrafter
 from .errors import DFlashError
 from .paths import files_identity, identity_key, state_dir

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from .decode import Drafter
+    from .drafters.base import Drafter
     from .targets.base import Target
 
 _OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target or drafter -> the Session that last used it

@@ -132,7 +132,7 @@ def cached_drafter_gguf(folder: Path, cfg: DrafterConfig, target: LlamaCppTarget
 
 
 class NativeDrafter:
-    """The Drafter interface of decode.py over a llama.cpp `dflash` context tied to one GGUF target."""
+    """The Drafter interface (drafters.base) over a llama.cpp `dflash` context tied to one GGUF target."""
 
     def __init__(self, cfg: DrafterConfig, model, ctx, target: LlamaCppTarget) -> None:
         self.cfg, self.target = cfg, target
