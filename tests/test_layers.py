@@ -1,0 +1,104 @@
+"""The package's layers, lowest first, written down once: a module imports only from its own layer or lower ones,
+and no chain of imports (top-level, lazy or for type checking) comes back to where it started."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SOURCES = {"dflash_local": REPO / "dflash_local", "dflash_local.kernels": REPO / "kernels"}
+
+LAYERS = (
+    ("errors", "atomic", "startup", "paths", "shapes", "llama_lib", "kernels", "gguf"),  # gguf: its __init__ only
+    ("hub", "downloads", "catalog", "memory_estimate", "prompt_sets", "weights", "gguf.file", "chat_template"),  # files
+    ("runtime", "layers", "quant", "cuda_graphs", "sampling", "gguf.shape", "gguf.tensors"),  # building blocks
+    ("targets", "tokenizer", "gguf.tokenizer"),  # the target backends and their vocabularies
+    ("drafters", "gguf.convert"),  # what builds on a target
+    ("block_policy", "session", "decode"),  # the decode loop
+    ("generation", "handoff", "doctor", "chat", "bench", "server", "train", "cli", "__main__"),  # front ends
+)
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the package (kernels/ as dflash_local.kernels), by dotted name."""
+    found = {}
+    for package, folder in SOURCES.items():
+        for path in folder.rglob("*.py"):
+            parts = path.relative_to(folder).with_suffix("").parts
+            name = ".".join((package, *parts)).removesuffix(".__init__")
+            found[name] = path
+    return found
+
+
+def imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The package's modules this one imports anywhere in its body (a package stands for its __init__)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            targets = [f"{module}.{alias.name}" for alias in node.names] + [module]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+                break
+    return found
+
+
+def layer_of(name: str) -> int | None:
+    """The layer of the longest entry that names the module or a package above it."""
+    short = name.removeprefix("dflash_local").removeprefix(".")
+    matches = [
+        (len(entry), index)
+        for index, layer in enumerate(LAYERS)
+        for entry in layer
+        if short == entry or short.startswith(f"{entry}.")
+    ]
+    return max(matches)[1] if matches else None
+
+
+def graph() -> dict[str, set[str]]:
+    found = modules()
+    return {name: imports(name, path, set(found)) for name, path in found.items() if name != "dflash_local"}
+
+
+def test_every_module_has_a_layer():
+    unplaced = [name for name in graph() if layer_of(name) is None]
+    assert not unplaced, "\n".join(unplaced)
+
+
+def test_no_module_imports_a_higher_layer():
+    upward = [
+        f"{name} (layer {layer_of(name)}) imports {target} (layer {layer_of(target)})"
+        for name, targets in graph().items()
+        for target in sorted(targets)
+        if target != "dflash_local" and None not in (layer_of(name), layer_of(target))
+        if layer_of(target) > layer_of(name)
+    ]
+    assert not upward, "\n".join(upward)
+
+
+def test_no_import_cycle():
+    edges, cycles, done = graph(), [], set()
+
+    def visit(name: str, stack: list[str]) -> None:
+        if name in stack:
+            cycles.append(" -> ".join(stack[stack.index(name) :] + [name]))
+            return
+        if name in done:
+            return
+        for target in sorted(edges.get(name, ())):
+            visit(target, [*stack, name])
+        done.add(name)
+
+    for name in sorted(edges):
+        visit(name, [])
+    assert not cycles, "\n".join(cycles)
