@@ -6,10 +6,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from .block_policy import CostTable
-from .decode import Settings, Stats, run
+from .decode import Settings, Stats
 from .drafters.lookup import PromptLookupDrafter
 from .errors import DFlashError
-from .generation import LoadedModels
+from .generation import GenerationRequest, LoadedModels, collect, stream
+from .session import Session
 from .weights import read_jsonl
 
 
@@ -62,19 +63,20 @@ def run_bench(
     if models.drafter is None:
         raise DFlashError("The benchmark needs a drafter to compare against autoregressive decoding.")
     block = settings.block_size or models.drafter.block_size
-    policy = models.policy if settings.block_size is None else None
     methods = {
-        "autoregressive": (None, replace(settings, draft=False), None),
-        "dflash": (models.drafter, settings, policy),
+        "autoregressive": (models.drafter, replace(settings, draft=False)),
+        "dflash": (models.drafter, settings),
     }
     if lookup:
-        methods["prompt_lookup"] = (PromptLookupDrafter(block), replace(settings, block_size=None), None)
-    run(models.target, models.drafter, prompts[0][1], replace(settings, max_new_tokens=8, block_size=block))  # warm-up
+        methods["prompt_lookup"] = (PromptLookupDrafter(block), replace(settings, block_size=None))
+    warm_up = GenerationRequest(prompts[0][1], replace(settings, max_new_tokens=8, block_size=block))
+    collect(stream(models, warm_up, session=Session()))
     rows = []
     for label, ids in prompts:
         outputs, row = {}, {"prompt": label[:80]}
-        for name, (drafter, method_settings, method_policy) in methods.items():
-            outputs[name], stats = run(models.target, drafter, ids, method_settings, method_policy)
+        for name, (drafter, method_settings) in methods.items():
+            request = GenerationRequest(ids, method_settings)
+            outputs[name], stats = collect(stream(models, request, drafter, Session()))  # empty caches for each
             row[name] = _summary(stats)
         row["identical"] = all(out == outputs["autoregressive"] for out in outputs.values())
         row["speedup"] = row["dflash"]["decode_tokens_per_s"] / max(row["autoregressive"]["decode_tokens_per_s"], 1e-9)
@@ -96,7 +98,7 @@ def run_bench(
         sum(count for length, count in histogram.items() if length > j) / max(drafting, 1) for j in range(1, block)
     ]
     return {
-        "block_size": "auto" if policy is not None else block,
+        "block_size": "auto" if settings.block_size is None and models.policy is not None else block,
         "max_new_tokens": settings.max_new_tokens,
         "temperature": settings.sampling.temperature,
         "prompts": rows,

@@ -15,11 +15,10 @@ from rich.live import Live
 from rich.text import Text
 
 from .chat_template import template_source, uses_thinking
-from .decode import Settings, Stats, generate
+from .decode import Settings, Stats
 from .errors import DFlashError
-from .generation import LoadedModels
+from .generation import GenerationRequest, LoadedModels, stream
 from .sampling import SamplingParams
-from .tokenizer import Detokenizer
 
 HELP = """commands:
   /help          this text
@@ -250,25 +249,22 @@ class Chat:
         """
         candidate = [*self.state.messages, {"role": "user", "content": text}]
         messages, ids = self.fit(candidate)
-        settings, stats, tokenizer = self.state.settings, Stats(), self.models.tokenizer
-        drafter = self.models.drafter if settings.draft else None
-        policy = self.models.policy if settings.block_size is None else None
-        detok = Detokenizer(tokenizer)
-        prompt_tail = tokenizer.decode(ids[-8:])  # a template may open the thinking itself
+        settings, stats = self.state.settings, Stats()
+        prompt_tail = self.models.tokenizer.decode(ids[-8:])  # a template may open the thinking itself
         splitter = ThinkSplitter(prompt_tail.rfind(THINK_OPEN) > prompt_tail.rfind(THINK_CLOSE))
         view = TerminalAnswer(self.console) if self.console.is_terminal else PipedAnswer(self.console, self.notes)
         turn: dict[str, str] | None = None
-        steps = generate(self.models.target, drafter, ids, settings, policy, self.models.session)
+        # the stop token's text never shows, even with --ignore-eos (which generates past it)
+        chunks = stream(self.models, GenerationRequest(ids, settings), stop_text=False)
         try:
             try:
-                with closing(steps):
-                    for step in steps:
+                with closing(chunks):
+                    for chunk in chunks:
                         if turn is None:
                             turn = self.commit(messages, (len(candidate) - len(messages)) // 2)
-                        stats.add(step)
-                        # the stop token's text never shows, even with --ignore-eos (which generates past it)
-                        delta = detok.add([t for t in step.token_ids if t not in self.models.stop_ids])
-                        view.update(splitter.feed(delta), status_line(stats, settings.draft, self.state.thinking))
+                        stats = chunk.stats
+                        status = status_line(stats, settings.draft, self.state.thinking)
+                        view.update(splitter.feed(chunk.text), status)
                 view.update(splitter.flush(), status_line(stats, settings.draft, self.state.thinking))
             finally:
                 view.close()

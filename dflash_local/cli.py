@@ -268,33 +268,28 @@ def generate(
             raise DFlashError("Give exactly one of --prompt or --prompt-ids.")
         _check_numbers(max_new_tokens, options.max_context, seed)
         block_size = _block_size(block_option)
-        ids = _parse_ids(prompt_ids, "--prompt-ids") if prompt_ids is not None else None
-        if ids == [] or prompt == "":
-            raise DFlashError("The prompt is empty.")
-        text = _prompt_text(prompt) if prompt is not None else None
+        given = _prompt_text(prompt) if prompt is not None else _parse_ids(prompt_ids, "--prompt-ids")
 
+        from .decode import Settings
         from .generation import GenerationRequest, run_request
         from .sampling import SamplingParams
 
-        SamplingParams(temperature, top_p, top_k)  # checks them before anything loads
+        sampling = SamplingParams(temperature, top_p, top_k)  # checks them before anything loads
         resolved = _resolve(target, drafter, options.offline, options.token)
         if not no_draft and resolved.drafter is None:
             raise DFlashError("Pass --drafter DIR, or --no-draft for plain autoregressive decoding.")
         if backend == "auto":
             backend = resolved.backend
         models = options.load(resolved, None if no_draft else resolved.drafter, backend, block_size is None)
-        request = GenerationRequest(
-            prompt=text,
-            prompt_ids=ids,
+        settings = Settings(
             max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
+            sampling=sampling,
             block_size=block_size,
             draft=not no_draft,
-            ignore_eos=ignore_eos,
+            stop_ids=frozenset() if ignore_eos else models.stop_ids,
+            seed=seed,
         )
+        request = GenerationRequest(given, settings)
         on_text = None if as_json else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
         result = run_request(models, request, on_text=on_text)
         if as_json:

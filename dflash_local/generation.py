@@ -12,13 +12,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from .block_policy import CHECK_ROUNDS, BlockPolicy, CostTable, load_policy, measure_costs, time_steps
-from .decode import Settings, Stats, generate
+from .decode import Settings, Stats, Step, generate
 from .drafters.base import Drafter
 from .drafters.torch_drafter import DFlashDrafter
 from .errors import DFlashError
 from .paths import files_identity, identity_key, state_dir
 from .runtime import RuntimeConfig, pick_device, pick_dtype
-from .sampling import SamplingParams
 from .session import Session
 from .startup import phase
 from .targets import load_target
@@ -153,29 +152,68 @@ def recalibrate(models: LoadedModels) -> BlockPolicy:
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One prompt (text or ids) and how to continue it."""
+    """One prompt (text, encoded by the models' tokenizer, or token ids) and how to continue it: what every front-end
+    (generate, chat, serve, bench) hands `stream`."""
 
-    prompt: str | None = None
-    prompt_ids: list[int] | None = None
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    block_size: int | None = None
-    draft: bool = True
-    ignore_eos: bool = False
+    prompt: str | list[int]
+    settings: Settings = Settings()
 
 
-def prompt_ids_of(models: LoadedModels, request: GenerationRequest) -> list[int]:
-    """The request's prompt as token ids."""
-    if request.prompt_ids is not None:
-        return request.prompt_ids
+def prompt_ids_of(models: LoadedModels, prompt: str | list[int]) -> list[int]:
+    """The prompt as token ids (an empty text is no ids: the decode loop says the prompt is empty)."""
+    if not isinstance(prompt, str) or not prompt:
+        return list(prompt)
     if models.tokenizer is None:
         raise DFlashError("The target has no tokenizer.json; pass the prompt as --prompt-ids.")
-    if not request.prompt:
-        raise DFlashError("The prompt is empty.")
-    return models.tokenizer.encode(request.prompt)
+    return models.tokenizer.encode(prompt)
+
+
+@dataclass
+class Chunk:
+    """One step of a streamed generation: the step, the text its tokens complete, and the running stats."""
+
+    step: Step
+    text: str
+    stats: Stats
+
+
+def stream(
+    models: LoadedModels,
+    request: GenerationRequest,
+    drafter: Drafter | None = None,
+    session: Session | None = None,
+    stop_text: bool = True,
+) -> Iterator[Chunk]:
+    """Generate, one chunk per step: the one path from every front-end to the decode loop.
+
+    With block_size None the models' policy picks each step's size (auto); another drafter than the models' (prompt
+    lookup) drafts its own block without one. The models' session reuses the caches' longest common prefix with the
+    prompt; pass a fresh Session to start from empty caches. stop_text False leaves the stop tokens' text out."""
+    settings = request.settings
+    drafter = models.drafter if drafter is None else drafter
+    policy = models.policy if settings.block_size is None and drafter is models.drafter else None
+    ids = prompt_ids_of(models, request.prompt)
+    detokenizer = Detokenizer(models.tokenizer) if models.tokenizer else None
+    stats = Stats()
+    session = models.session if session is None else session
+    with closing(generate(models.target, drafter, ids, settings, policy, session)) as steps:
+        for step in steps:
+            stats.add(step)
+            text = ""
+            if detokenizer is not None:
+                shown = step.token_ids if stop_text else [t for t in step.token_ids if t not in models.stop_ids]
+                text = detokenizer.add(shown)
+            yield Chunk(step, text, stats)
+
+
+def collect(chunks: Iterator[Chunk]) -> tuple[list[int], Stats]:
+    """Run a stream to the end: the new token ids and the stats."""
+    new_ids: list[int] = []
+    stats = Stats()
+    for chunk in chunks:
+        new_ids.extend(chunk.step.token_ids)
+        stats = chunk.stats
+    return new_ids, stats
 
 
 class StopGeneration(Exception):
@@ -188,26 +226,17 @@ def run_request(models: LoadedModels, request: GenerationRequest, on_text: Calla
     The prompt's longest common prefix with what the models' caches hold is not prefilled again (`prefill_tokens`
     says how many were). on_text raising StopGeneration ends the generation there with finish_reason "stop" and the
     stats so far; any other exception propagates. Either way the session stays consistent."""
-    settings = Settings(
-        max_new_tokens=request.max_new_tokens,
-        sampling=SamplingParams(request.temperature, request.top_p, request.top_k),
-        block_size=request.block_size,
-        draft=request.draft,
-        stop_ids=frozenset() if request.ignore_eos else models.stop_ids,
-        seed=request.seed,
-    )
-    ids = prompt_ids_of(models, request)
-    detokenizer = Detokenizer(models.tokenizer) if models.tokenizer else None
+    ids = prompt_ids_of(models, request.prompt)
+    request = GenerationRequest(ids, request.settings)
     stats = Stats()
     output_ids: list[int] = []
     try:
-        policy = models.policy if request.block_size is None else None
-        with closing(generate(models.target, models.drafter, ids, settings, policy, models.session)) as steps:
-            for step in steps:
-                output_ids.extend(step.token_ids)
-                stats.add(step)
-                if detokenizer and on_text:
-                    on_text(detokenizer.add(step.token_ids))
+        with closing(stream(models, request)) as chunks:
+            for chunk in chunks:
+                output_ids.extend(chunk.step.token_ids)
+                stats = chunk.stats
+                if models.tokenizer and on_text:
+                    on_text(chunk.text)
     except StopGeneration:
         stats.finish_reason = "stop"
     except OUT_OF_MEMORY:

@@ -34,8 +34,10 @@ from uvicorn import Config
 from uvicorn import Server as Uvicorn
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
+from .decode import Settings
 from .errors import DFlashError
 from .generation import GenerationRequest, LoadedModels, StopGeneration, run_request
+from .sampling import SamplingParams
 
 log = logging.getLogger("dflash.serve")
 
@@ -87,11 +89,11 @@ def error_response(
 
 @dataclass(frozen=True)
 class Sampling:
-    """The generation fields of a request, checked."""
+    """The generation fields of a request, checked: the loop's sampling parameters and what only HTTP has (stop
+    strings, streaming, usage); the worker makes them the loop's Settings."""
 
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
+    params: SamplingParams = SamplingParams(temperature=1.0)  # OpenAI's default temperature
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stream: bool = False
@@ -162,8 +164,7 @@ def parse_sampling(body: dict) -> Sampling:
         raise BadRequest("'stream_options' must be an object.", "stream_options")
     return Sampling(
         max_tokens=_whole(body, limit, 1, 2**31 - 1),
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_top_p(body),
+        params=SamplingParams(_number(body, "temperature", 1.0, 0.0, 2.0), _top_p(body)),
         seed=_whole(body, "seed", 0, 2**64 - 1),
         stop=tuple(stops),
         stream=_flag(body, "stream"),
@@ -350,17 +351,15 @@ class Engine:
         try:
             ids = job.prompt(self.models)
             room = self.models.target.max_context - len(ids)
-            request = GenerationRequest(
-                prompt_ids=ids,
+            settings = Settings(
                 max_new_tokens=sampling.max_tokens or self.max_new_tokens or max(room, 1),
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                seed=sampling.seed,
+                sampling=sampling.params,
                 block_size=self.block_size,
                 draft=self.models.drafter is not None,
-                ignore_eos=sampling.ignore_eos,
+                stop_ids=frozenset() if sampling.ignore_eos else self.models.stop_ids,
+                seed=sampling.seed,
             )
-            result = run_request(self.models, request, on_text)
+            result = run_request(self.models, GenerationRequest(ids, settings), on_text)
             job.emit("text", cutter.flush())
             job.emit("done", self._ending(ids, result, cutter))
             self.counts["served"] += 1

@@ -38,6 +38,7 @@ from dflash_local.block_policy import (  # noqa: E402
     expected_tokens,
     load_policy,
 )
+from dflash_local.decode import Settings  # noqa: E402
 from dflash_local.generation import GenerationRequest, LoadedModels, load_models, run_request  # noqa: E402
 from dflash_local.tokenizer import TextTokenizer  # noqa: E402
 
@@ -84,7 +85,7 @@ def shape(costs: CostTable) -> dict:
 
 
 def generate(models: LoadedModels, ids: list[int], block: int | None, tokens: int) -> dict:
-    request = GenerationRequest(prompt_ids=ids, max_new_tokens=tokens, block_size=block, ignore_eos=True)
+    request = GenerationRequest(ids, Settings(tokens, block_size=block))
     return run_request(models, request)
 
 

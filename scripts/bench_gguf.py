@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_local.decode import Settings
 from dflash_local.drafters import load_drafter
 from dflash_local.generation import GenerationRequest, LoadedModels, load_models, run_request
 from dflash_local.gguf.convert import convert
@@ -32,13 +33,8 @@ def measure(models: LoadedModels, prompts: list[list[int]], args, draft: bool) -
     """Mean tau, mean decode tokens/s, and the output ids per prompt."""
     taus, rates, outputs = [], [], []
     for ids in prompts:
-        request = GenerationRequest(
-            prompt_ids=ids,
-            max_new_tokens=args.max_new_tokens,
-            block_size=args.block_size if draft else None,
-            draft=draft,
-            ignore_eos=True,
-        )
+        settings = Settings(args.max_new_tokens, block_size=args.block_size if draft else None, draft=draft)
+        request = GenerationRequest(ids, settings)
         result = run_request(models, request)
         taus.append(result["tau"])
         rates.append(result["decode_tokens_per_s"])

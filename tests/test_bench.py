@@ -36,19 +36,25 @@ def test_bench_json_and_plot(tmp_path):
 
 
 def test_bench_detects_differing_outputs(monkeypatch):
+    from dataclasses import replace
+
     import dflash_local.bench as bench
+    import dflash_local.generation as generation
     from dflash_local.catalog import resolve
     from dflash_local.decode import Settings
     from dflash_local.generation import load_models
     from dflash_local.runtime import RuntimeConfig
 
-    real_run = bench.run
+    real_generate = generation.generate
 
-    def corrupting_run(target, drafter, ids, settings, policy=None):
-        out, stats = real_run(target, drafter, ids, settings, policy)
-        return (out[:-1] + [out[-1] + 1] if drafter is not None else out), stats
+    def corrupting_generate(target, drafter, ids, settings, policy=None, session=None):
+        steps = list(real_generate(target, drafter, ids, settings, policy, session))
+        if settings.draft:
+            last = steps[-1]
+            steps[-1] = replace(last, token_ids=last.token_ids[:-1] + [last.token_ids[-1] + 1])
+        yield from steps
 
-    monkeypatch.setattr(bench, "run", corrupting_run)
+    monkeypatch.setattr(generation, "generate", corrupting_generate)
     tiny = resolve("tiny", None, fetch=None)
     models = load_models(tiny.target, tiny.drafter, RuntimeConfig(device="cpu"))
     report = bench.run_bench(models, bench.read_prompts(tiny.prompts, models, 1), Settings(max_new_tokens=8))

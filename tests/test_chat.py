@@ -19,6 +19,7 @@ from rich.console import Console
 from test_chat_template import QWEN3_LIKE
 
 from dflash_local import chat as chat_module
+from dflash_local import generation
 from dflash_local.chat import Chat, piped_lines
 from dflash_local.decode import Settings, Step, run
 from dflash_local.errors import DFlashError
@@ -315,7 +316,7 @@ def scripted_chat(models, monkeypatch, answer: str, thinking: bool | None, termi
         for start in range(0, len(ids), 3):
             yield Step(ids[start : start + 3], None if start == 0 else 3, 0.0, 0.0, 4)
 
-    monkeypatch.setattr(chat_module, "generate", answering)
+    monkeypatch.setattr(generation, "generate", answering)
     settings = Settings(max_new_tokens=8, stop_ids=models.stop_ids)  # the fake answer ignores the limit
     out = Console(file=io.StringIO(), force_terminal=terminal, width=60, soft_wrap=not terminal)
     chat = Chat(replace(models, tokenizer=tokenizer), settings, out, Console(file=io.StringIO()), thinking=thinking)

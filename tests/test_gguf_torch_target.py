@@ -136,6 +136,8 @@ def test_a_gguf_file_through_load_models_on_the_torch_backend(tiny_types) -> Non
     """--backend torch on a GGUF: the torch target, the file's own vocabulary (loaded alone) and end-of-sequence ids,
     the torch drafter; DFlash text equals plain decoding's. On the CPU --backend auto stays llama.cpp."""
     pytest.importorskip("llama_cpp")
+    from dataclasses import replace
+
     from dflash_local.generation import GenerationRequest, load_models, run_request
     from dflash_local.runtime import RuntimeConfig
     from dflash_local.targets import load_target
@@ -143,9 +145,9 @@ def test_a_gguf_file_through_load_models_on_the_torch_backend(tiny_types) -> Non
     path = tiny_types["q8_0"]
     models = load_models(path, TINY / "drafter", RuntimeConfig(device="cpu"), "torch", 256, auto_block=False)
     assert isinstance(models.target, TorchLlamaTarget) and models.stop_ids == read_gguf(path).eos_ids
-    request = GenerationRequest(prompt="def main():", max_new_tokens=16, block_size=16)
-    drafted = run_request(models, request)
-    plain = run_request(models, GenerationRequest(prompt="def main():", max_new_tokens=16, draft=False))
+    settings = Settings(max_new_tokens=16, block_size=16, stop_ids=models.stop_ids)
+    drafted = run_request(models, GenerationRequest("def main():", settings))
+    plain = run_request(models, GenerationRequest("def main():", replace(settings, draft=False)))
     assert drafted["text"] == plain["text"] and drafted["output_ids"] == plain["output_ids"]
     assert type(load_target(path, device="cpu", max_context=64)).__name__ == "LlamaCppTarget"
 

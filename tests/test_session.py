@@ -15,6 +15,7 @@ from dflash_local.chat import Chat
 from dflash_local.decode import Settings, generate, run
 from dflash_local.generation import GenerationRequest, LoadedModels, load_models, run_request
 from dflash_local.runtime import RuntimeConfig
+from dflash_local.sampling import SamplingParams
 from dflash_local.session import Session
 from dflash_local.tokenizer import Detokenizer
 
@@ -30,6 +31,13 @@ class Stop(Exception):
 @pytest.fixture(scope="module")
 def tiny() -> LoadedModels:
     return load_models(TINY / "target", TINY / "drafter", CPU, max_context=512, auto_block=False)
+
+
+def request_of(models: LoadedModels, prompt: list[int], new_tokens: int = NEW_TOKENS, draft: bool = True, **sampling):
+    """A request as the front-ends make it: stopping at the models' end-of-sequence ids."""
+    seed = sampling.pop("seed", None)
+    settings = Settings(new_tokens, SamplingParams(**sampling), draft=draft, stop_ids=models.stop_ids, seed=seed)
+    return GenerationRequest(prompt, settings)
 
 
 def first_prompt(models: LoadedModels) -> list[int]:
@@ -62,7 +70,7 @@ def converse(models: LoadedModels, monkeypatch, reuse: bool, **sampling) -> list
         if not reuse:
             models.session.invalidate()
             cached = []
-        request = GenerationRequest(prompt_ids=prompt, max_new_tokens=NEW_TOKENS, draft=draft, **sampling)
+        request = request_of(models, prompt, draft=draft, **sampling)
         result = run_request(models, request)
         assert result["prefill_tokens"] == len(prompt) - min(common_prefix(prompt, cached), len(prompt) - 1)
         turns.append(
@@ -81,7 +89,7 @@ def converse(models: LoadedModels, monkeypatch, reuse: bool, **sampling) -> list
     p2 = p1 + ask(p1) + encode(" Tell me more about it.")
     if reuse:
         with pytest.raises(Stop):
-            run_request(models, GenerationRequest(prompt_ids=p2, max_new_tokens=NEW_TOKENS), stop_on_second_text)
+            run_request(models, request_of(models, p2), stop_on_second_text)
         cached = p2
     then = encode(" And then?")
     p3 = p2 + ask(p2) + then
@@ -121,13 +129,12 @@ def test_reuse_answers_as_fresh_caches_do_on_a_gguf_target(tiny_gguf, monkeypatc
 def test_caches_used_without_the_session_are_not_reused(tiny):
     """A generation through the same models but another session (or none) leaves nothing this session may trust."""
     p1 = first_prompt(tiny)
-    request = GenerationRequest(prompt_ids=p1, max_new_tokens=NEW_TOKENS)
-    first = run_request(tiny, request)["output_ids"]
+    first = run_request(tiny, request_of(tiny, p1))["output_ids"]
     run(tiny.target, tiny.drafter, p1[::-1] + first, Settings(NEW_TOKENS))  # same length, other ids
-    again = run_request(tiny, GenerationRequest(prompt_ids=p1 + first, max_new_tokens=NEW_TOKENS))
+    again = run_request(tiny, request_of(tiny, p1 + first))
     assert again["prefill_tokens"] == len(p1 + first)
     tiny.session.invalidate()
-    assert again["output_ids"] == run_request(tiny, GenerationRequest(prompt_ids=p1 + first))["output_ids"][:NEW_TOKENS]
+    assert again["output_ids"] == run_request(tiny, request_of(tiny, p1 + first, 128))["output_ids"][:NEW_TOKENS]
 
 
 def test_a_second_chat_turn_prefills_only_the_new_tokens(tiny):
