@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import huggingface_hub  # noqa: F401  its log handler binds to the stderr of the moment it is imported: not a runner's
 import torch
 from dflash_local.kernels import kernel_mode, set_kernel_mode
 from typer.testing import CliRunner, Result

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from hub_server import FakeHub, Fault, repo_of
+from in_process import invoke
 
 from dflash_local.hub import human_size
 
@@ -95,6 +96,17 @@ def hub(tmp_path, monkeypatch):
 
 
 def dflash(hub: FakeHub, *args: str, input: str | None = None, **env: str) -> subprocess.CompletedProcess:
+    """`dflash ARGS` in this process (CliRunner), `env` over the hub fixture's environment: exit status, stdout and
+    stderr as a process's. An exception that escapes the CLI (a traceback in a real process) fails the test."""
+    result = invoke(*args, env=env, input=input)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return subprocess.CompletedProcess(args, result.exit_code, result.stdout, result.stderr)
+
+
+def dflash_process(hub: FakeHub, *args: str, input: str | None = None, **env: str) -> subprocess.CompletedProcess:
+    """`dflash ARGS` in a process of its own: for settings huggingface_hub reads once, at import
+    (HF_HUB_DOWNLOAD_TIMEOUT), the process's logging of failed connections, and a chat reading a real pipe."""
     command = [sys.executable, "-m", "dflash_local", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=300, env={**hub.env, **env}, input=input)
 
@@ -303,7 +315,7 @@ def test_dropped_and_stalled_connections_resume_from_the_part_file(hub, tmp_path
         Fault("drop", TARGET_WEIGHTS, after=1_500_000, times=4),
         Fault("stall", TARGET_WEIGHTS, after=1_500_000),
     ]
-    result = dflash(hub, "pull", "tiny-hub", HF_HUB_DOWNLOAD_TIMEOUT="1")
+    result = dflash_process(hub, "pull", "tiny-hub", HF_HUB_DOWNLOAD_TIMEOUT="1")
     assert result.returncode == 0, result.stderr
     offsets = weight_ranges(hub)
     assert len(offsets) == 6 and offsets[0] == 0
@@ -369,7 +381,7 @@ def test_a_pull_that_keeps_failing_stops_keeps_the_part_and_marks_nothing_downlo
 @pytest.mark.parametrize(("kind", "reason"), [("stall", "timed out"), ("drop", "the connection failed")])
 def test_a_connection_that_keeps_failing_is_named_in_the_error(hub, tmp_path, kind, reason):
     hub.faults = [Fault(kind, TARGET_WEIGHTS, times=99)]  # every GET: headers, then silence or a cut, no bytes
-    failed = dflash(hub, "pull", "test/tiny", HF_HUB_DOWNLOAD_TIMEOUT="1")
+    failed = dflash_process(hub, "pull", "test/tiny", HF_HUB_DOWNLOAD_TIMEOUT="1")
     assert_one_error(failed, f"test/tiny/model.safetensors: the download failed 5 times in a row ({reason});")
     assert weight_ranges(hub) == [0, 0, 0, 0, 0]
     assert manifests(tmp_path) == []
@@ -394,7 +406,8 @@ def test_bench_prompt_sets_from_hub_datasets(hub):
     assert offline.returncode == 0, offline.stderr
     chat = dflash(hub, *args, "--prompts", "mt-bench")
     assert [row["prompt"] for row in json.loads(chat.stdout)["prompts"]] == ["Write a haiku."]
-    assert_one_error(dflash(hub, *args, "--prompts", "humaneval", HF_ENDPOINT="http://127.0.0.1:9"), "Cannot reach")
+    unreachable = dflash_process(hub, *args, "--prompts", "humaneval", HF_ENDPOINT="http://127.0.0.1:9")
+    assert_one_error(unreachable, "Cannot reach")
 
 
 def test_a_gguf_catalog_entry_pulls_one_quantization_and_chats(hub, tmp_path):
@@ -403,7 +416,7 @@ def test_a_gguf_catalog_entry_pulls_one_quantization_and_chats(hub, tmp_path):
 
     q8 = convert(MODELS / "target", tmp_path / "tiny-Q8_0.gguf", "q8_0", threads=1).read_bytes()
     hub.repos["test/tiny-gguf"] = {"tiny-Q8_0.gguf": q8, "tiny-F16.gguf": b"not needed" * 100}
-    result = dflash(hub, "chat", "tiny-gguf-hub", "--max-new-tokens", "16", input="Write a loop.\n")
+    result = dflash_process(hub, "chat", "tiny-gguf-hub", "--max-new-tokens", "16", input="Write a loop.\n")
     assert result.returncode == 0, result.stderr
     assert "tok/s" in result.stderr and "tau" in result.stderr  # on a pipe, the status line goes to stderr
     assert [p.name for p in snapshot(tmp_path, "test/tiny-gguf").iterdir()] == ["tiny-Q8_0.gguf"]
