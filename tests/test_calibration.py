@@ -4,15 +4,13 @@ is caught at load or corrected within a bounded number of steps, a quiet one is 
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
+from in_process import invoke
 
 from dflash_local import block_policy
 from dflash_local.block_policy import (
@@ -300,15 +298,14 @@ def test_doctor_says_when_a_cached_table_looks_inconsistent(tmp_path, monkeypatc
 def test_bench_calibrate_shows_the_timings_the_fit_and_when(tmp_path):
     """`dflash bench --calibrate` on the bundled pair: the date measured, and per k the calibration's timings where
     it timed k ('-' where interpolated) beside the fitted costs; with --json the same rows in the report."""
-    env = {**os.environ, "DFLASH_HOME": str(tmp_path), "COLUMNS": "250", "OMP_NUM_THREADS": "1"}
-    args = [sys.executable, "-m", "dflash_local", "bench", "tiny", "--calibrate", "--limit", "1"]
-    args += ["--max-new-tokens", "8", "--no-lookup"]
-    shown = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
-    assert shown.returncode == 0, shown.stderr
+    env = {"DFLASH_HOME": str(tmp_path), "COLUMNS": "250"}
+    args = ["bench", "tiny", "--calibrate", "--limit", "1", "--max-new-tokens", "8", "--no-lookup"]
+    shown = invoke(*args, env=env)
+    assert shown.exit_code == 0, shown.stderr
     assert f"measured {time.strftime('%Y-%m-%d')}" in shown.stdout and "target timings ms" in shown.stdout
     rows = {line.split()[1]: line for line in shown.stdout.splitlines() if line.startswith("│")}
     assert " / " in rows["16"] and " / " not in rows["5"], shown.stdout
-    report = json.loads(subprocess.run([*args, "--json"], capture_output=True, text=True, timeout=300, env=env).stdout)
+    report = json.loads(invoke(*args, "--json", env=env).stdout)
     sizes = {row["k"]: row for row in report["calibration"]["sizes"]}
     assert len(sizes[16]["target_samples_ms"]) >= 5 and sizes[5]["target_samples_ms"] == []
     assert sizes[16]["target_ms"] <= sizes[16]["target_samples_ms"][0] + 1e-9

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from in_process import invoke
 from scipy.stats import chisquare
 from test_gguf_lossless import auto_policy, llamacpp_greedy
 
@@ -158,25 +159,9 @@ def test_chat_without_a_template_continues_the_text(gemma):
 
 
 def _generate(gemma: Path, prompt: str, tokens: int) -> dict:
-    """`dflash generate --no-draft --json` in its own process: the report."""
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dflash_local",
-            "generate",
-            "--target",
-            str(gemma),
-            "--no-draft",
-            "--prompt",
-            prompt,
-            "--max-new-tokens",
-            str(tokens),
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    """`dflash generate --no-draft --json` (in this process): the report."""
+    done = invoke(
+        "generate", "--target", gemma, "--no-draft", "--prompt", prompt, "--max-new-tokens", str(tokens), "--json"
     )
-    assert done.returncode == 0, done.stderr
+    assert done.exit_code == 0, done.stderr
     return json.loads(done.stdout)

@@ -155,15 +155,15 @@ def test_a_gguf_file_through_load_models_on_the_torch_backend(tiny_types) -> Non
 def test_quantize_int4_from_the_command_line_is_lossless() -> None:
     """`dflash generate --quantize int4` on the bundled target: DFlash ids equal --no-draft's."""
     import json
-    import subprocess
-    import sys
 
-    base = [sys.executable, "-m", "dflash_local", "generate", "--target", "tiny", "--prompt", "def main():"]
+    from in_process import invoke
+
+    base = ["generate", "--target", "tiny", "--prompt", "def main():"]
     base += ["--max-new-tokens", "16", "--json", "--quantize", "int4", "--offline"]
     outputs = []
     for extra in (["--no-draft"], ["--block-size", "16"]):
-        result = subprocess.run(base + extra, capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, result.stderr
+        result = invoke(*base, *extra)
+        assert result.exit_code == 0, result.stderr
         outputs.append(json.loads(result.stdout)["output_ids"])
     assert outputs[0] == outputs[1] and len(outputs[0]) == 16
 
