@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 
-from test_cli import dflash
+from in_process import invoke
 
 
 def test_bench_json_and_plot(tmp_path):
     plot = tmp_path / "bench.png"
-    result = dflash("bench", "tiny", "--limit", "2", "--max-new-tokens", "24", "--json", "--plot", plot)
-    assert result.returncode == 0, result.stderr
+    result = invoke("bench", "tiny", "--limit", "2", "--max-new-tokens", "24", "--json", "--plot", plot)
+    assert result.exit_code == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["block_size"] == "auto" and len(report["prompts"]) == 2
     for row in report["prompts"]:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from in_process import invoke
 
 pytest.importorskip("llama_cpp")
 pytest.importorskip("gguf")
@@ -47,24 +48,8 @@ def test_chat_with_a_gguf_file_uses_its_template(gguf_file):
     assert result.returncode == 0, result.stderr
     assert "tok/s" in result.stderr and "tau" in result.stderr  # the status line; answers alone on stdout
     assert result.stdout.strip()
-    generated = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dflash_local",
-            "generate",
-            "--target",
-            str(gguf_file),
-            "--no-draft",
-            "--prompt",
-            "def main():",
-            "--max-new-tokens",
-            "8",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
+    generated = invoke(
+        "generate", "--target", gguf_file, "--no-draft", "--prompt", "def main():", "--max-new-tokens", "8", "--json"
     )
-    assert generated.returncode == 0, generated.stderr
+    assert generated.exit_code == 0, generated.stderr
     assert json.loads(generated.stdout)["text"]
