@@ -286,7 +286,7 @@ def generate(
             sampling=sampling,
             block_size=block_size,
             draft=not no_draft,
-            stop_ids=frozenset() if ignore_eos else models.stop_ids,
+            stop_ids=models.stops(ignore_eos),
             seed=seed,
         )
         request = GenerationRequest(given, settings)
@@ -339,7 +339,7 @@ def chat(
             sampling=sampling,
             block_size=block_size,
             draft=not no_draft and models.drafter is not None,
-            stop_ids=frozenset() if ignore_eos else models.stop_ids,
+            stop_ids=models.stops(ignore_eos),
         )
         try:
             run_chat(models, settings, thinking=resolved.thinking)
@@ -493,7 +493,7 @@ def bench(
                 max_new_tokens=max_new_tokens,
                 sampling=sampling,
                 block_size=block_size,
-                stop_ids=frozenset() if ignore_eos else models.stop_ids,
+                stop_ids=models.stops(ignore_eos),
                 seed=seed,
             )
             try:

@@ -39,6 +39,10 @@ class LoadedModels:
     policy: BlockPolicy | None = None  # picks each step's block size (--block-size auto)
     session: Session = field(default_factory=Session)  # what the caches hold: every generation reuses it
 
+    def stops(self, ignore_eos: bool) -> frozenset[int]:
+        """The stop ids of a request: the end-of-sequence ids, or none with ignore_eos."""
+        return frozenset() if ignore_eos else self.stop_ids
+
 
 OUT_OF_MEMORY = (torch.OutOfMemoryError, MemoryError)
 

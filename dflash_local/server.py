@@ -356,7 +356,7 @@ class Engine:
                 sampling=sampling.params,
                 block_size=self.block_size,
                 draft=self.models.drafter is not None,
-                stop_ids=frozenset() if sampling.ignore_eos else self.models.stop_ids,
+                stop_ids=self.models.stops(sampling.ignore_eos),
                 seed=sampling.seed,
             )
             result = run_request(self.models, GenerationRequest(ids, settings), on_text)
