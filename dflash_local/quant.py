@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -104,6 +104,29 @@ def linear_4bit(
     return new
 
 
+def _stored_linears(
+    model: nn.Module, tensors: dict[str, torch.Tensor], scope: str, source: str
+) -> Iterator[tuple[str, nn.Linear, torch.Tensor]]:
+    """Each nn.Linear under model.<scope>, by full name, with its weight taken out of `tensors` (missing: an error)."""
+    for name, layer in list(model.get_submodule(scope).named_modules()):
+        if not isinstance(layer, nn.Linear):
+            continue
+        full = f"{scope}.{name}"
+        weight = tensors.pop(f"{full}.weight", None)
+        if weight is None:
+            raise DFlashError(f"{source} lacks the tensor {full}.weight.")
+        yield full, layer, weight
+
+
+def _check_shape(source: str, full: str, weight: torch.Tensor, layer: nn.Linear) -> None:
+    """Raise a DFlashError unless a stored weight has the shape the config gives its linear."""
+    if tuple(weight.shape) != tuple(layer.weight.shape):
+        raise DFlashError(
+            f"{source}: tensor {full}.weight has shape {tuple(weight.shape)}, "
+            f"the config implies {tuple(layer.weight.shape)}."
+        )
+
+
 def install_4bit(
     model: nn.Module,
     tensors: dict[str, torch.Tensor],
@@ -118,19 +141,10 @@ def install_4bit(
     """
     parent_of = dict(model.named_modules())
     swapped = []
-    for name, layer in list(model.get_submodule(scope).named_modules()):
-        if not isinstance(layer, nn.Linear):
-            continue
-        full = f"{scope}.{name}"
-        weight = tensors.pop(f"{full}.weight", None)
-        if weight is None:
-            raise DFlashError(f"{source} lacks the tensor {full}.weight.")
+    for full, layer, weight in _stored_linears(model, tensors, scope, source):
         stats = _stats(tensors, f"{full}.weight")
-        if not stats and tuple(weight.shape) != tuple(layer.weight.shape):
-            raise DFlashError(
-                f"{source}: tensor {full}.weight has shape {tuple(weight.shape)}, "
-                f"the config implies {tuple(layer.weight.shape)}."
-            )
+        if not stats:
+            _check_shape(source, full, weight, layer)
         try:
             new = linear_4bit(layer, weight, tensors.pop(f"{full}.bias", None), stats, compute_dtype, device)
         except DFlashError as exc:
@@ -333,18 +347,8 @@ def install_int4(
     """Swap each nn.Linear under model.<scope> for int4_linear of its tensor, taken out of `tensors` one at a time
     (on the CPU, so the model is never whole in 16 bits on device); returns the swapped names."""
     swapped = []
-    for name, layer in list(model.get_submodule(scope).named_modules()):
-        if not isinstance(layer, nn.Linear):
-            continue
-        full = f"{scope}.{name}"
-        weight = tensors.pop(f"{full}.weight", None)
-        if weight is None:
-            raise DFlashError(f"{source} lacks the tensor {full}.weight.")
-        if tuple(weight.shape) != tuple(layer.weight.shape):
-            raise DFlashError(
-                f"{source}: tensor {full}.weight has shape {tuple(weight.shape)}, "
-                f"the config implies {tuple(layer.weight.shape)}."
-            )
+    for full, layer, weight in _stored_linears(model, tensors, scope, source):
+        _check_shape(source, full, weight, layer)
         bias = tensors.pop(f"{full}.bias", None)
         plain = nn.Linear(layer.in_features, layer.out_features, bias=bias is not None, device="meta")
         plain.weight = nn.Parameter(weight, requires_grad=False)
