@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+os.environ["TRITON_INTERPRET"] = "1"  # the Triton kernels run on the CPU: read when a kernel is defined, so before
+# any test module imports one (test_kernels_compile starts its compiler without it)
 
 from tiny_models import make_drafter, make_target  # noqa: E402
 

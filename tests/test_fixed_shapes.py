@@ -5,21 +5,18 @@ for torch.cuda.CUDAGraph (real capture is CUDA-only)."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
-os.environ["TRITON_INTERPRET"] = "1"  # read when a kernel is defined, so before kernels import their Triton twins
+import pytest
+import torch
+from tiny_models import make_drafter
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from tiny_models import make_drafter  # noqa: E402
-
-from dflash_local import cuda_graphs  # noqa: E402
-from dflash_local.cuda_graphs import StepGraphs, cache_span  # noqa: E402
-from dflash_local.decode import Settings, run  # noqa: E402
-from dflash_local.drafters.torch_drafter import DFlashDrafter  # noqa: E402
-from dflash_local.targets.torch_llama import TorchLlamaTarget  # noqa: E402
-from dflash_local.tokenizer import TextTokenizer  # noqa: E402
+from dflash_local import cuda_graphs
+from dflash_local.cuda_graphs import StepGraphs, cache_span
+from dflash_local.decode import Settings, run
+from dflash_local.drafters.torch_drafter import DFlashDrafter
+from dflash_local.targets.torch_llama import TorchLlamaTarget
+from dflash_local.tokenizer import TextTokenizer
 
 TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"
 

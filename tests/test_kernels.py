@@ -6,27 +6,23 @@ Tolerances, fp32 throughout (the interpreter's tl.dot is wrong on bf16 inputs): 
 
 from __future__ import annotations
 
-import os
+from pathlib import Path
 
-os.environ["TRITON_INTERPRET"] = "1"  # read when a kernel is defined, so before kernels import their Triton twins
+import pytest
+import torch
+from dflash_local.kernels import use_triton
+from dflash_local.kernels.accept import greedy_accept_reference
+from dflash_local.kernels.accept_triton import greedy_accept_triton
+from dflash_local.kernels.attention import block_attention_reference
+from dflash_local.kernels.attention_triton import block_attention_triton
+from dflash_local.kernels.rmsnorm import rms_norm_reference
+from dflash_local.kernels.rmsnorm_triton import rms_norm_triton
 
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from dflash_local.kernels import use_triton  # noqa: E402
-from dflash_local.kernels.accept import greedy_accept_reference  # noqa: E402
-from dflash_local.kernels.accept_triton import greedy_accept_triton  # noqa: E402
-from dflash_local.kernels.attention import block_attention_reference  # noqa: E402
-from dflash_local.kernels.attention_triton import block_attention_triton  # noqa: E402
-from dflash_local.kernels.rmsnorm import rms_norm_reference  # noqa: E402
-from dflash_local.kernels.rmsnorm_triton import rms_norm_triton  # noqa: E402
-
-from dflash_local.decode import Settings, run  # noqa: E402
-from dflash_local.drafters.torch_drafter import DFlashDrafter  # noqa: E402
-from dflash_local.errors import DFlashError  # noqa: E402
-from dflash_local.runtime import RuntimeConfig  # noqa: E402
-from dflash_local.targets.torch_llama import TorchLlamaTarget  # noqa: E402
+from dflash_local.decode import Settings, run
+from dflash_local.drafters.torch_drafter import DFlashDrafter
+from dflash_local.errors import DFlashError
+from dflash_local.runtime import RuntimeConfig
+from dflash_local.targets.torch_llama import TorchLlamaTarget
 
 BUNDLED = Path(__file__).parent.parent / "models" / "tiny"
 

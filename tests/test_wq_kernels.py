@@ -8,21 +8,18 @@ in another order); bf16 activations (the interpreter's dots cast to fp32), one b
 from __future__ import annotations
 
 import importlib
-import os
 from pathlib import Path
 
-os.environ["TRITON_INTERPRET"] = "1"  # read when a kernel is defined, so before kernels import their Triton twins
+import pytest
+import torch
+from dflash_local.kernels.wq_matmul import dequantize, wq_matmul_reference
+from dflash_local.kernels.wq_matmul_triton import wq_matmul_triton
+from torch import nn
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from dflash_local.kernels.wq_matmul import dequantize, wq_matmul_reference  # noqa: E402
-from dflash_local.kernels.wq_matmul_triton import wq_matmul_triton  # noqa: E402
-from torch import nn  # noqa: E402
-
-from dflash_local.decode import Settings, run  # noqa: E402
-from dflash_local.drafters.torch_drafter import DFlashDrafter  # noqa: E402
-from dflash_local.quant import GroupQuantEmbedding, GroupQuantLinear, quantize_int4  # noqa: E402
-from dflash_local.targets.torch_llama import TorchLlamaTarget  # noqa: E402
+from dflash_local.decode import Settings, run
+from dflash_local.drafters.torch_drafter import DFlashDrafter
+from dflash_local.quant import GroupQuantEmbedding, GroupQuantLinear, quantize_int4
+from dflash_local.targets.torch_llama import TorchLlamaTarget
 
 BUNDLED = Path(__file__).parent.parent / "models" / "tiny"
 
