@@ -258,7 +258,7 @@ def generate(
     generator = None
     if settings.seed is not None:
         generator = torch.Generator(device=target.device).manual_seed(settings.seed)
-    sampler = make_sampler(settings.sampling, generator)
+    sampler = make_sampler(settings.sampling, generator, target.kernels)
     decoding = _Decoding(target, drafter, sampler, Session() if session is None else session, prompt_ids, settings)
     timer = StepClock(target.device)
     began = timer.mark()

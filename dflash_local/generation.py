@@ -87,7 +87,9 @@ def load_models(
     gguf = path.suffix == ".gguf"
     phase("loading the target")
     with memory_guard(f"The target {path} with a {max_context}-token KV cache", device):
-        target = load_target(path, backend, torch_dtype, device, max_context, quantize, runtime.cuda_graphs)
+        target = load_target(
+            path, backend, torch_dtype, device, max_context, quantize, runtime.cuda_graphs, runtime.kernels
+        )
     drafter = None
     if drafter_path is not None:
         if not Path(drafter_path).exists():
@@ -98,11 +100,24 @@ def load_models(
                 from .drafters import load_drafter  # llama.cpp's own drafter where it is faster (CPU)
 
                 drafter = load_drafter(
-                    drafter_path, target, torch_dtype, device, runtime.drafter, drafter_quantize, runtime.cuda_graphs
+                    drafter_path,
+                    target,
+                    torch_dtype,
+                    device,
+                    runtime.drafter,
+                    drafter_quantize,
+                    runtime.cuda_graphs,
+                    runtime.kernels,
                 )
             else:
                 drafter = DFlashDrafter.load(
-                    drafter_path, torch_dtype, device, target.max_context, drafter_quantize, runtime.cuda_graphs
+                    drafter_path,
+                    torch_dtype,
+                    device,
+                    target.max_context,
+                    drafter_quantize,
+                    runtime.cuda_graphs,
+                    runtime.kernels,
                 )
         drafter.check_target(target)
     policy = None

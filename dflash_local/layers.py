@@ -1,4 +1,5 @@
-"""Building blocks shared by the target and the drafter: RMSNorm, RoPE, SwiGLU MLP."""
+"""Building blocks shared by the target and the drafter: RMSNorm, RoPE, SwiGLU MLP; set_kernels, a model's kernel
+mode."""
 
 from __future__ import annotations
 
@@ -12,12 +13,24 @@ from torch import nn
 from torch.nn import functional as F
 
 from .errors import DFlashError
-from .kernels import rms_norm
+from .kernels import MODES, rms_norm
 from .weights import check_number
+
+
+def set_kernels(module: nn.Module, mode: str) -> None:
+    """Make every submodule that calls kernels (those with a `kernels` attribute) run them in mode: auto, triton or
+    torch."""
+    if mode not in MODES:
+        raise ValueError(f"Unknown kernels '{mode}' (use {', '.join(MODES)}).")
+    for sub in module.modules():
+        if hasattr(sub, "kernels"):
+            sub.kernels = mode
 
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32, scaled by a learned weight (Llama/Qwen3 convention)."""
+
+    kernels: str = "auto"  # the kernel mode (set_kernels)
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -25,11 +38,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)[0]
+        return rms_norm(x, self.weight, self.eps, kernels=self.kernels)[0]
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual) in one fused pass where the kernels allow."""
-        return rms_norm(x, self.weight, self.eps, residual)
+        return rms_norm(x, self.weight, self.eps, residual, kernels=self.kernels)
 
 
 class MLP(nn.Module):

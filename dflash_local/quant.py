@@ -279,6 +279,8 @@ class GroupQuantLinear(nn.Module):
     """A weight-only quantized linear (kernels.wq_matmul's format): int4 or int8 codes in groups along the input,
     each group with a scale and an optional min; Triton on CUDA, the torch reference elsewhere."""
 
+    kernels: str = "auto"  # the kernel mode (layers.set_kernels)
+
     def __init__(
         self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int, group: int
     ) -> None:
@@ -297,7 +299,8 @@ class GroupQuantLinear(nn.Module):
         self.register_buffer("mins", mins)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = wq_matmul(x.reshape(-1, x.shape[-1]), self.codes, self.scales, self.mins, self.bits, self.group)
+        rows = x.reshape(-1, x.shape[-1])
+        out = wq_matmul(rows, self.codes, self.scales, self.mins, self.bits, self.group, kernels=self.kernels)
         return out.view(*x.shape[:-1], self.out_features)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import DFlashError
-from .kernels import check_triton, kernel_mode, set_kernel_mode
+from .kernels import MODES, check_triton
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,10 +44,13 @@ def bf16_is_fast(device: str) -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
-def check_kernels(device: str | torch.device) -> None:
-    """Fail early, in one sentence, when the kernels asked for are Triton where Triton cannot run."""
+def check_kernels(kernels: str, device: str | torch.device) -> None:
+    """Fail early, in one sentence, when the kernels asked for (a model's mode) are unknown, or Triton where Triton
+    cannot run."""
+    if kernels not in MODES:
+        raise DFlashError(f"Unknown kernels '{kernels}' (use {', '.join(MODES)}).")
     try:
-        if kernel_mode() == "triton":
+        if kernels == "triton":
             check_triton(torch.device(device).type == "cuda")
     except ValueError as exc:
         raise DFlashError(str(exc)) from None
@@ -78,7 +81,6 @@ class StepClock:
         return end - begin
 
 
-KERNEL_MODES = ("auto", "triton", "torch")
 DRAFTER_KINDS = ("auto", "torch", "native")
 
 
@@ -90,21 +92,20 @@ class RuntimeConfig:
 
     device: str = "auto"
     dtype: str = "auto"
-    kernels: str = "auto"  # auto: Triton for CUDA tensors, the torch reference elsewhere
+    kernels: str = "auto"  # auto: Triton for CUDA tensors, the torch reference elsewhere; the models loaded hold it
     cuda_graphs: bool = True  # replay fixed-shape steps on CUDA
     drafter: str = "auto"  # for GGUF targets: llama.cpp's native drafter or the torch one
     threads: int | None = None  # CPU threads for torch and llama.cpp (None: torch's default)
 
     def __post_init__(self) -> None:
-        if self.kernels not in KERNEL_MODES:
-            raise DFlashError(f"Unknown kernels '{self.kernels}' (use {', '.join(KERNEL_MODES)}).")
+        if self.kernels not in MODES:
+            raise DFlashError(f"Unknown kernels '{self.kernels}' (use {', '.join(MODES)}).")
         if self.drafter not in DRAFTER_KINDS:
             raise DFlashError(f"Unknown drafter kind '{self.drafter}' (use {', '.join(DRAFTER_KINDS)}).")
         if self.threads is not None and self.threads < 1:
             raise DFlashError(f"--threads must be at least 1, got {self.threads}.")
 
     def apply(self) -> None:
-        """Make the process-wide choices: the kernels of every call and torch's CPU threads."""
-        set_kernel_mode(self.kernels)
+        """Make the one process-wide choice: torch's CPU threads (the kernel mode goes to the models at load)."""
         if self.threads is not None:
             torch.set_num_threads(self.threads)

@@ -60,17 +60,18 @@ def pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generato
     return draw(probabilities(logits, params), generator)
 
 
-def accept_greedy(draft: torch.Tensor, target_scores: torch.Tensor) -> tuple[int, list[int]]:
+def accept_greedy(draft: torch.Tensor, target_scores: torch.Tensor, kernels: str = "auto") -> tuple[int, list[int]]:
     """Longest prefix of draft equal to the target's argmax, and the tokens it makes final: that prefix + the bonus.
 
-    target_scores: the target's logits [B, vocab], or its argmax per row [B] where the target gave those.
-    One device-to-host read: the target's argmax equals the draft on the accepted prefix.
+    target_scores: the target's logits [B, vocab], or its argmax per row [B] where the target gave those; kernels:
+    the kernel mode of kernels.greedy_accept. One device-to-host read: the target's argmax equals the draft on the
+    accepted prefix.
     """
     if target_scores.dim() == 1:
         accepted = (draft.to(target_scores.device) == target_scores[:-1]).cumprod(dim=0).sum()
         result = torch.cat([accepted.view(1), target_scores]).tolist()
     else:
-        result = greedy_accept(draft, target_scores).tolist()
+        result = greedy_accept(draft, target_scores, kernels=kernels).tolist()
     accepted = result[0]
     return accepted, result[1 : accepted + 2]
 
@@ -96,6 +97,9 @@ class GreedySampler:
 
     greedy = True  # the target may hand back each row's argmax instead of its logits
 
+    def __init__(self, kernels: str = "auto") -> None:
+        self.kernels = kernels  # the kernel mode of the acceptance step (the target's)
+
     def first(self, logits: torch.Tensor) -> int:
         """The token after the prompt, from the last position's logits."""
         return int(logits.argmax(dim=-1))
@@ -106,7 +110,7 @@ class GreedySampler:
 
     def accept(self, draft: torch.Tensor, draft_probs: None, target_scores: torch.Tensor) -> tuple[int, list[int]]:
         """Accepted drafts and the tokens made final; target_scores: logits [B, vocab] or argmax per row [B]."""
-        return accept_greedy(draft, target_scores)
+        return accept_greedy(draft, target_scores, self.kernels)
 
 
 class RandomSampler:
@@ -141,6 +145,7 @@ class RandomSampler:
 Sampler = GreedySampler | RandomSampler
 
 
-def make_sampler(params: SamplingParams, generator: torch.Generator | None = None) -> Sampler:
-    """The sampler of one generation: greedy at temperature 0, else random, drawing from generator."""
-    return GreedySampler() if params.greedy else RandomSampler(params, generator)
+def make_sampler(params: SamplingParams, generator: torch.Generator | None = None, kernels: str = "auto") -> Sampler:
+    """The sampler of one generation: greedy at temperature 0 (its acceptance in kernel mode `kernels`), else random,
+    drawing from generator."""
+    return GreedySampler(kernels) if params.greedy else RandomSampler(params, generator)

@@ -17,9 +17,9 @@ def greedy_accept_reference(draft: torch.Tensor, logits: torch.Tensor) -> torch.
     return torch.cat([accepted.view(1), choice])
 
 
-def greedy_accept(draft: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """Same contract as greedy_accept_reference; one Triton launch when the backend says so."""
-    if use_triton(logits):
+def greedy_accept(draft: torch.Tensor, logits: torch.Tensor, *, kernels: str = "auto") -> torch.Tensor:
+    """Same contract as greedy_accept_reference; one Triton launch when the backend says so for this mode (kernels)."""
+    if use_triton(kernels, logits):
         from .accept_triton import greedy_accept_triton
 
         return greedy_accept_triton(draft, logits)

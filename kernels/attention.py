@@ -75,9 +75,12 @@ def block_attention(
     causal: bool = False,
     window: int | None = None,
     context_len: torch.Tensor | None = None,
+    *,
+    kernels: str = "auto",
 ) -> torch.Tensor:
-    """Same contract as block_attention_reference; one Triton launch for all heads when the backend says so."""
-    if use_triton(q, past_k, past_v, k, v):
+    """Same contract as block_attention_reference; one Triton launch for all heads when the backend says so for this
+    mode (kernels)."""
+    if use_triton(kernels, q, past_k, past_v, k, v):
         from .attention_triton import block_attention_triton
 
         return block_attention_triton(q, past_k, past_v, k, v, causal, window, context_len)

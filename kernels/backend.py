@@ -1,4 +1,4 @@
-"""Choosing Triton or the torch reference for one call, from the configured mode and the tensors' device."""
+"""Choosing Triton or the torch reference for one call, from the caller's mode and the tensors' device."""
 
 from __future__ import annotations
 
@@ -8,21 +8,7 @@ import os
 
 import torch
 
-MODES = ("auto", "triton", "torch")
-_mode = "auto"
-
-
-def set_kernel_mode(mode: str) -> None:
-    """Choose the kernels of every later call: auto (Triton for CUDA tensors), triton or torch."""
-    global _mode
-    if mode not in MODES:
-        raise ValueError(f"Unknown kernels '{mode}' (use {', '.join(MODES)}).")
-    _mode = mode
-
-
-def kernel_mode() -> str:
-    """The mode set_kernel_mode chose (auto until then)."""
-    return _mode
+MODES = ("auto", "triton", "torch")  # auto: Triton for CUDA tensors, the torch reference elsewhere
 
 
 @functools.cache
@@ -38,13 +24,14 @@ def check_triton(on_cuda: bool) -> None:
         raise ValueError("Triton kernels off CUDA need TRITON_INTERPRET=1 (the Triton interpreter).")
 
 
-def use_triton(*tensors: torch.Tensor) -> bool:
-    """True when this call should run the Triton kernel; autograd always takes the reference."""
-    mode = _mode
+def use_triton(mode: str, *tensors: torch.Tensor) -> bool:
+    """True when a call in mode (one of MODES) should run the Triton kernel; autograd always takes the reference."""
     if mode == "torch" or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
         return False
     on_cuda = tensors[0].is_cuda
     if mode == "auto":
         return on_cuda and triton_installed()
+    if mode != "triton":
+        raise ValueError(f"Unknown kernels '{mode}' (use {', '.join(MODES)}).")
     check_triton(on_cuda)
     return True

@@ -20,10 +20,10 @@ def rms_norm_reference(
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *, kernels: str = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as rms_norm_reference; Triton when the backend says so."""
-    if use_triton(x, weight, *(() if residual is None else (residual,))):
+    """Same contract as rms_norm_reference; Triton when the backend says so for this mode (kernels)."""
+    if use_triton(kernels, x, weight, *(() if residual is None else (residual,))):
         from .rmsnorm_triton import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps, residual)

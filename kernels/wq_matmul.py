@@ -59,11 +59,18 @@ def wq_matmul_reference(
 
 
 def wq_matmul(
-    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int, group: int
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    bits: int,
+    group: int,
+    *,
+    kernels: str = "auto",
 ) -> torch.Tensor:
-    """Same contract as wq_matmul_reference; Triton when the backend says so and x has at most TRITON_MAX_ROWS rows,
-    else (a prefill on CUDA) dense matmuls over the weight dequantized in x's dtype, part by part."""
-    if not use_triton(x, codes):
+    """Same contract as wq_matmul_reference; Triton when the backend says so for this mode (kernels) and x has at most
+    TRITON_MAX_ROWS rows, else (a prefill on CUDA) dense matmuls over the weight dequantized in x's dtype, by parts."""
+    if not use_triton(kernels, x, codes):
         return wq_matmul_reference(x, codes, scales, mins, bits, group)
     if x.shape[0] > TRITON_MAX_ROWS:
         return torch.cat([x @ part.T for part in dequantized_parts(codes, scales, mins, bits, group, x.dtype)], dim=-1)

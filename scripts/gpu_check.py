@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from dflash_local.kernels import set_kernel_mode
 from dflash_local.kernels.accept import greedy_accept_reference
 from dflash_local.kernels.accept_triton import greedy_accept_triton
 from dflash_local.kernels.attention import block_attention_reference
@@ -128,10 +127,12 @@ def tiny_q4_k_m() -> Path:
 def generate_all(
     device: str, dtype: torch.dtype, kernels: str, graphs: bool, quantize: str | None, draft: bool, path: Path
 ):
-    """Greedy ids and acceptance lengths of the target at path with the bundled drafter, loaded afresh."""
-    set_kernel_mode(kernels)
-    target = TorchLlamaTarget.load(path, dtype, device, 512, quantize, cuda_graphs=graphs)
-    drafter = DFlashDrafter.load(TINY / "drafter", dtype, device, 512, cuda_graphs=graphs) if draft else None
+    """Greedy ids and acceptance lengths of the target at path with the bundled drafter, loaded afresh in kernel mode
+    `kernels`."""
+    target = TorchLlamaTarget.load(path, dtype, device, 512, quantize, cuda_graphs=graphs, kernels=kernels)
+    drafter = (
+        DFlashDrafter.load(TINY / "drafter", dtype, device, 512, cuda_graphs=graphs, kernels=kernels) if draft else None
+    )
     results = []
     for prompt in PROMPTS:
         ids, stats = run(target, drafter, prompt, Settings(max_new_tokens=64, draft=draft))
@@ -201,7 +202,6 @@ def main() -> int:
     ]
     report["passed"] = all(hard)
     if not args.skip_bench:
-        set_kernel_mode("auto")
         argv = ["--device", device, "--out", str(args.out.parent)] + ([] if device == "cuda" else ["--small"])
         report["bench"] = gpu_bench.main(argv)
     args.out.write_text(json.dumps(report, indent=2) + "\n")

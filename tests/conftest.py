@@ -83,16 +83,6 @@ def drafter():
     return DFlashDrafter.load(Path(__file__).resolve().parent.parent / "models" / "tiny" / "drafter", max_context=2048)
 
 
-@pytest.fixture
-def kernels_mode():
-    """kernels.set_kernel_mode for one test; the process's mode comes back afterwards."""
-    from dflash_local.kernels import kernel_mode, set_kernel_mode
-
-    before = kernel_mode()
-    yield set_kernel_mode
-    set_kernel_mode(before)
-
-
 @pytest.fixture(autouse=True, scope="session")
 def _state_home(tmp_path_factory):
     """dflash's own state (block-size calibrations, pull records) goes to this test run's folder, not the user's."""

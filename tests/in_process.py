@@ -6,7 +6,6 @@ from pathlib import Path
 
 import huggingface_hub  # noqa: F401  its log handler binds to the stderr of the moment it is imported: not a runner's
 import torch
-from dflash_local.kernels import kernel_mode, set_kernel_mode
 from typer.testing import CliRunner, Result
 
 from dflash_local import cli
@@ -14,10 +13,9 @@ from dflash_local import cli
 
 def invoke(*args: str | Path, env: dict[str, str | None] | None = None, input: str | None = None) -> Result:
     """`dflash ARGS` in this process, with `env` over the environment (None removes a variable) and `input` on
-    stdin. The process-wide choices a command makes (kernel mode, torch's threads) come back afterwards."""
-    mode, threads = kernel_mode(), torch.get_num_threads()
+    stdin. The process-wide choice a command makes (torch's threads) comes back afterwards."""
+    threads = torch.get_num_threads()
     try:
         return CliRunner().invoke(cli.app, [str(a) for a in args], env={"COLUMNS": "200", **(env or {})}, input=input)
     finally:
-        set_kernel_mode(mode)
         torch.set_num_threads(threads)

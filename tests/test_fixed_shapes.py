@@ -78,14 +78,13 @@ def sliding_drafter(tiny_dir, llama_target):
 @pytest.mark.parametrize("kernels,span", [("torch", 16), ("torch", 64), ("triton", 16), ("triton", 64)])
 @pytest.mark.parametrize("which", ["full", "sliding"])
 def test_drafter_step_over_a_padded_span_matches_eager(
-    kernels_mode, kernels: str, span: int, which: str, drafters, sliding_drafter, llama_target
+    kernels: str, span: int, which: str, drafters, sliding_drafter, llama_target
 ) -> None:
     """`step` with padded features, a padded span and a context length (what a graph captures) gives the eager
     propose's logits (all rows, or the first few) and cache."""
-    kernels_mode(kernels)
-    target = TorchLlamaTarget.load(llama_target, max_context=64)
+    target = TorchLlamaTarget.load(llama_target, max_context=64, kernels=kernels)
     folder = drafters["llama", 2] if which == "full" else sliding_drafter
-    eager, fixed = (DFlashDrafter.load(folder, max_context=64) for _ in range(2))
+    eager, fixed = (DFlashDrafter.load(folder, max_context=64, kernels=kernels) for _ in range(2))
     assert eager.model.layers[0].self_attn.sliding_window == (4 if which == "sliding" else None)
     target.set_feature_layers(eager.target_layer_ids)
     tokens = [5, 9, 11, 2, 7, 30, 8, 1, 4, 6, 3]

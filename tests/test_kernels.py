@@ -6,11 +6,12 @@ Tolerances, fp32 throughout (the interpreter's tl.dot is wrong on bf16 inputs): 
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from dflash_local.kernels import use_triton
+from dflash_local.kernels import accept_triton, attention_triton, rmsnorm_triton, use_triton
 from dflash_local.kernels.accept import greedy_accept_reference
 from dflash_local.kernels.accept_triton import greedy_accept_triton
 from dflash_local.kernels.attention import block_attention_reference
@@ -21,6 +22,7 @@ from dflash_local.kernels.rmsnorm_triton import rms_norm_triton
 from dflash_local.decode import Settings, run
 from dflash_local.drafters.torch_drafter import DFlashDrafter
 from dflash_local.errors import DFlashError
+from dflash_local.layers import RMSNorm, set_kernels
 from dflash_local.runtime import RuntimeConfig
 from dflash_local.targets.torch_llama import TorchLlamaTarget
 
@@ -99,26 +101,53 @@ def test_greedy_accept_matches_reference(rows: int, vocab: int) -> None:
         assert got[0] == mismatch
 
 
-def test_backend_choice(kernels_mode) -> None:
+def test_backend_choice() -> None:
     x = torch.zeros(2)
-    kernels_mode("auto")
-    assert not use_triton(x)  # auto: CPU tensors take the reference
-    kernels_mode("triton")
-    assert use_triton(x)
-    assert not use_triton(torch.zeros(2, requires_grad=True))  # autograd always takes the reference
-    kernels_mode("torch")
-    assert not use_triton(x)
+    assert not use_triton("auto", x)  # auto: CPU tensors take the reference
+    assert use_triton("triton", x)
+    assert not use_triton("triton", torch.zeros(2, requires_grad=True))  # autograd always takes the reference
+    assert not use_triton("torch", x)
     with pytest.raises(ValueError, match="Unknown kernels 'cuda'"):
-        kernels_mode("cuda")
+        use_triton("cuda", x)
+    with pytest.raises(ValueError, match="Unknown kernels 'cuda'"):
+        set_kernels(RMSNorm(4, 1e-6), "cuda")
 
 
-def test_bad_kernel_settings_fail_in_one_sentence(kernels_mode, monkeypatch) -> None:
+def test_bad_kernel_settings_fail_in_one_sentence(monkeypatch) -> None:
     with pytest.raises(DFlashError, match="Unknown kernels 'cuda' \\(use auto, triton, torch\\)"):
         RuntimeConfig(kernels="cuda")
-    kernels_mode("triton")
+    with pytest.raises(DFlashError, match="Unknown kernels 'cuda' \\(use auto, triton, torch\\)"):
+        TorchLlamaTarget.load(BUNDLED / "target", kernels="cuda")
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(DFlashError, match="off CUDA need TRITON_INTERPRET=1"):
-        DFlashDrafter.load(BUNDLED / "drafter")
+        DFlashDrafter.load(BUNDLED / "drafter", kernels="triton")
+
+
+TRITON_CALLS = (
+    (rmsnorm_triton, "rms_norm_triton"),
+    (attention_triton, "block_attention_triton"),
+    (accept_triton, "greedy_accept_triton"),
+)
+
+
+def test_each_loaded_pair_keeps_its_own_kernel_mode(monkeypatch) -> None:
+    """Two pairs loaded in one process with different modes each run in their own, whichever was loaded or run last:
+    the torch pair calls no Triton kernel, the triton pair calls each (RMSNorm, block attention, greedy acceptance)."""
+    calls: Counter[str] = Counter()
+    for module, name in TRITON_CALLS:
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, kernel=kernel, name=name: calls.update([name]) or kernel(*a))
+    pairs = {
+        mode: (
+            TorchLlamaTarget.load(BUNDLED / "target", max_context=64, kernels=mode),
+            DFlashDrafter.load(BUNDLED / "drafter", max_context=64, kernels=mode),
+        )
+        for mode in ("triton", "torch")
+    }
+    for mode in ("torch", "triton", "torch"):
+        calls.clear()
+        run(*pairs[mode], [10, 57, 300, 41, 12], Settings(max_new_tokens=3))
+        assert set(calls) == ({name for _, name in TRITON_CALLS} if mode == "triton" else set()), mode
 
 
 def _greedy(target, drafter, prompt: list[int], tokens: int) -> tuple[list[int], list[int]]:
@@ -126,24 +155,26 @@ def _greedy(target, drafter, prompt: list[int], tokens: int) -> tuple[list[int],
     return ids, stats.acceptance_lengths
 
 
-def _same_with_both_backends(kernels_mode, target, drafter, prompts: list[list[int]], tokens: int) -> list[int]:
+def _same_with_both_backends(
+    target: Path, drafter: Path, context: int, prompts: list[list[int]], tokens: int
+) -> list[int]:
+    """The pair loaded once per kernel mode gives the same greedy ids and acceptance lengths; returns the lengths."""
     results = {}
     for mode in ("torch", "triton"):
-        kernels_mode(mode)
-        results[mode] = [_greedy(target, drafter, prompt, tokens) for prompt in prompts]
+        loaded = TorchLlamaTarget.load(target, max_context=context, kernels=mode)
+        draft = DFlashDrafter.load(drafter, max_context=context, kernels=mode)
+        results[mode] = [_greedy(loaded, draft, prompt, tokens) for prompt in prompts]
     assert results["triton"] == results["torch"]
     return [length for _, lengths in results["torch"] for length in lengths]
 
 
-def test_engine_ids_identical_on_bundled_models(kernels_mode) -> None:
-    target = TorchLlamaTarget.load(BUNDLED / "target", max_context=256)
-    drafter = DFlashDrafter.load(BUNDLED / "drafter", max_context=256)
-    lengths = _same_with_both_backends(kernels_mode, target, drafter, [[10, 57, 300, 41, 12, 9, 77, 8]], 24)
+def test_engine_ids_identical_on_bundled_models() -> None:
+    prompts = [[10, 57, 300, 41, 12, 9, 77, 8]]
+    lengths = _same_with_both_backends(BUNDLED / "target", BUNDLED / "drafter", 256, prompts, 24)
     assert max(lengths) > 1  # the trained drafter gets drafts accepted, so the multi-token path ran
 
 
 @pytest.mark.parametrize("name,depth", [("llama", 2), ("qwen3", 3)])
-def test_engine_ids_identical_on_tiny_models(kernels_mode, drafters, llama_target, qwen3_target, name, depth) -> None:
-    target = TorchLlamaTarget.load(llama_target if name == "llama" else qwen3_target, max_context=128)
-    drafter = DFlashDrafter.load(drafters[name, depth], max_context=128)
-    _same_with_both_backends(kernels_mode, target, drafter, [[1, 2, 3], [5, 9, 11, 2, 7, 30, 8, 1, 4]], 12)
+def test_engine_ids_identical_on_tiny_models(drafters, llama_target, qwen3_target, name, depth) -> None:
+    target = llama_target if name == "llama" else qwen3_target
+    _same_with_both_backends(target, drafters[name, depth], 128, [[1, 2, 3], [5, 9, 11, 2, 7, 30, 8, 1, 4]], 12)

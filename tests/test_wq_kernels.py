@@ -102,33 +102,28 @@ def q4_k_m(tmp_path_factory):
 
 
 @pytest.mark.parametrize("source", ["q4_k_m", "int4"])
-def test_quantized_target_through_the_kernel(source, q4_k_m, kernels_mode) -> None:
+def test_quantized_target_through_the_kernel(source, q4_k_m) -> None:
     """A Q4_K_M GGUF and the bundled target quantized to int4 give the same logits through the Triton kernel as
     through the reference; DFlash on the int4 target equals its plain greedy output."""
     path, quantize = (q4_k_m, None) if source == "q4_k_m" else (BUNDLED / "target", "int4")
-    target = TorchLlamaTarget.load(path, max_context=64, quantize=quantize)
+    target, triton = (
+        TorchLlamaTarget.load(path, max_context=64, quantize=quantize, kernels=mode) for mode in ("torch", "triton")
+    )
     assert sum(isinstance(m, GroupQuantLinear) for m in target.model.modules()) >= 56
     ids = torch.tensor([7, 300, 41, 12, 9, 77, 1000, 8, 5])
-    kernels_mode("torch")
-    want = target.forward(ids).logits
-    target.reset()
-    kernels_mode("triton")
-    got = target.forward(ids).logits
-    close(got, want, 1e-5)
+    close(triton.forward(ids).logits, target.forward(ids).logits, 1e-5)
     if source == "int4":
-        kernels_mode("torch")
         prompt = ids.tolist()
         expected, _ = run(target, None, prompt, Settings(max_new_tokens=24, draft=False))
         drafter = DFlashDrafter.load(BUNDLED / "drafter", max_context=64)
         assert run(target, drafter, prompt, Settings(max_new_tokens=24, block_size=16))[0] == expected
 
 
-def test_many_rows_take_dense_parts(kernels_mode, monkeypatch) -> None:
+def test_many_rows_take_dense_parts(monkeypatch) -> None:
     """A prefill's rows (over TRITON_MAX_ROWS) multiply the weight dequantized part by part: the reference's result."""
     wq = importlib.import_module("dflash_local.kernels.wq_matmul")  # the package's wq_matmul is the function
     codes, scales, mins = random_weight(4, 32, True, 80, 256, 5)
     x = torch.randn(wq.TRITON_MAX_ROWS + 6, 256, generator=torch.Generator().manual_seed(2))
     want = wq_matmul_reference(x, codes, scales, mins, 4, 32)
     monkeypatch.setattr(wq, "DEQUANT_ROWS", 32)
-    kernels_mode("triton")
-    close(wq.wq_matmul(x, codes, scales, mins, 4, 32), want, 2e-6)
+    close(wq.wq_matmul(x, codes, scales, mins, 4, 32, kernels="triton"), want, 2e-6)

@@ -24,8 +24,10 @@ def load_drafter(
     kind: str = "auto",
     quantize: str | None = None,
     cuda_graphs: bool = True,
+    kernels: str = "auto",
 ) -> DFlashDrafter | NativeDrafter:
-    """The torch drafter or llama.cpp's native one; auto takes the one measured faster for the device.
+    """The torch drafter (its kernels in mode `kernels`) or llama.cpp's native one; auto takes the one measured faster
+    for the device.
 
     On the CPU native for GGUF targets: faster on small models (scripts/bench_gguf.py), and at real sizes it loads in
     a quarter of the time of the torch drafter (which packs its linears), whose steps are faster there (README).
@@ -43,7 +45,7 @@ def load_drafter(
 
         return NativeDrafter.load(folder, target)
     if kind == "torch":
-        drafter = DFlashDrafter.load(folder, dtype, device, target.max_context, quantize, cuda_graphs)
+        drafter = DFlashDrafter.load(folder, dtype, device, target.max_context, quantize, cuda_graphs, kernels)
         if isinstance(target, LlamaCppTarget) and drafter.device.type == "cpu":
             target.int8_head = True  # it borrows the head as packed int8 rows: faster than fp32, 1/4 the size
         return drafter

@@ -11,7 +11,7 @@ from torch.nn import functional as F
 from ..cuda_graphs import StepGraphs, cache_span
 from ..errors import DFlashError
 from ..kernels import block_attention, visibility_mask
-from ..layers import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from ..layers import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq, set_kernels
 from ..quant import DRAFTER_QUANT_TYPES, check_quantize, quantized_linear
 from ..runtime import check_kernels
 from ..targets.base import Target
@@ -21,6 +21,8 @@ from .config import DrafterConfig, check_fits
 
 class DraftAttention(nn.Module):
     """Attention of block queries over [context K/V ; block K/V]; non-causal unless the layer says otherwise."""
+
+    kernels: str = "auto"  # the kernel mode (layers.set_kernels)
 
     def __init__(self, cfg: DrafterConfig, layer_index: int) -> None:
         super().__init__()
@@ -65,7 +67,9 @@ class DraftAttention(nn.Module):
         q = apply_rope(q, cos, sin)
         k, v = self.key_value(x, cos, sin)
         if mask is None:
-            out = block_attention(q, past_k, past_v, k, v, self.is_causal, self.sliding_window, context_len)
+            out = block_attention(
+                q, past_k, past_v, k, v, self.is_causal, self.sliding_window, context_len, kernels=self.kernels
+            )
         else:
             k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
             gqa = self.num_heads != self.num_kv_heads
@@ -119,7 +123,8 @@ class DFlashModel(nn.Module):
 class DFlashDrafter:
     """A loaded DFlash drafter with its context KV cache; proposes a block of tokens in one forward."""
 
-    def __init__(self, model: DFlashModel, max_context: int, cuda_graphs: bool = True) -> None:
+    def __init__(self, model: DFlashModel, max_context: int, cuda_graphs: bool = True, kernels: str = "auto") -> None:
+        set_kernels(model, kernels)  # before any forward: a CUDA graph captures the kernels of its first run
         self.model = model
         self.cfg = model.cfg
         param = model.fc.weight
@@ -140,14 +145,16 @@ class DFlashDrafter:
         max_context: int = 4096,
         quantize: str | None = None,
         cuda_graphs: bool = True,
+        kernels: str = "auto",
     ) -> DFlashDrafter:
         """Build the drafter from a published-layout folder (config.json + model.safetensors).
 
         quantize="int8" or "nf4" makes its layers' linears 8- or 4-bit (see quant.py); drafts may change, output not.
         Unquantized in fp32 on the CPU, 16-bit stored linears run as quant.Fp16Linear (the same weights, faster).
+        kernels: the mode its layers run kernels in (kernels.MODES).
         """
         folder = Path(folder)
-        check_kernels(device)
+        check_kernels(kernels, device)
         check_quantize(quantize, DRAFTER_QUANT_TYPES)
         cfg = DrafterConfig.from_dict(read_config(folder), folder)
         with torch.device("meta"):
@@ -186,7 +193,7 @@ class DFlashDrafter:
         model.load_state_dict(tensors, assign=True, strict=False)
         model.inv_freq = rope_inv_freq(cfg.raw, cfg.head_dim).to("cpu" if kind else device)
         model.to(device)
-        return cls(model.eval(), max_context, cuda_graphs)
+        return cls(model.eval(), max_context, cuda_graphs, kernels)
 
     @property
     def block_size(self) -> int:

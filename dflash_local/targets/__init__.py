@@ -20,8 +20,9 @@ def load_target(
     max_context: int = 4096,
     quantize: str | None = None,
     cuda_graphs: bool = True,
+    kernels: str = "auto",
 ) -> Target:
-    """Load a target model from a local path with the named (or inferred) backend."""
+    """Load a target model from a local path with the named (or inferred) backend, its kernels in mode `kernels`."""
     path = Path(path)
     if not path.exists():
         raise DFlashError(f"{path} does not exist.")
@@ -31,7 +32,13 @@ def load_target(
         from .torch_llama import TorchLlamaTarget
 
         return TorchLlamaTarget.load(
-            path, dtype=dtype, device=device, max_context=max_context, quantize=quantize, cuda_graphs=cuda_graphs
+            path,
+            dtype=dtype,
+            device=device,
+            max_context=max_context,
+            quantize=quantize,
+            cuda_graphs=cuda_graphs,
+            kernels=kernels,
         )
     if quantize is not None:
         raise DFlashError("--quantize applies to the torch backend; a GGUF file is already quantized.")
@@ -41,5 +48,5 @@ def load_target(
         except ImportError:
             raise DFlashError("GGUF targets need llama-cpp-python and gguf: pip install dflash-local[gguf].") from None
 
-        return LlamaCppTarget.load(path, dtype=dtype, device=device, max_context=max_context)
+        return LlamaCppTarget.load(path, dtype=dtype, device=device, max_context=max_context, kernels=kernels)
     raise DFlashError(f"Unknown backend '{backend}' (available: {', '.join(BACKENDS)}).")

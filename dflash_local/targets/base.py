@@ -25,6 +25,7 @@ class Target(Protocol):
     dtype: torch.dtype
     length: int
     max_context: int
+    kernels: str  # the kernel mode the target was loaded with (kernels.MODES)
 
     @property
     def vocab_size(self) -> int: ...

@@ -51,7 +51,15 @@ class LlamaCppTarget:
     """
 
     def __init__(
-        self, info: GGUFModel, tensors: dict, model, ctx, max_context: int, dtype: torch.dtype, device: str
+        self,
+        info: GGUFModel,
+        tensors: dict,
+        model,
+        ctx,
+        max_context: int,
+        dtype: torch.dtype,
+        device: str,
+        kernels: str = "auto",
     ) -> None:
         self.info = info
         self._embed_tensor = tensors["token_embd.weight"]
@@ -65,6 +73,7 @@ class LlamaCppTarget:
         self._views: dict[tuple[int, int, int], np.ndarray] = {}
         self.device, self.dtype = torch.device(device), dtype
         self.max_context = max_context
+        self.kernels = kernels  # the mode it was loaded with (llama.cpp runs the model itself)
         self.length = 0
         self.feature_layer_ids: list[int] = []
         self._tapping = False  # llama.cpp keeps the feature layers' rows
@@ -79,8 +88,10 @@ class LlamaCppTarget:
         device: str = "cpu",
         max_context: int = 4096,
         threads: int | None = None,
+        kernels: str = "auto",
     ) -> LlamaCppTarget:
-        """Validate the GGUF file's header, then load it into llama.cpp (all layers on the GPU for cuda)."""
+        """Validate the GGUF file's header, then load it into llama.cpp (all layers on the GPU for cuda); kernels: the
+        mode recorded for the decode loop (greedy acceptance reads llama.cpp's argmax, so no kernel runs)."""
         info = read_gguf(Path(path))
         tensors = {name: t for name, t in info.tensors.items() if name in ("token_embd.weight", "output.weight")}
         if "token_embd.weight" not in tensors:
@@ -100,7 +111,7 @@ class LlamaCppTarget:
         if not ctx:
             llama_cpp.llama_model_free(model)
             raise DFlashError(f"llama.cpp could not create a {max_context}-token context for {path}.")
-        return cls(info, tensors, model, ctx, max_context, dtype, device)
+        return cls(info, tensors, model, ctx, max_context, dtype, device, kernels)
 
     @property
     def vocab_size(self) -> int:

@@ -12,7 +12,7 @@ from torch.nn import functional as F
 
 from ..cuda_graphs import StepGraphs, cache_span
 from ..errors import DFlashError
-from ..layers import MLP, RMSNorm, apply_rope, check_rope, rope_cos_sin, rope_inv_freq
+from ..layers import MLP, RMSNorm, apply_rope, check_rope, rope_cos_sin, rope_inv_freq, set_kernels
 from ..quant import GroupQuantEmbedding, GroupQuantLinear, check_quantize, install_4bit, install_int4, prequantized
 from ..runtime import check_kernels
 from ..weights import check_attention_shape, check_int, check_optional, load_weights, need, read_config
@@ -269,9 +269,16 @@ class TorchLlamaTarget:
     """A target model plus its KV cache: feed tokens, read logits and context features, roll back."""
 
     def __init__(
-        self, model: LlamaModel, max_context: int, cuda_graphs: bool = True, stop_ids: frozenset[int] = frozenset()
+        self,
+        model: LlamaModel,
+        max_context: int,
+        cuda_graphs: bool = True,
+        stop_ids: frozenset[int] = frozenset(),
+        kernels: str = "auto",
     ) -> None:
+        set_kernels(model, kernels)  # before any forward: a CUDA graph captures the kernels of its first run
         self.model = model
+        self.kernels = kernels
         self.cfg = model.cfg
         param = model.model.norm.weight
         self.device, self.dtype = param.device, param.dtype
@@ -291,21 +298,22 @@ class TorchLlamaTarget:
         max_context: int = 4096,
         quantize: str | None = None,
         cuda_graphs: bool = True,
+        kernels: str = "auto",
     ) -> TorchLlamaTarget:
         """Build the model from an HF-layout folder (config.json + safetensors) or a GGUF file (load_gguf_model: its
         quantized blocks as int4/int8 group linears).
 
         quantize="int4" makes the decoder layers' linears int4 groups (kernels.wq_matmul), "nf4" NF4 (bitsandbytes);
-        a bnb-4bit checkpoint loads as NF4.
+        a bnb-4bit checkpoint loads as NF4. kernels: the mode its layers run kernels in (kernels.MODES).
         """
         folder = Path(folder)
-        check_kernels(device)
+        check_kernels(kernels, device)
         check_quantize(quantize)
         if folder.suffix == ".gguf":
             if quantize is not None:
                 raise DFlashError("--quantize applies to safetensors targets; a GGUF file is already quantized.")
             model, stop_ids = load_gguf_model(folder, dtype, device)
-            return cls(model, max_context, cuda_graphs, stop_ids)
+            return cls(model, max_context, cuda_graphs, stop_ids, kernels)
         config = read_config(folder)
         cfg = TargetConfig.from_dict(config, folder)
         nf4 = prequantized(config) or quantize == "nf4"
@@ -334,7 +342,7 @@ class TorchLlamaTarget:
                 )
         model.load_state_dict({name: tensors[name] for name in expected}, assign=True, strict=not swapped)
         model.inv_freq = rope_inv_freq(cfg.raw, cfg.head_dim).to(device)
-        return cls(model.eval(), max_context, cuda_graphs)
+        return cls(model.eval(), max_context, cuda_graphs, kernels=kernels)
 
     @property
     def vocab_size(self) -> int:
