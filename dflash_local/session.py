@@ -2,12 +2,12 @@
 
 The engine is single-sequence: the target's KV cache and the drafter's context cache are one resource per loaded
 pair. The decode loop records their state after every step, so a generation abandoned at any step (an exception
-in a consumer, Ctrl-C, a closed generator) still leaves a description the next generation can trust.
+in a consumer, Ctrl-C, a closed generator) still leaves a description the next generation can trust. Each model's
+`cache_owner` names the Session that last filled its cache: a session trusts only caches it owns.
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -15,8 +15,6 @@ import torch
 if TYPE_CHECKING:
     from .drafters.base import Drafter
     from .targets.base import Target
-
-_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target or drafter -> the Session that last used it
 
 
 class Session:
@@ -42,7 +40,7 @@ class Session:
         kept = self.common_prefix(target, drafter, prompt_ids, layers)
         self.owner = (target, drafter, layers)
         for model in (target, drafter) if drafter is not None else (target,):
-            _OWNERS[model] = self
+            model.cache_owner = self
         if kept == 0:
             target.reset()
             if drafter is not None:
@@ -65,8 +63,8 @@ class Session:
         """How many leading prompt ids the caches hold for this pair and feature layers (at most all but one)."""
         owner = self.owner
         same = owner is not None and owner[0] is target and owner[1] is drafter and owner[2] == layers
-        ours = _OWNERS.get(target) is self and (drafter is None or _OWNERS.get(drafter) is self)
-        if not (same and ours) or target.length < self.length:  # another session, or a reset, used the caches
+        ours = same and target.cache_owner is self and (drafter is None or drafter.cache_owner is self)
+        if not ours or target.length < self.length:  # another session, or a reset, used the caches
             return 0
         limit = min(self.length, len(prompt_ids) - 1)
         kept = 0

@@ -191,10 +191,11 @@ def same_turns(got: list[tuple], expected: list[tuple]) -> None:
 
 
 class Cache:
-    """What a session needs of a target or drafter: a length it can roll back and reset."""
+    """What a session needs of a target or drafter: a length it can roll back and reset, and its cache owner."""
 
     def __init__(self) -> None:
         self.length = 0
+        self.cache_owner: object | None = None
 
     def rollback(self, length: int) -> None:
         self.length = length
@@ -216,3 +217,19 @@ def test_a_resume_keeps_the_pending_features_below_the_kept_prefix():
         assert session.resume(target, drafter, tokens[:kept] + [7], (1,))[0] == kept
         assert [row.item() for chunk in session.pending for row in chunk] == want
         assert drafter.length == drafted and target.length == kept
+
+
+def test_a_session_trusts_only_caches_it_filled_last():
+    """Once another session has used the target, or the drafter alone, this session reuses nothing, even where the
+    target's cache is as long as it left it."""
+    tokens = list(range(100, 120))
+    target, drafter, other = Cache(), Cache(), Cache()
+    ours, theirs = Session(), Session()
+    for shared in ((target, None), (other, drafter)):
+        ours.resume(target, drafter, tokens[:2], (1,))
+        target.length = drafter.length = 10
+        ours.record(tokens, 10, 10, [])
+        assert ours.common_prefix(target, drafter, tokens, (1,)) == 10
+        theirs.resume(*shared, tokens[:2], (1,))
+        target.length = 10  # the other session filled as many positions
+        assert ours.common_prefix(target, drafter, tokens, (1,)) == 0

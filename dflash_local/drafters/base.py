@@ -16,6 +16,7 @@ class Drafter(Protocol):
     block_size: int
     target_layer_ids: list[int]
     length: int  # cached context positions; setting it lower rolls the cache back (the next propose drops the rest)
+    cache_owner: object | None  # the Session that last filled this model's cache (session.Session sets it)
 
     def check_target(self, target: Target) -> None: ...
 

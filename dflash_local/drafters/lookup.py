@@ -15,6 +15,7 @@ class PromptLookupDrafter:
     def __init__(self, block_size: int = 16, max_ngram: int = 3) -> None:
         self.block_size = block_size
         self.max_ngram = max_ngram
+        self.cache_owner: object | None = None  # the Session that last used it (it caches nothing)
 
     def check_target(self, target: Target) -> None:
         """Any target works: lookup needs no features."""

@@ -141,6 +141,7 @@ class NativeDrafter:
         self._batch = llama_cpp.llama_batch_ext_init(ctx)
         weakref.finalize(self, _free, self._batch, ctx, model)
         self.length = 0
+        self.cache_owner: object | None = None  # the Session that last filled its cache
 
     @classmethod
     def load(cls, folder: str | Path, target: LlamaCppTarget, threads: int | None = None) -> NativeDrafter:

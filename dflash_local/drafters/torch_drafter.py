@@ -133,6 +133,7 @@ class DFlashDrafter:
         self.cache_k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.cache_v = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.length = 0
+        self.cache_owner: object | None = None  # the Session that last filled its cache
         self.graphs = StepGraphs() if cuda_graphs and self.device.type == "cuda" else None
         self._draft_head: tuple[int, torch.Tensor] | None = None  # (id of its target, the head's d2t rows)
 

@@ -26,6 +26,7 @@ class Target(Protocol):
     length: int
     max_context: int
     kernels: str  # the kernel mode the target was loaded with (kernels.MODES)
+    cache_owner: object | None  # the Session that last filled this model's cache (session.Session sets it)
 
     @property
     def vocab_size(self) -> int: ...

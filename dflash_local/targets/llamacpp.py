@@ -75,6 +75,7 @@ class LlamaCppTarget:
         self.max_context = max_context
         self.kernels = kernels  # the mode it was loaded with (llama.cpp runs the model itself)
         self.length = 0
+        self.cache_owner: object | None = None  # the Session that last filled its cache
         self.feature_layer_ids: list[int] = []
         self._tapping = False  # llama.cpp keeps the feature layers' rows
         self._head: torch.Tensor | Int8Matrix | None = None

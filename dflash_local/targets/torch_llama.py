@@ -286,6 +286,7 @@ class TorchLlamaTarget:
         self.max_context = min(max_context, self.cfg.max_position_embeddings)
         self.cache = model.new_cache(1, self.max_context)
         self.length = 0
+        self.cache_owner: object | None = None  # the Session that last filled its cache
         self.feature_layer_ids: list[int] = []
         self.graphs = StepGraphs() if cuda_graphs and self.device.type == "cuda" else None
 
