@@ -1,6 +1,6 @@
 """llama.cpp's own DFlash drafter (GGUF architecture `dflash`) beside a GGUF target, fed through llama_process.
 
-The published-layout drafter folder is written once per (drafter, target) pair to an F16 `dflash` GGUF in dflash's
+The published-layout drafter folder is written once per (drafter, target) pair to a `dflash` GGUF in dflash's
 state folder and loaded into a llama.cpp context whose ctx_other is the target's, so it borrows the target's
 embeddings and head. Accepted context features go in as embedding batches (llama.cpp projects them and fills the
 draft KV cache); the noise block goes in as tokens with non-causal attention.
@@ -28,7 +28,7 @@ from ..targets.llamacpp import BATCH, LlamaCppTarget
 from ..weights import load_weights, read_config
 from .config import DrafterConfig, check_fits
 
-CACHE_FORMAT = 1  # part of the cache key: bump when write_drafter_gguf writes something different
+CACHE_FORMAT = 2  # part of the cache key: bump when write_drafter_gguf writes something different
 CACHE_KEY_FIELD = "dflash_local.cache_key"
 _TOKENIZER_KEYS = (
     "tokenizer.ggml.model",
@@ -62,8 +62,9 @@ def _copy_tokenizer(writer: gguf.GGUFWriter, target: LlamaCppTarget) -> None:
 
 
 def write_drafter_gguf(folder: Path, cfg: DrafterConfig, target: LlamaCppTarget, out: Path, key: str) -> None:
-    """A published-layout drafter as a `dflash` GGUF (matrices F16, norms F32) whose target_layers are llama.cpp
-    tap ids (id + 1), stamped with its cache key."""
+    """A published-layout drafter as a `dflash` GGUF whose target_layers are llama.cpp tap ids (id + 1), stamped
+    with its cache key: matrices F16 but fc, which takes the target's raw features, F32 (llama.cpp's CPU matmul
+    rounds an F16 weight's activations to F16, and Gemma's features exceed its range: seen 1.0e5), norms F32."""
     if any(kind != "full_attention" for kind in cfg.layer_types) or cfg.is_causal:
         raise DFlashError(f"{folder}: the native drafter handles only non-causal, full-attention drafters.")
     weights = load_weights(folder, None, "cpu")
@@ -86,7 +87,7 @@ def write_drafter_gguf(folder: Path, cfg: DrafterConfig, target: LlamaCppTarget,
         writer.add_tensor("d2t", d2t.to(torch.int64).numpy())
         writer.add_tensor("output.weight", target.head_rows(d2t).to(torch.float16).cpu().numpy())
     for name, tensor in weights.items():
-        array = tensor.to(torch.float16 if tensor.dim() == 2 else torch.float32).numpy()
+        array = tensor.to(torch.float16 if tensor.dim() == 2 and name != "fc.weight" else torch.float32).numpy()
         if name in names:
             writer.add_tensor(names[name], array)
         elif name.startswith("layers.") and name.split(".", 2)[2] in LAYER_TENSORS:
