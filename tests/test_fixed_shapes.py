@@ -99,7 +99,8 @@ def test_drafter_step_over_a_padded_span_matches_eager(
     inputs = (padded, block_ids, 6 + offsets, 9 + offsets, torch.tensor([9]), span)
     got = fixed.step(target, *inputs, 7)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(fixed.cache_k[:, :, :, :9], eager.cache_k[:, :, :, :9], atol=1e-6, rtol=1e-6)
+    # the padded span's matmuls block differently from the eager ones: fp32 rounding (1.3e-6 seen on an AVX-512 EPYC)
+    torch.testing.assert_close(fixed.cache_k[:, :, :, :9], eager.cache_k[:, :, :, :9], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fixed.step(target, *inputs, 2), want[:2], atol=1e-5, rtol=1e-5)
 
 

@@ -238,3 +238,24 @@ def test_torch_drafter_borrows_an_int8_head(quantize, tiny_gguf, heldout):
     expected = run_ar(target, heldout[0])
     ids, stats = run(target, drafter, heldout[0], Settings(max_new_tokens=NEW_TOKENS, block_size=8))
     assert ids == expected and stats.tau > 1.5
+
+
+def test_the_native_drafter_takes_features_past_the_range_of_f16(tiny_gguf, heldout, drafter):
+    """Gemma's tapped features reach 1e5, past F16's 65504: the native drafter's fc takes them whole (it drafted NaN
+    when its fc weight was F16, whose activations llama.cpp rounds to F16). fc is followed by an RMS norm, so
+    features scaled by 1e5 draft as the unscaled ones do, in both drafters."""
+    target = LlamaCppTarget.load(tiny_gguf["f16"], max_context=512, threads=1)
+    native = NativeDrafter.load(TINY / "drafter", target, threads=1)
+    prompt = heldout[0]
+    for model in (drafter, native):
+        model.check_target(target)
+    target.reset()
+    out = target.forward(torch.tensor(prompt), all_logits=False)
+    tokens = [*prompt, int(out.logits[-1].argmax())]
+    for model in (drafter, native):
+        drafted = []
+        for scale in (1.0, 1e5):
+            model.reset()
+            drafted.append(model.propose(target, out.features * scale, tokens, len(prompt), 16))
+        assert torch.isfinite(drafted[1]).all(), type(model).__name__
+        assert torch.equal(drafted[0].argmax(dim=1), drafted[1].argmax(dim=1)), type(model).__name__
