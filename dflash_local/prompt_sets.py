@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .atomic import write_text_atomic
 from .errors import DFlashError
-from .hub import endpoint, hub_errors
+from .hub import endpoint, hub_errors, with_retries
 from .paths import cache_dir, state_dir
 
 
@@ -30,8 +30,11 @@ PROMPT_SETS = {
 
 
 def prompt_file(name: str, token: str | None = None, offline: bool = False) -> Path:
-    """A JSONL prompt file for a dataset name, downloaded (or taken from the cache when offline) and converted."""
-    from huggingface_hub import errors, hf_hub_download
+    """A JSONL prompt file for a dataset name, downloaded (or taken from the cache when offline) and converted.
+
+    The dataset's info is asked for first, under pull's retry policy (3 s): hf_hub_download alone retries an
+    unreachable Hub for 23 s, logging each try."""
+    from huggingface_hub import HfApi, constants, errors, hf_hub_download
 
     spec = PROMPT_SETS[name]
     where = {"repo_type": "dataset", "cache_dir": cache_dir(), "endpoint": endpoint(), "token": token}
@@ -41,7 +44,9 @@ def prompt_file(name: str, token: str | None = None, offline: bool = False) -> P
         except errors.LocalEntryNotFoundError:
             raise DFlashError(f"The {name} prompts are not downloaded and --offline is set.") from None
     else:
+        api, timeout = HfApi(endpoint=endpoint()), constants.HF_HUB_DOWNLOAD_TIMEOUT
         with hub_errors(spec.repo, token):
+            with_retries(lambda: api.dataset_info(spec.repo, token=token, timeout=timeout))
             path = hf_hub_download(spec.repo, spec.filename, **where)
     rows = _rows(Path(path), spec.field)
     lines = []

@@ -408,6 +408,7 @@ def test_bench_prompt_sets_from_hub_datasets(hub):
     assert [row["prompt"] for row in json.loads(chat.stdout)["prompts"]] == ["Write a haiku."]
     unreachable = dflash_process(hub, *args, "--prompts", "humaneval", HF_ENDPOINT="http://127.0.0.1:9")
     assert_one_error(unreachable, "Cannot reach")
+    assert len(unreachable.stderr.splitlines()) == 1, unreachable.stderr  # not huggingface_hub's retry log
 
 
 def test_a_gguf_catalog_entry_pulls_one_quantization_and_chats(hub, tmp_path):
