@@ -22,6 +22,7 @@ class OracleDrafter:
     """
 
     target_layer_ids: list[int] = []
+    cache_owner: object | None = None  # the Drafter protocol's (session.Session sets it)
 
     def __init__(self, truth: list[int], vocab_size: int, error_rate: float, seed: int, block_size: int = 16) -> None:
         self.truth, self.vocab_size, self.error_rate = truth, vocab_size, error_rate
