@@ -181,3 +181,17 @@ def render_chat(
     except Exception as exc:  # the template is untrusted code: whatever it raises is its failure
         detail = re.sub(r"\.\s+", "; ", " ".join(str(exc).split())).rstrip(".") or type(exc).__name__
         raise DFlashError(f"The chat template failed to render: {detail}.") from None
+
+
+class ChatEncoder:
+    """encode_chat for the tokenizers (TextTokenizer, GGUFTokenizer): each has `config` (the chat template's settings)
+    and `encode(text, add_special_tokens)`."""
+
+    config: dict[str, Any]
+
+    def encode_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, enable_thinking: bool | None = None
+    ) -> list[int]:
+        """Token ids of messages rendered with the model's chat template."""
+        text = render_chat(self.config, messages, add_generation_prompt, enable_thinking)
+        return self.encode(text, add_special_tokens=False)

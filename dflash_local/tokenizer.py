@@ -8,14 +8,14 @@ from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer
 
-from .chat_template import render_chat
+from .chat_template import ChatEncoder
 from .errors import DFlashError
 
 if TYPE_CHECKING:
     from .gguf.tokenizer import GGUFTokenizer
 
 
-class TextTokenizer:
+class TextTokenizer(ChatEncoder):
     """A `tokenizers` tokenizer plus the folder's tokenizer_config.json."""
 
     def __init__(self, tokenizer: Tokenizer, config: dict) -> None:
@@ -37,13 +37,6 @@ class TextTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-
-    def encode_chat(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, enable_thinking: bool | None = None
-    ) -> list[int]:
-        """Token ids of messages rendered with the model's chat template."""
-        text = render_chat(self.config, messages, add_generation_prompt, enable_thinking)
-        return self.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)

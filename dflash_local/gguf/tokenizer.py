@@ -7,14 +7,14 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..chat_template import render_chat
+from ..chat_template import ChatEncoder
 from ..errors import DFlashError
 
 if TYPE_CHECKING:
     from ..targets.llamacpp import LlamaCppTarget
 
 
-class GGUFTokenizer:
+class GGUFTokenizer(ChatEncoder):
     """Same surface as TextTokenizer: encode, encode_chat, decode, token_id; over a llama.cpp model's vocabulary.
 
     `owner` keeps the model alive (the target whose weights it came with, or nothing for a vocabulary-only load)."""
@@ -79,13 +79,6 @@ class GGUFTokenizer:
             if count >= 0:
                 return list(ids[:count])
             size = -count
-
-    def encode_chat(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, enable_thinking: bool | None = None
-    ) -> list[int]:
-        """Token ids of messages rendered with the chat template from the GGUF metadata."""
-        text = render_chat(self.config, messages, add_generation_prompt, enable_thinking)
-        return self.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
         """The pieces of ids, special tokens spelled out, joined (a leading space after BOS dropped)."""
