@@ -9,7 +9,7 @@ from .block_policy import CostTable
 from .decode import Settings, Stats
 from .drafters.lookup import PromptLookupDrafter
 from .errors import DFlashError
-from .generation import GenerationRequest, LoadedModels, collect, stream
+from .generation import GenerationRequest, LoadedModels, block_policy, collect, stream
 from .session import Session
 from .weights import read_jsonl
 
@@ -98,7 +98,7 @@ def run_bench(
         sum(count for length, count in histogram.items() if length > j) / max(drafting, 1) for j in range(1, block)
     ]
     return {
-        "block_size": "auto" if settings.block_size is None and models.policy is not None else block,
+        "block_size": "auto" if block_policy(models, settings, models.drafter) is not None else block,
         "max_new_tokens": settings.max_new_tokens,
         "temperature": settings.sampling.temperature,
         "prompts": rows,

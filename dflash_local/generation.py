@@ -196,6 +196,12 @@ class Chunk:
     stats: Stats
 
 
+def block_policy(models: LoadedModels, settings: Settings, drafter: Drafter | None) -> BlockPolicy | None:
+    """The policy that picks each step's block size: the models' one for --block-size auto with their own drafter
+    (prompt lookup drafts its own block), else none."""
+    return models.policy if settings.block_size is None and drafter is models.drafter else None
+
+
 def stream(
     models: LoadedModels,
     request: GenerationRequest,
@@ -210,7 +216,7 @@ def stream(
     prompt; pass a fresh Session to start from empty caches. stop_text False leaves the stop tokens' text out."""
     settings = request.settings
     drafter = models.drafter if drafter is None else drafter
-    policy = models.policy if settings.block_size is None and drafter is models.drafter else None
+    policy = block_policy(models, settings, drafter)
     ids = prompt_ids_of(models, request.prompt)
     detokenizer = Detokenizer(models.tokenizer) if models.tokenizer else None
     stats = Stats()
