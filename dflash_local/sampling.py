@@ -49,8 +49,17 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One sample per row of a probability matrix."""
-    return torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator).view(probs.shape[:-1])
+    """One sample per row of a probability matrix (rows need not sum to 1): each row's CDF, summed in fp64, inverted
+    at a uniform draw. The distribution of torch.multinomial, 4x faster over a 262K vocabulary (10x over 15 drafts)."""
+    rows = probs.reshape(-1, probs.shape[-1])
+    cdf = rows.double().cumsum(dim=-1)
+    total = cdf[:, -1:]
+    if not bool((torch.isfinite(total) & (total > 0)).all()):
+        raise DFlashError("A sampling distribution holds NaN or infinite values, or nothing to draw.")
+    point = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=rows.device) * total
+    index = torch.searchsorted(cdf, point, right=True)
+    last = (cdf < total).sum(dim=-1, keepdim=True)  # the last id with mass ((1 - 2^-53) * total may round to total)
+    return torch.minimum(index, last).view(probs.shape[:-1])
 
 
 def pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
@@ -129,7 +138,7 @@ class RandomSampler:
     def draft(self, draft_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The drafted tokens, sampled from the drafter's distribution, and that distribution."""
         draft_probs = probabilities(draft_logits, self.params)
-        return torch.multinomial(draft_probs, 1, generator=self.generator)[:, 0], draft_probs
+        return draw(draft_probs, self.generator), draft_probs
 
     def accept(
         self, draft: torch.Tensor, draft_probs: torch.Tensor | None, target_scores: torch.Tensor

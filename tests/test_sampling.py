@@ -14,6 +14,7 @@ import dflash_local.sampling as sampling
 from dflash_local.block_policy import AcceptanceEstimate, BlockPolicy, CostTable
 from dflash_local.decode import Settings, run
 from dflash_local.drafters.torch_drafter import DFlashDrafter
+from dflash_local.errors import DFlashError
 from dflash_local.sampling import SamplingParams, probabilities
 from dflash_local.targets.torch_llama import TorchLlamaTarget
 
@@ -104,3 +105,22 @@ def test_seed_makes_sampling_reproducible(pair):
     target, drafter = pair
     settings = Settings(max_new_tokens=12, sampling=SamplingParams(temperature=1.0), seed=42)
     assert run(target, drafter, PROMPT, settings)[0] == run(target, drafter, PROMPT, settings)[0]
+
+
+def test_draw_takes_each_row_s_distribution_and_never_an_id_without_mass(monkeypatch):
+    """Rows need not sum to 1; ids without mass are never drawn, even where the uniform draw lands on the row's total;
+    a NaN is one sentence."""
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.tensor([[0.0, 0.4, 0.0, 1.0, 0.6, 0.0], [1e-30, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    drawn = torch.stack([sampling.draw(probs, generator) for _ in range(4000)])
+    assert set(drawn[:, 1].tolist()) == {0}
+    counts = torch.bincount(drawn[:, 0], minlength=6).tolist()
+    assert counts[0] == counts[2] == counts[5] == 0
+    assert chisquare(counts[1:5:2] + counts[4:5], [800, 2000, 1200]).pvalue > 1e-3
+    monkeypatch.setattr(torch, "rand", lambda shape, **kwargs: torch.ones(shape, dtype=kwargs["dtype"]))
+    assert sampling.draw(probs, generator).tolist() == [4, 0]  # the last id with mass, not one past the end
+    monkeypatch.setattr(torch, "rand", lambda shape, **kwargs: torch.zeros(shape, dtype=kwargs["dtype"]))
+    assert sampling.draw(probs, generator).tolist() == [1, 0]  # the first id with mass, not the massless id 0
+    monkeypatch.undo()
+    with pytest.raises(DFlashError, match="NaN or infinite"):
+        sampling.draw(torch.tensor([[0.5, float("nan")]]), generator)
