@@ -362,12 +362,16 @@ def piped_lines(stream: BinaryIO) -> Iterator[str]:
         yield raw.decode("utf-8", errors="replace")
 
 
-def run_chat(models: LoadedModels, settings: Settings, stdin: TextIO = sys.stdin, thinking: bool | None = None) -> None:
-    """Interactive loop on a terminal; on a pipe, one answer per input line. thinking: as for Chat.
+def run_chat(
+    models: LoadedModels, settings: Settings, stdin: TextIO | None = None, thinking: bool | None = None
+) -> None:
+    """Interactive loop on a terminal; on a pipe, one answer per input line. stdin: sys.stdin at the call (not at
+    import: whoever runs the CLI may have replaced it). thinking: as for Chat.
 
     On a pipe, answers go to stdout, status lines and `error: ...` lines to stderr, and the process exits
     with status 1 when the last line failed.
     """
+    stdin = sys.stdin if stdin is None else stdin
     if stdin.isatty():
         chat = Chat(models, settings, Console(highlight=False, force_terminal=True), thinking=thinking)
         _interactive(chat)
