@@ -66,7 +66,7 @@ class FakeHub:
 
     def __enter__(self) -> FakeHub:
         for server in (self.server, self.cdn_server):
-            threading.Thread(target=server.serve_forever, daemon=True).start()
+            threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True).start()  # shutdown: 20 ms
         return self
 
     def __exit__(self, *_: object) -> None:
