@@ -6,10 +6,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from .block_policy import CostTable
-from .decode import Settings, Stats
+from .decode import Settings, Stats, collect
 from .drafters.lookup import PromptLookupDrafter
 from .errors import DFlashError
-from .generation import GenerationRequest, LoadedModels, block_policy, collect, stream
+from .generation import GenerationRequest, LoadedModels, block_policy, stream
 from .session import Session
 from .weights import read_jsonl
 
@@ -70,13 +70,14 @@ def run_bench(
     if lookup:
         methods["prompt_lookup"] = (PromptLookupDrafter(block), replace(settings, block_size=None))
     warm_up = GenerationRequest(prompts[0][1], replace(settings, max_new_tokens=8, block_size=block))
-    collect(stream(models, warm_up, session=Session()))
+    collect(chunk.step for chunk in stream(models, warm_up, session=Session()))
     rows = []
     for label, ids in prompts:
         outputs, row = {}, {"prompt": label[:80]}
         for name, (drafter, method_settings) in methods.items():
             request = GenerationRequest(ids, method_settings)
-            outputs[name], stats = collect(stream(models, request, drafter, Session()))  # empty caches for each
+            chunks = stream(models, request, drafter, Session())  # empty caches for each
+            outputs[name], stats = collect(chunk.step for chunk in chunks)
             row[name] = _summary(stats)
         row["identical"] = all(out == outputs["autoregressive"] for out in outputs.values())
         row["speedup"] = row["dflash"]["decode_tokens_per_s"] / max(row["autoregressive"]["decode_tokens_per_s"], 1e-9)

@@ -7,7 +7,7 @@ drafting and verifying took. `Stats` folds steps into tau, histograms and tokens
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -298,9 +298,14 @@ def run(
     session: Session | None = None,
 ) -> tuple[list[int], Stats]:
     """Generate to the end; return the new token ids and the stats."""
+    return collect(generate(target, drafter, prompt_ids, settings, policy, session))
+
+
+def collect(steps: Iterable[Step]) -> tuple[list[int], Stats]:
+    """Run steps to the end: the new token ids they make and their stats."""
     stats = Stats()
     new_ids: list[int] = []
-    for step in generate(target, drafter, prompt_ids, settings, policy, session):
+    for step in steps:
         new_ids.extend(step.token_ids)
         stats.add(step)
     return new_ids, stats

@@ -231,16 +231,6 @@ def stream(
             yield Chunk(step, text, stats)
 
 
-def collect(chunks: Iterator[Chunk]) -> tuple[list[int], Stats]:
-    """Run a stream to the end: the new token ids and the stats."""
-    new_ids: list[int] = []
-    stats = Stats()
-    for chunk in chunks:
-        new_ids.extend(chunk.step.token_ids)
-        stats = chunk.stats
-    return new_ids, stats
-
-
 class StopGeneration(Exception):
     """Raised by an on_text callback to end the generation after the current step, keeping what it made."""
 
