@@ -1,7 +1,8 @@
 """A soak of `dflash serve tiny` (a live process on a loopback port, with small limits): many clients at once send
 whole and streamed requests, disconnect mid-stream, send bad bodies, send slowly, read slowly or stall. Afterwards
 every accepted request got a whole answer, every greedy answer equals the solo one, /health counts what was sent,
-and the server's memory stopped growing. DFLASH_SOAK_S sets the seconds of load (default 20; longer finds slower leaks)."""
+and the server's memory stopped growing. DFLASH_SOAK_S sets the seconds of load (default 20; more finds slower
+leaks)."""
 
 from __future__ import annotations
 
