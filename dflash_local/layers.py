@@ -13,15 +13,14 @@ from torch import nn
 from torch.nn import functional as F
 
 from .errors import DFlashError
-from .kernels import MODES, rms_norm
+from .kernels import check_mode, rms_norm
 from .weights import check_number
 
 
 def set_kernels(module: nn.Module, mode: str) -> None:
     """Make every submodule that calls kernels (those with a `kernels` attribute) run them in mode: auto, triton or
     torch."""
-    if mode not in MODES:
-        raise ValueError(f"Unknown kernels '{mode}' (use {', '.join(MODES)}).")
+    check_mode(mode)
     for sub in module.modules():
         if hasattr(sub, "kernels"):
             sub.kernels = mode

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import DFlashError
-from .kernels import MODES, check_triton
+from .kernels import check_mode, check_triton
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -47,9 +47,8 @@ def bf16_is_fast(device: str) -> bool:
 def check_kernels(kernels: str, device: str | torch.device) -> None:
     """Fail early, in one sentence, when the kernels asked for (a model's mode) are unknown, or Triton where Triton
     cannot run."""
-    if kernels not in MODES:
-        raise DFlashError(f"Unknown kernels '{kernels}' (use {', '.join(MODES)}).")
     try:
+        check_mode(kernels)
         if kernels == "triton":
             check_triton(torch.device(device).type == "cuda")
     except ValueError as exc:
@@ -98,8 +97,10 @@ class RuntimeConfig:
     threads: int | None = None  # CPU threads for torch and llama.cpp (None: torch's default)
 
     def __post_init__(self) -> None:
-        if self.kernels not in MODES:
-            raise DFlashError(f"Unknown kernels '{self.kernels}' (use {', '.join(MODES)}).")
+        try:
+            check_mode(self.kernels)
+        except ValueError as exc:
+            raise DFlashError(str(exc)) from None
         if self.drafter not in DRAFTER_KINDS:
             raise DFlashError(f"Unknown drafter kind '{self.drafter}' (use {', '.join(DRAFTER_KINDS)}).")
         if self.threads is not None and self.threads < 1:

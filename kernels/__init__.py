@@ -7,7 +7,7 @@ DFLASH_KERNELS).
 
 from .accept import greedy_accept, greedy_accept_reference
 from .attention import block_attention, block_attention_reference, visibility_mask
-from .backend import MODES, check_triton, use_triton
+from .backend import MODES, check_mode, check_triton, use_triton
 from .rmsnorm import rms_norm, rms_norm_reference
 from .wq_matmul import dequantize, wq_matmul, wq_matmul_reference
 
@@ -15,6 +15,7 @@ __all__ = [
     "MODES",
     "block_attention",
     "block_attention_reference",
+    "check_mode",
     "check_triton",
     "dequantize",
     "greedy_accept",

@@ -16,6 +16,12 @@ def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def check_mode(mode: str) -> None:
+    """ValueError unless mode is one of MODES."""
+    if mode not in MODES:
+        raise ValueError(f"Unknown kernels '{mode}' (use {', '.join(MODES)}).")
+
+
 def check_triton(on_cuda: bool) -> None:
     """ValueError unless Triton kernels can run here: installed, and on CUDA or under the Triton interpreter."""
     if not triton_installed():
@@ -31,7 +37,6 @@ def use_triton(mode: str, *tensors: torch.Tensor) -> bool:
     on_cuda = tensors[0].is_cuda
     if mode == "auto":
         return on_cuda and triton_installed()
-    if mode != "triton":
-        raise ValueError(f"Unknown kernels '{mode}' (use {', '.join(MODES)}).")
+    check_mode(mode)
     check_triton(on_cuda)
     return True
