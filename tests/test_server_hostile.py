@@ -21,16 +21,10 @@ from typer.testing import CliRunner
 from dflash_local.cli import app
 from dflash_local.generation import load_models
 from dflash_local.runtime import RuntimeConfig
-from dflash_local.server import (
-    BadRequest,
-    Engine,
-    Limits,
-    StopCutter,
-    create_app,
-    listen,
-    parse_sampling,
-    uvicorn_server,
-)
+from dflash_local.server.app import create_app
+from dflash_local.server.engine import Engine, StopCutter
+from dflash_local.server.hardening import Limits, listen, uvicorn_server
+from dflash_local.server.protocol import BadRequest, parse_sampling
 
 KEY = "test-key"
 TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"
@@ -306,7 +300,7 @@ def test_a_limit_out_of_range_is_one_error_line(flag, value, message):
 
 def test_a_bug_is_a_500_in_the_openai_shape():
     class Broken(Engine):
-        def submit(self, job) -> None:
+        def submit(self, job) -> bool:
             raise RuntimeError("a bug")
 
     models = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids: ""), stop_ids=frozenset())

@@ -1,0 +1,160 @@
+"""Ollama's native API beside OpenAI's: /api/version, /api/tags, /api/show, /api/chat and /api/generate (NDJSON
+streaming, the options clients send), for clients that speak only Ollama's API."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from ..generation import LoadedModels
+from ..sampling import SamplingParams
+from .engine import Ending, Event, Failure, Job
+from .exchange import Server
+from .protocol import BadRequest, Refused, Sampling, flag, number, parse_messages, stop_strings, whole
+
+log = logging.getLogger("dflash.serve")
+
+API_VERSION = "0.12.0"  # the Ollama release whose API these routes follow (clients gate features on it)
+OPTIONS = {"num_predict", "temperature", "top_p", "top_k", "seed", "stop"}
+REFUSED = {"images": "images", "tools": "tools", "format": "structured output ('format')", "suffix": "'suffix'"}
+REFUSED |= {"context": "'context' token lists"}
+
+
+def refusal(exc: Refused) -> Response:
+    """A refusal in Ollama's error shape: {"error": sentence}."""
+    return JSONResponse({"error": str(exc)}, status_code=exc.status, headers=exc.headers())
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
+
+
+def parse_options(body: dict) -> Sampling:
+    """stream (true unless false) and options.num_predict/temperature/top_p/top_k/seed/stop, with Ollama's defaults;
+    other options are ignored with a debug log, and what cannot be honoured is refused by name."""
+    for name, what in REFUSED.items():
+        if body.get(name) not in (None, [], ""):
+            raise BadRequest(f"{what} cannot be honoured by dflash serve.", name)
+    options = body.get("options") or {}
+    if not isinstance(options, dict):
+        raise BadRequest("'options' must be an object.", "options")
+    if set(options) - OPTIONS:
+        log.debug("ignored Ollama options: %s", ", ".join(sorted(set(options) - OPTIONS)))
+    predict = whole(options, "num_predict", -2, 2**31 - 1)
+    seed = whole(options, "seed", -(2**63), 2**64 - 1)
+    top_p = number(options, "top_p", 0.9, 0.0, 1.0) or 1.0  # Ollama reads top_p 0 as no truncation
+    top_k = whole(options, "top_k", 0, 2**31 - 1)
+    params = SamplingParams(number(options, "temperature", 0.8, 0.0, 2.0), top_p, 40 if top_k is None else top_k)
+    return Sampling(
+        max_tokens=predict if predict and predict > 0 else None,  # -1 and -2: up to the context
+        params=params,
+        seed=seed if seed is not None and seed >= 0 else None,
+        stop=stop_strings(options.get("stop"), "options.stop"),
+        stream=body.get("stream") is None or flag(body, "stream"),
+    )
+
+
+class Reply:
+    """How /api/chat and /api/generate write a job's answer: one object, or NDJSON lines ending with done: true."""
+
+    media_type = "application/x-ndjson"
+
+    def __init__(self, chat: bool, model: str) -> None:
+        self.chat, self.model, self.started = chat, model, time.monotonic()
+
+    def error(self, status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+        return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+    def piece(self, text: str, done: bool = False) -> dict:
+        body = {"model": self.model, "created_at": _now()}
+        content = {"message": {"role": "assistant", "content": text}} if self.chat else {"response": text}
+        return body | content | {"done": done}
+
+    def whole(self, text: str, ending: Ending) -> dict:
+        stats = ending.stats
+        return self.piece(text, True) | {
+            "done_reason": ending.finish_reason,
+            "total_duration": int((time.monotonic() - self.started) * 1e9),
+            "load_duration": 0,
+            "prompt_eval_count": ending.prompt_tokens,
+            "prompt_eval_duration": int(stats.prefill_s * 1e9),
+            "eval_count": stats.new_tokens,
+            "eval_duration": int(stats.decode_s * 1e9),
+        }
+
+    async def stream(self, events: AsyncIterator[Event]) -> AsyncIterator[str]:
+        async for event in events:
+            if isinstance(event, str):
+                if event:
+                    yield json.dumps(self.piece(event)) + "\n"
+            elif isinstance(event, Failure):
+                yield json.dumps({"error": event.message}) + "\n"
+            else:
+                yield json.dumps(self.whole("", event)) + "\n"
+
+
+DETAILS = {"format": "", "family": "dflash", "families": ["dflash"], "parameter_size": "", "quantization_level": ""}
+
+
+def routes(server: Server) -> list[Route]:
+    """The Ollama endpoints over the server's engine (the model is the one served, whatever name a request gives)."""
+    engine, model = server.engine, server.model
+
+    async def chat(request: Request, body: dict) -> Response:
+        messages, sampling = parse_messages(body), parse_options(body)
+        think = body.get("think")
+        if think is not None and not isinstance(think, bool):
+            raise BadRequest("'think' must be true or false.", "think")
+
+        def render(models: LoadedModels) -> list[int]:
+            enable = engine.thinking if think is None else think
+            return models.tokenizer.encode_chat(messages, add_generation_prompt=True, enable_thinking=enable)
+
+        return await server.answer(request, Job(render, sampling, server.loop()), Reply(True, model))
+
+    async def generate(request: Request, body: dict) -> Response:
+        prompt, system, sampling = body.get("prompt") or "", body.get("system") or "", parse_options(body)
+        if not isinstance(prompt, str) or not isinstance(system, str):
+            raise BadRequest("'prompt' and 'system' must be strings.", "prompt")
+        if not prompt:  # Ollama's way to load a model: nothing to generate
+            return JSONResponse(Reply(False, model).piece("", True) | {"done_reason": "load"})
+        raw = flag(body, "raw")
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+
+        def render(models: LoadedModels) -> list[int]:
+            if raw:
+                return models.tokenizer.encode(prompt)
+            return models.tokenizer.encode_chat(messages, add_generation_prompt=True, enable_thinking=engine.thinking)
+
+        return await server.answer(request, Job(render, sampling, server.loop()), Reply(False, model))
+
+    async def tags(request: Request, body: None) -> Response:
+        card = {"name": model, "model": model, "modified_at": _now(), "size": 0, "digest": "", "details": DETAILS}
+        return JSONResponse({"models": [card]})
+
+    async def show(request: Request, body: dict) -> Response:
+        info = {"general.architecture": "dflash", "dflash.context_length": engine.models.target.max_context}
+        card = {"modelfile": "", "parameters": "", "template": "", "details": DETAILS, "model_info": info}
+        return JSONResponse(card | {"capabilities": ["completion"], "modified_at": _now()})
+
+    async def version(request: Request, body: None) -> Response:
+        return JSONResponse({"version": API_VERSION})
+
+    async def root(request: Request) -> Response:
+        return PlainTextResponse("Ollama is running")  # what Ollama answers; front-ends probe it
+
+    return [
+        Route("/", root, methods=["GET"]),
+        Route("/api/version", server.endpoint(version, refusal), methods=["GET"]),
+        Route("/api/tags", server.endpoint(tags, refusal), methods=["GET"]),
+        Route("/api/show", server.endpoint(show, refusal), methods=["POST"]),
+        Route("/api/chat", server.endpoint(chat, refusal), methods=["POST"]),
+        Route("/api/generate", server.endpoint(generate, refusal), methods=["POST"]),
+    ]

@@ -1,0 +1,124 @@
+"""OpenAI's API: /v1/chat/completions, /v1/completions and /v1/models, their answers whole or as SSE chunks, and usage
+built from the loop's Stats."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..generation import LoadedModels
+from .engine import Ending, Event, Failure, Job
+from .exchange import Server
+from .protocol import error_response, parse_messages, parse_prompt, parse_sampling, parse_thinking
+
+
+def usage(ending: Ending) -> dict:
+    """OpenAI usage plus a `dflash` object: tau, acceptance lengths, block sizes, decode tokens/s, prefilled tokens."""
+    stats = ending.stats
+    return {
+        "prompt_tokens": ending.prompt_tokens,
+        "completion_tokens": stats.new_tokens,
+        "total_tokens": ending.prompt_tokens + stats.new_tokens,
+        "dflash": {
+            "tau": stats.tau,
+            "acceptance_lengths": stats.acceptance_lengths,
+            "block_sizes": stats.block_sizes,
+            "decode_tokens_per_s": stats.decode_tokens_per_s,
+            "prefill_tokens": stats.prefill_tokens,
+        },
+    }
+
+
+def _sse(body: dict | str) -> str:
+    return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n"
+
+
+class Shape:
+    """How one OpenAI endpoint writes its answers: whole, or as SSE chunks (with a usage chunk when asked)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, chat: bool, model: str, include_usage: bool = False) -> None:
+        self.chat, self.model, self.include_usage = chat, model, include_usage
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _object(self, kind: str, choices: list, usage: dict | None = None) -> dict:
+        body = {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+        return body if usage is None else body | {"usage": usage}
+
+    def error(self, status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        return error_response(status, message, kind, headers=headers)
+
+    def whole(self, text: str, ending: Ending) -> dict:
+        finish = ending.finish_reason
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+            return self._object("chat.completion", [choice], usage(ending))
+        return self._object("text_completion", [{"index": 0, "text": text, "finish_reason": finish}], usage(ending))
+
+    def chunk(self, text: str | None, finish: str | None = None, usage: dict | None = None) -> dict:
+        """A stream chunk: text (None: the opening role chunk of a chat), a finish reason, or (no choices) usage."""
+        if usage is not None:
+            return self._object("chat.completion.chunk" if self.chat else "text_completion", [], usage)
+        if not self.chat:
+            return self._object("text_completion", [{"index": 0, "text": text or "", "finish_reason": finish}])
+        delta = {"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {})
+        return self._object("chat.completion.chunk", [{"index": 0, "delta": delta, "finish_reason": finish}])
+
+    async def stream(self, events: AsyncIterator[Event]) -> AsyncIterator[str]:
+        """SSE chunks: the chat's role chunk, each text, the finish reason, usage if asked, then [DONE]."""
+        if self.chat:
+            yield _sse(self.chunk(None))
+        async for event in events:
+            if isinstance(event, str):
+                if event:
+                    yield _sse(self.chunk(event))
+            elif isinstance(event, Failure):
+                yield _sse({"error": {"message": event.message, "type": "server_error", "param": None, "code": None}})
+            else:
+                yield _sse(self.chunk("", event.finish_reason))
+                if self.include_usage:
+                    yield _sse(self.chunk(None, usage=usage(event)))
+        yield _sse("[DONE]")
+
+
+def routes(server: Server) -> list[Route]:
+    """The OpenAI endpoints over the server's engine."""
+    engine, model = server.engine, server.model
+
+    async def chat(request: Request, body: dict) -> Response:
+        messages, sampling, thinking = parse_messages(body), parse_sampling(body), parse_thinking(body)
+
+        def render(models: LoadedModels) -> list[int]:
+            enable = engine.thinking if thinking is None else thinking
+            return models.tokenizer.encode_chat(messages, add_generation_prompt=True, enable_thinking=enable)
+
+        job = Job(render, sampling, server.loop())
+        return await server.answer(request, job, Shape(True, model, sampling.include_usage))
+
+    async def completions(request: Request, body: dict) -> Response:
+        prompt, sampling = parse_prompt(body), parse_sampling(body)
+
+        def encode(models: LoadedModels) -> list[int]:
+            return models.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+
+        job = Job(encode, sampling, server.loop())
+        return await server.answer(request, job, Shape(False, model, sampling.include_usage))
+
+    async def models(request: Request, body: None) -> Response:
+        card = {"id": model, "object": "model", "created": 0, "owned_by": "dflash-local"}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    return [
+        Route("/v1/chat/completions", server.endpoint(chat), methods=["POST"]),
+        Route("/v1/completions", server.endpoint(completions), methods=["POST"]),
+        Route("/v1/models", server.endpoint(models), methods=["GET"]),
+    ]
