@@ -227,6 +227,20 @@ def test_a_body_over_the_limit_is_a_413_before_it_is_read(engine):
         assert status == 200 and body["object"] == "chat.completion"
 
 
+def test_the_rest_of_a_refused_body_is_read_for_a_bounded_time_then_the_connection_closes(engine):
+    with serving(engine, Limits(max_body=4096, read_timeout=1.0)) as address:
+        with socket.create_connection(address, timeout=HANG_S) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\n" + RAW_AUTH + b"Content-Length: 50000000\r\n\r\n")
+            status, body = parsed(read_to_close(sock))  # the answer is whole: the server closed its side
+            assert status == 413 and body["error"]["message"].startswith("The request body is 50000000 bytes")
+            sent, start = 0, time.monotonic()
+            with pytest.raises((BrokenPipeError, ConnectionResetError)):
+                while time.monotonic() - start < HANG_S:  # the body goes on: read and dropped, for a while
+                    sent += sock.send(b" " * 65536)
+                    time.sleep(0.01)
+            assert sent > 65536 and time.monotonic() - start < 10
+
+
 def test_a_compressed_body_is_a_415(address):
     status, _, body = ask(address, "POST", "/v1/chat/completions", b"\x1f\x8b", AUTH | {"Content-Encoding": "gzip"})
     assert status == 415
