@@ -147,7 +147,6 @@ def test_json_in_utf16_and_escaped_non_ascii_text_are_answered(address):
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
         ("functions", [{"name": "f", "parameters": {}}]),
         ("tool_choice", "required"),
         ("tool_choice", {"type": "function", "function": {"name": "f"}}),

@@ -12,10 +12,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ..chat_template import takes_tools
 from ..generation import LoadedModels
 from .engine import Ending, Event, Failure, Job
 from .exchange import Server
 from .protocol import error_response, parse_messages, parse_prompt, parse_sampling, parse_thinking
+from .tools import ToolText, conversation, parse_calls, parse_tools, tool_names
 
 
 def usage(ending: Ending) -> dict:
@@ -44,8 +46,8 @@ class Shape:
 
     media_type = "text/event-stream"
 
-    def __init__(self, chat: bool, model: str, include_usage: bool = False) -> None:
-        self.chat, self.model, self.include_usage = chat, model, include_usage
+    def __init__(self, chat: bool, model: str, include_usage: bool = False, tools: list[dict] | None = None) -> None:
+        self.chat, self.model, self.include_usage, self.tools = chat, model, include_usage, tools
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -58,11 +60,16 @@ class Shape:
         return error_response(status, message, kind, headers=headers)
 
     def whole(self, text: str, ending: Ending) -> dict:
-        finish = ending.finish_reason
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
-            return self._object("chat.completion", [choice], usage(ending))
-        return self._object("text_completion", [{"index": 0, "text": text, "finish_reason": finish}], usage(ending))
+        if not self.chat:
+            choice = {"index": 0, "text": text, "finish_reason": ending.finish_reason}
+            return self._object("text_completion", [choice], usage(ending))
+        message, finish = {"role": "assistant", "content": text}, ending.finish_reason
+        content, calls = parse_calls(text, tool_names(self.tools)) if self.tools else (text, [])
+        if calls:
+            message, finish = {"role": "assistant", "content": content or None, "tool_calls": calls}, "tool_calls"
+        return self._object(
+            "chat.completion", [{"index": 0, "message": message, "finish_reason": finish}], usage(ending)
+        )
 
     def chunk(self, text: str | None, finish: str | None = None, usage: dict | None = None) -> dict:
         """A stream chunk: text (None: the opening role chunk of a chat), a finish reason, or (no choices) usage."""
@@ -73,18 +80,31 @@ class Shape:
         delta = {"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {})
         return self._object("chat.completion.chunk", [{"index": 0, "delta": delta, "finish_reason": finish}])
 
+    def _calls_chunk(self, calls: list[dict]) -> dict:
+        """The tool calls as one delta (each with its index, as OpenAI streams them)."""
+        delta = {"tool_calls": [{"index": index} | call for index, call in enumerate(calls)]}
+        return self._object("chat.completion.chunk", [{"index": 0, "delta": delta, "finish_reason": None}])
+
     async def stream(self, events: AsyncIterator[Event]) -> AsyncIterator[str]:
-        """SSE chunks: the chat's role chunk, each text, the finish reason, usage if asked, then [DONE]."""
+        """SSE chunks: the chat's role chunk, each text (tool calls as deltas at the end), the finish reason, usage
+        if asked, then [DONE]."""
+        held = ToolText(self.tools) if self.chat and self.tools else None
         if self.chat:
             yield _sse(self.chunk(None))
         async for event in events:
             if isinstance(event, str):
-                if event:
-                    yield _sse(self.chunk(event))
+                text = held.add(event) if held else event
+                if text:
+                    yield _sse(self.chunk(text))
             elif isinstance(event, Failure):
                 yield _sse({"error": {"message": event.message, "type": "server_error", "param": None, "code": None}})
             else:
-                yield _sse(self.chunk("", event.finish_reason))
+                rest, calls = held.finish() if held else ("", [])
+                if rest:
+                    yield _sse(self.chunk(rest))
+                if calls:
+                    yield _sse(self._calls_chunk(calls))
+                yield _sse(self.chunk("", "tool_calls" if calls else event.finish_reason))
                 if self.include_usage:
                     yield _sse(self.chunk(None, usage=usage(event)))
         yield _sse("[DONE]")
@@ -96,13 +116,15 @@ def routes(server: Server) -> list[Route]:
 
     async def chat(request: Request, body: dict) -> Response:
         messages, sampling, thinking = parse_messages(body), parse_sampling(body), parse_thinking(body)
+        tools = parse_tools(body)
 
         def render(models: LoadedModels) -> list[int]:
             enable = engine.thinking if thinking is None else thinking
-            return models.tokenizer.encode_chat(messages, add_generation_prompt=True, enable_thinking=enable)
+            turns, shown = conversation(messages, tools, takes_tools(models.tokenizer.config))
+            return models.tokenizer.encode_chat(turns, True, enable, shown)
 
         job = Job(render, sampling, server.loop())
-        return await server.answer(request, job, Shape(True, model, sampling.include_usage))
+        return await server.answer(request, job, Shape(True, model, sampling.include_usage, tools))
 
     async def completions(request: Request, body: dict) -> Response:
         prompt, sampling = parse_prompt(body), parse_sampling(body)

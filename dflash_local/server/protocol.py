@@ -105,13 +105,13 @@ def stop_strings(value: object, name: str = "stop") -> tuple[str, ...]:
     return tuple(stops)
 
 
-NO_TOOLS = "dflash serve does not call tools"
+NO_FUNCTIONS = "send 'tools' instead (the legacy functions API is not served)"
+NOT_FORCED = "a required or named call needs constrained decoding, which dflash serve does not do yet"
 NO_PENALTIES = "the samplers apply no penalties; send 0 or leave it out"
 UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
-    "tools": ((None, []), f"'tools' cannot be honoured: {NO_TOOLS}."),
-    "functions": ((None, []), f"'functions' cannot be honoured: {NO_TOOLS}."),
-    "tool_choice": ((None, "none", "auto"), f"'tool_choice' must be none or auto: {NO_TOOLS}."),
-    "function_call": ((None, "none", "auto"), f"'function_call' must be none or auto: {NO_TOOLS}."),
+    "functions": ((None, []), f"'functions' cannot be honoured: {NO_FUNCTIONS}."),
+    "tool_choice": ((None, "none", "auto"), f"'tool_choice' must be none or auto: {NOT_FORCED}."),
+    "function_call": ((None, "none", "auto"), f"'function_call' must be none or auto: {NO_FUNCTIONS}."),
     "response_format": ((None, {"type": "text"}), 'Only response_format {"type": "text"} is supported.'),
     "n": ((None, 1), "Only n = 1 is supported: the engine decodes one sequence at a time."),
     "best_of": ((None, 1), "Only best_of = 1 is supported: the engine decodes one sequence at a time."),
@@ -124,7 +124,16 @@ UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
     "frequency_penalty": ((None, 0), f"'frequency_penalty' cannot be honoured: {NO_PENALTIES}."),
 }
 # Fields read here or by the endpoints, and those accepted with no effect on one sequence without tools.
-KNOWN = {"model", "messages", "prompt", "chat_template_kwargs", "max_tokens", "max_completion_tokens", "temperature"}
+KNOWN = {
+    "model",
+    "messages",
+    "tools",
+    "prompt",
+    "chat_template_kwargs",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+}
 KNOWN |= {"top_p", "top_k", "seed", "stop", "stream", "stream_options", "ignore_eos", "user", "parallel_tool_calls"}
 KNOWN |= set(UNSUPPORTED)
 
@@ -184,16 +193,46 @@ def _content(message: dict, where: str) -> str:
     raise BadRequest("A message's content must be a string or a list of text parts.", f"{where}.content")
 
 
-def parse_messages(body: dict) -> list[dict[str, str]]:
-    """The chat messages as the template takes them: role and content strings."""
+def _tool_calls(message: dict, where: str) -> list[dict]:
+    """An assistant message's tool calls as templates take them: arguments as an object (transformers' way)."""
+    calls = message.get("tool_calls") or []
+    if not isinstance(calls, list):
+        raise BadRequest("'tool_calls' must be a list.", f"{where}.tool_calls")
+    taken = []
+    for index, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        arguments = function.get("arguments", "{}") if isinstance(function, dict) else None
+        try:
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except json.JSONDecodeError:
+            arguments = None
+        if not isinstance(name, str) or not isinstance(arguments, dict):
+            message = "A tool call must be {function: {name, arguments (a JSON object, as text)}}."
+            raise BadRequest(message, f"{where}.tool_calls[{index}]")
+        function = {"name": name, "arguments": arguments}
+        taken.append({"id": str(call.get("id", "")), "type": "function", "function": function})
+    return taken
+
+
+def parse_messages(body: dict) -> list[dict]:
+    """The chat messages as the template takes them: role and content strings, an assistant's tool calls, and a tool
+    result's call id and name."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list of {role, content} objects.", "messages")
     parsed = []
     for index, message in enumerate(messages):
+        where = f"messages[{index}]"
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise BadRequest("Each message must be an object with a 'role' string.", f"messages[{index}]")
-        parsed.append({"role": message["role"], "content": _content(message, f"messages[{index}]")})
+            raise BadRequest("Each message must be an object with a 'role' string.", where)
+        taken = {"role": message["role"], "content": _content(message, where)}
+        if message.get("tool_calls"):
+            taken["tool_calls"] = _tool_calls(message, where)
+        for name in ("tool_call_id", "name"):
+            if isinstance(message.get(name), str):
+                taken[name] = message[name]
+        parsed.append(taken)
     return parsed
 
 
