@@ -9,6 +9,7 @@ import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import ollama
 import openai
 import pytest
 from test_serve_clients import KEY, TINY, serving
@@ -17,6 +18,7 @@ from dflash_local.chat_template import render_chat, takes_tools
 from dflash_local.decode import Stats
 from dflash_local.generation import load_models
 from dflash_local.runtime import RuntimeConfig
+from dflash_local.server import ollama_api
 from dflash_local.server.engine import Ending, Engine
 from dflash_local.server.openai_api import Shape
 from dflash_local.server.protocol import BadRequest, parse_messages
@@ -31,6 +33,8 @@ WEATHER = {
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
     },
 }
+CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
+ENDING = Ending("stop", 5, Stats())
 HISTORY = [
     {"role": "user", "content": "Weather in Paris?"},
     {
@@ -126,7 +130,7 @@ def streamed(pieces: list[str], tools: list[dict] | None = None) -> list[dict]:
     async def events() -> AsyncIterator:
         for piece in pieces:
             yield piece
-        yield Ending("stop", 5, Stats())
+        yield ENDING
 
     async def collect() -> list[str]:
         return [line async for line in Shape(True, "tiny", tools=tools).stream(events())]
@@ -176,10 +180,15 @@ def test_a_malformed_tool_list_is_a_400_naming_the_field(tools, param):
     assert caught.value.param == param
 
 
-def test_the_openai_client_sends_tools_and_tool_history_and_reads_text_back():
+@pytest.fixture(scope="module")
+def tool_engine() -> Engine:
+    """The bundled pair with room for a tool prompt (the tiny model's template takes no tools: the generic one)."""
     models = load_models(TINY / "target", TINY / "drafter", RuntimeConfig(device="cpu"), auto_block=False)
-    engine = Engine(models, 4, None, size=2)
-    with serving(engine) as url:
+    return Engine(models, 4, None, size=2)
+
+
+def test_the_openai_client_sends_tools_and_tool_history_and_reads_text_back(tool_engine):
+    with serving(tool_engine) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
         answer = client.chat.completions.create(
             model="tiny", messages=HISTORY, tools=[WEATHER], tool_choice="auto", temperature=0, max_tokens=8
@@ -189,3 +198,35 @@ def test_the_openai_client_sends_tools_and_tool_history_and_reads_text_back():
         with pytest.raises(openai.BadRequestError) as caught:
             client.chat.completions.create(model="tiny", messages=HISTORY, tools=[WEATHER], tool_choice="required")
         assert caught.value.param == "tool_choice"
+
+
+def test_ollama_replies_carry_the_calls_in_ollamas_shape_whole_and_streamed():
+    text = 'Sure.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    whole = ollama.ChatResponse.model_validate(ollama_api.Reply(True, "tiny", [WEATHER]).whole(text, ENDING))
+    assert whole.message.content == "Sure." and whole.done
+    assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+
+    async def events() -> AsyncIterator:
+        for piece in (text[:9], text[9:30], text[30:]):
+            yield piece
+        yield ENDING
+
+    async def lines() -> list[str]:
+        return [line async for line in ollama_api.Reply(True, "tiny", [WEATHER]).stream(events())]
+
+    parts = [ollama.ChatResponse.model_validate_json(line) for line in asyncio.run(lines())]
+    assert "".join(p.message.content for p in parts) == "Sure."
+    assert parts[-1].done and parts[-1].message.tool_calls[0].function.arguments == {"city": "Paris"}
+
+
+def test_the_ollama_client_sends_tools_and_tool_history_and_reads_text_back(tool_engine):
+    with serving(tool_engine) as url:
+        local = ollama.Client(host=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+        history = [HISTORY[0], {"role": "assistant", "content": "", "tool_calls": [{"function": CALL}]}]
+        history.append({"role": "tool", "content": "18 C, sunny", "tool_name": "get_weather"})
+        answer = local.chat(
+            model="tiny", messages=history, tools=[WEATHER], options={"temperature": 0, "num_predict": 8}
+        )
+        assert answer.message.content and not answer.message.tool_calls and answer.done

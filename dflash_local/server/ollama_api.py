@@ -13,17 +13,19 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from ..chat_template import takes_tools
 from ..generation import LoadedModels
 from ..sampling import SamplingParams
 from .engine import Ending, Event, Failure, Job
 from .exchange import Server
 from .protocol import BadRequest, Refused, Sampling, flag, number, parse_messages, stop_strings, whole
+from .tools import ToolText, conversation, parse_calls, parse_tools, tool_names
 
 log = logging.getLogger("dflash.serve")
 
 API_VERSION = "0.12.0"  # the Ollama release whose API these routes follow (clients gate features on it)
 OPTIONS = {"num_predict", "temperature", "top_p", "top_k", "seed", "stop"}
-REFUSED = {"images": "images", "tools": "tools", "format": "structured output ('format')", "suffix": "'suffix'"}
+REFUSED = {"images": "images", "format": "structured output ('format')", "suffix": "'suffix'"}
 REFUSED |= {"context": "'context' token lists"}
 
 
@@ -66,20 +68,33 @@ class Reply:
 
     media_type = "application/x-ndjson"
 
-    def __init__(self, chat: bool, model: str) -> None:
-        self.chat, self.model, self.started = chat, model, time.monotonic()
+    def __init__(self, chat: bool, model: str, tools: list[dict] | None = None) -> None:
+        self.chat, self.model, self.tools, self.started = chat, model, tools, time.monotonic()
 
     def error(self, status: int, message: str, headers: dict[str, str] | None = None) -> Response:
         return JSONResponse({"error": message}, status_code=status, headers=headers)
 
-    def piece(self, text: str, done: bool = False) -> dict:
+    def piece(self, text: str, done: bool = False, calls: list[dict] | None = None) -> dict:
+        """One line: text (a chat's message, else the response), with its tool calls in Ollama's shape."""
         body = {"model": self.model, "created_at": _now()}
-        content = {"message": {"role": "assistant", "content": text}} if self.chat else {"response": text}
-        return body | content | {"done": done}
+        if not self.chat:
+            return body | {"response": text, "done": done}
+        message = {"role": "assistant", "content": text}
+        if calls:
+            functions = [
+                {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])} for c in calls
+            ]
+            message["tool_calls"] = [{"function": function} for function in functions]
+        return body | {"message": message, "done": done}
 
     def whole(self, text: str, ending: Ending) -> dict:
+        content, calls = parse_calls(text, tool_names(self.tools)) if self.tools else (text, [])
+        return self._last(content, calls, ending)
+
+    def _last(self, text: str, calls: list[dict], ending: Ending) -> dict:
+        """The last line: done, why, the counts and the durations in nanoseconds."""
         stats = ending.stats
-        return self.piece(text, True) | {
+        return self.piece(text, True, calls) | {
             "done_reason": ending.finish_reason,
             "total_duration": int((time.monotonic() - self.started) * 1e9),
             "load_duration": 0,
@@ -90,14 +105,18 @@ class Reply:
         }
 
     async def stream(self, events: AsyncIterator[Event]) -> AsyncIterator[str]:
+        """NDJSON lines: each text (a tool call held back and sent with the last line), then the last line."""
+        held = ToolText(self.tools) if self.chat and self.tools else None
         async for event in events:
             if isinstance(event, str):
-                if event:
-                    yield json.dumps(self.piece(event)) + "\n"
+                text = held.add(event) if held else event
+                if text:
+                    yield json.dumps(self.piece(text)) + "\n"
             elif isinstance(event, Failure):
                 yield json.dumps({"error": event.message}) + "\n"
             else:
-                yield json.dumps(self.whole("", event)) + "\n"
+                rest, calls = held.finish() if held else ("", [])
+                yield json.dumps(self._last(rest, calls, event)) + "\n"
 
 
 DETAILS = {"format": "", "family": "dflash", "families": ["dflash"], "parameter_size": "", "quantization_level": ""}
@@ -108,16 +127,17 @@ def routes(server: Server) -> list[Route]:
     engine, model = server.engine, server.model
 
     async def chat(request: Request, body: dict) -> Response:
-        messages, sampling = parse_messages(body), parse_options(body)
+        messages, sampling, tools = parse_messages(body), parse_options(body), parse_tools(body)
         think = body.get("think")
         if think is not None and not isinstance(think, bool):
             raise BadRequest("'think' must be true or false.", "think")
 
         def render(models: LoadedModels) -> list[int]:
             enable = engine.thinking if think is None else think
-            return models.tokenizer.encode_chat(messages, add_generation_prompt=True, enable_thinking=enable)
+            turns, shown = conversation(messages, tools, takes_tools(models.tokenizer.config))
+            return models.tokenizer.encode_chat(turns, True, enable, shown)
 
-        return await server.answer(request, Job(render, sampling, server.loop()), Reply(True, model))
+        return await server.answer(request, Job(render, sampling, server.loop()), Reply(True, model, tools))
 
     async def generate(request: Request, body: dict) -> Response:
         prompt, system, sampling = body.get("prompt") or "", body.get("system") or "", parse_options(body)
