@@ -66,10 +66,6 @@ class Server:
     def __init__(self, engine: Engine, model: str, api_key: str | None, limits: Limits) -> None:
         self.engine, self.model, self.api_key, self.limits = engine, model, api_key, limits
 
-    @staticmethod
-    def loop() -> asyncio.AbstractEventLoop:
-        return asyncio.get_running_loop()
-
     def authorized(self, request: Request) -> bool:
         """Authorization: Bearer KEY (the scheme in any case), the key compared in constant time."""
         if self.api_key is None:

@@ -3,6 +3,7 @@ streaming, the options clients send), for clients that speak only Ollama's API."
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -137,7 +138,9 @@ def routes(server: Server) -> list[Route]:
             turns, shown = conversation(messages, tools, takes_tools(models.tokenizer.config))
             return models.tokenizer.encode_chat(turns, True, enable, shown)
 
-        return await server.answer(request, Job(render, sampling, server.loop()), Reply(True, model, tools))
+        return await server.answer(
+            request, Job(render, sampling, asyncio.get_running_loop()), Reply(True, model, tools)
+        )
 
     async def generate(request: Request, body: dict) -> Response:
         prompt, system, sampling = body.get("prompt") or "", body.get("system") or "", parse_options(body)
@@ -153,7 +156,7 @@ def routes(server: Server) -> list[Route]:
                 return models.tokenizer.encode(prompt)
             return models.tokenizer.encode_chat(messages, add_generation_prompt=True, enable_thinking=engine.thinking)
 
-        return await server.answer(request, Job(render, sampling, server.loop()), Reply(False, model))
+        return await server.answer(request, Job(render, sampling, asyncio.get_running_loop()), Reply(False, model))
 
     async def tags(request: Request, body: None) -> Response:
         card = {"name": model, "model": model, "modified_at": _now(), "size": 0, "digest": "", "details": DETAILS}

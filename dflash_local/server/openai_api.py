@@ -3,6 +3,7 @@ built from the loop's Stats."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -123,7 +124,7 @@ def routes(server: Server) -> list[Route]:
             turns, shown = conversation(messages, tools, takes_tools(models.tokenizer.config))
             return models.tokenizer.encode_chat(turns, True, enable, shown)
 
-        job = Job(render, sampling, server.loop())
+        job = Job(render, sampling, asyncio.get_running_loop())
         return await server.answer(request, job, Shape(True, model, sampling.include_usage, tools))
 
     async def completions(request: Request, body: dict) -> Response:
@@ -132,7 +133,7 @@ def routes(server: Server) -> list[Route]:
         def encode(models: LoadedModels) -> list[int]:
             return models.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
 
-        job = Job(encode, sampling, server.loop())
+        job = Job(encode, sampling, asyncio.get_running_loop())
         return await server.answer(request, job, Shape(False, model, sampling.include_usage))
 
     async def models(request: Request, body: None) -> Response:
