@@ -143,6 +143,11 @@ def _generate(source: str, variables: dict[str, Any]) -> str:
     return "".join(pieces)
 
 
+def takes_tools(tokenizer_config: dict[str, Any]) -> bool:
+    """Whether the chat template reads `tools` (renders tool definitions itself)."""
+    return re.search(r"\btools\b", template_source(tokenizer_config) or "") is not None
+
+
 def uses_thinking(tokenizer_config: dict[str, Any]) -> bool:
     """Whether the chat template reads `enable_thinking` (Qwen3-style thinking on/off)."""
     return "enable_thinking" in (template_source(tokenizer_config) or "")
@@ -150,12 +155,13 @@ def uses_thinking(tokenizer_config: dict[str, Any]) -> bool:
 
 def render_chat(
     tokenizer_config: dict[str, Any],
-    messages: list[dict[str, str]],
+    messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
     enable_thinking: bool | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
     """Render messages with the config's chat template, as transformers would, within the bounds above;
-    enable_thinking, when given, is passed as that template variable (None leaves the template's default)."""
+    enable_thinking and tools, when given, are passed as those template variables (None leaves them out)."""
     source = template_source(tokenizer_config)
     if source is None:
         raise DFlashError("The model has no chat template (tokenizer_config.json has no chat_template).")
@@ -167,6 +173,8 @@ def render_chat(
     }
     if enable_thinking is not None:
         variables["enable_thinking"] = enable_thinking
+    if tools is not None:
+        variables["tools"] = tools
     try:
         with _memory_cap(), _deadline(RENDER_SECONDS):
             return _generate(source, variables)
@@ -190,8 +198,12 @@ class ChatEncoder:
     config: dict[str, Any]
 
     def encode_chat(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, enable_thinking: bool | None = None
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        enable_thinking: bool | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """Token ids of messages rendered with the model's chat template."""
-        text = render_chat(self.config, messages, add_generation_prompt, enable_thinking)
+        """Token ids of messages rendered with the model's chat template (with tools, where given)."""
+        text = render_chat(self.config, messages, add_generation_prompt, enable_thinking, tools)
         return self.encode(text, add_special_tokens=False)

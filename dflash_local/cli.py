@@ -366,6 +366,9 @@ def serve(
     max_new_tokens: Optional[int] = typer.Option(
         None, "--max-new-tokens", help="Default answer length when a request has no max_tokens (default: the context)."
     ),
+    cors_origins: list[str] = typer.Option(
+        [], "--cors-origin", help="A browser origin allowed to call the API (repeatable; default: none)."
+    ),
     block_option: str = typer.Option("auto", "--block-size", help=BLOCK_HELP),
     no_draft: bool = typer.Option(False, "--no-draft", help="Plain autoregressive decoding (the baseline)."),
     engine: Optional[str] = typer.Option(
@@ -406,7 +409,7 @@ def serve(
         shown = f"[{address[0]}]" if ":" in address[0] else address[0]
         typer.echo(f"serving {model} on http://{shown}:{address[1]}/v1 (OpenAI API; Ctrl-C stops)", err=True)
         limits = Limits(max_body, read_timeout, max_connections)
-        run_server(create_app(worker, model, api_key, limits), sock, limits)
+        run_server(create_app(worker, model, api_key, limits, tuple(cors_origins)), sock, limits)
 
 
 def _hand_off(

@@ -21,16 +21,10 @@ from typer.testing import CliRunner
 from dflash_local.cli import app
 from dflash_local.generation import load_models
 from dflash_local.runtime import RuntimeConfig
-from dflash_local.server import (
-    BadRequest,
-    Engine,
-    Limits,
-    StopCutter,
-    create_app,
-    listen,
-    parse_sampling,
-    uvicorn_server,
-)
+from dflash_local.server.app import create_app
+from dflash_local.server.engine import Engine, StopCutter
+from dflash_local.server.hardening import Limits, listen, uvicorn_server
+from dflash_local.server.protocol import BadRequest, parse_sampling
 
 KEY = "test-key"
 TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"
@@ -153,7 +147,6 @@ def test_json_in_utf16_and_escaped_non_ascii_text_are_answered(address):
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
         ("functions", [{"name": "f", "parameters": {}}]),
         ("tool_choice", "required"),
         ("tool_choice", {"type": "function", "function": {"name": "f"}}),
@@ -233,6 +226,20 @@ def test_a_body_over_the_limit_is_a_413_before_it_is_read(engine):
         assert status == 200 and body["object"] == "chat.completion"
 
 
+def test_the_rest_of_a_refused_body_is_read_for_a_bounded_time_then_the_connection_closes(engine):
+    with serving(engine, Limits(max_body=4096, read_timeout=1.0)) as address:
+        with socket.create_connection(address, timeout=HANG_S) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\n" + RAW_AUTH + b"Content-Length: 50000000\r\n\r\n")
+            status, body = parsed(read_to_close(sock))  # the answer is whole: the server closed its side
+            assert status == 413 and body["error"]["message"].startswith("The request body is 50000000 bytes")
+            sent, start = 0, time.monotonic()
+            with pytest.raises((BrokenPipeError, ConnectionResetError)):
+                while time.monotonic() - start < HANG_S:  # the body goes on: read and dropped, for a while
+                    sent += sock.send(b" " * 65536)
+                    time.sleep(0.01)
+            assert sent > 65536 and time.monotonic() - start < 10
+
+
 def test_a_compressed_body_is_a_415(address):
     status, _, body = ask(address, "POST", "/v1/chat/completions", b"\x1f\x8b", AUTH | {"Content-Encoding": "gzip"})
     assert status == 415
@@ -306,7 +313,7 @@ def test_a_limit_out_of_range_is_one_error_line(flag, value, message):
 
 def test_a_bug_is_a_500_in_the_openai_shape():
     class Broken(Engine):
-        def submit(self, job) -> None:
+        def submit(self, job) -> bool:
             raise RuntimeError("a bug")
 
     models = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids: ""), stop_ids=frozenset())

@@ -1,0 +1,60 @@
+"""The Starlette app: OpenAI's and Ollama's routes over one engine, /health, CORS for the origins given, and every
+refusal (no such path, wrong method, a bug) in OpenAI's error shape."""
+
+from __future__ import annotations
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from . import ollama_api, openai_api
+from .engine import Engine
+from .exchange import Server
+from .hardening import Limits
+from .protocol import error_response
+
+PATHS = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health and Ollama's /api/*"
+
+
+def _http_error(request: Request, exc: HTTPException) -> Response:
+    """Starlette's own refusals (no such path, wrong method) in the OpenAI shape."""
+    where = f"{request.method} {request.url.path}"
+    messages = {
+        404: f"Invalid URL ({where}): this server answers {PATHS}.",
+        405: f"{where} is not allowed: use {(exc.headers or {}).get('Allow', '')}.",
+    }
+    return error_response(exc.status_code, messages.get(exc.status_code, exc.detail), headers=exc.headers)
+
+
+def _server_error(request: Request, exc: Exception) -> Response:
+    """A bug's answer: a 500 in the OpenAI shape (uvicorn logs the traceback)."""
+    return error_response(500, f"The server failed ({type(exc).__name__}: {exc}).", "server_error")
+
+
+def create_app(
+    engine: Engine,
+    model: str,
+    api_key: str | None = None,
+    limits: Limits = Limits(),
+    cors_origins: tuple[str, ...] = (),
+) -> Starlette:
+    """The app: OpenAI's /v1 routes, Ollama's /api routes and /health; browsers from cors_origins only."""
+    server = Server(engine, model, api_key, limits)
+
+    async def health(request: Request) -> Response:
+        state = {"status": "ok", "model": model, "busy": engine.busy, "queued": engine.jobs.qsize()}
+        return JSONResponse(state | engine.counts)
+
+    routes = [*openai_api.routes(server), *ollama_api.routes(server), Route("/health", health, methods=["GET"])]
+    cors = [Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"], allow_headers=["*"])]
+    app = Starlette(
+        routes=routes,
+        middleware=cors if cors_origins else [],
+        exception_handlers={HTTPException: _http_error, Exception: _server_error},
+    )
+    app.router.redirect_slashes = False  # /v1/models/ is a 404, not a redirect
+    return app

@@ -1,0 +1,186 @@
+"""The one worker thread: takes jobs from a bounded queue in arrival order, iterates `generation.stream` for each and
+stops by checking (the client went away, a stop string appeared), handing text and the ending to the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from contextlib import closing
+from dataclasses import dataclass, field
+
+from ..decode import Settings, Stats
+from ..errors import DFlashError
+from ..generation import OUT_OF_MEMORY, GenerationRequest, LoadedModels, out_of_memory, stream
+from .protocol import Sampling
+
+log = logging.getLogger("dflash.serve")
+
+
+class StopCutter:
+    """Streams generated text while holding back any tail that may begin a stop string; cuts at the first one."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = stops
+        self.text = ""
+        self.sent = 0
+        self.hit: str | None = None
+
+    def add(self, delta: str) -> str:
+        """Append delta; return the text now safe to send (nothing after a stop string is ever sent)."""
+        if self.hit is not None:
+            return ""
+        self.text += delta
+        found = [(self.text.find(s, max(0, self.sent - len(s))), s) for s in self.stops]
+        found = [(at, s) for at, s in found if at >= 0]
+        if found:
+            at, self.hit = min(found)
+            self.text = self.text[:at]
+            return self.flush()
+        unsent = len(self.text) - self.sent  # only unsent text can be held back, so a long stop string costs no more
+        stops = ((s, range(1, min(len(s), unsent + 1))) for s in self.stops)
+        keep = max((n for s, sizes in stops for n in sizes if self.text.endswith(s[:n])), default=0)
+        end = max(self.sent, len(self.text) - keep)
+        out, self.sent = self.text[self.sent : end], end
+        return out
+
+    def flush(self) -> str:
+        """The text held back so far (at the end of a generation)."""
+        out, self.sent = self.text[self.sent :], len(self.text)
+        return out
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How a generation ended: "stop" or "length", its prompt's length and the loop's own stats."""
+
+    finish_reason: str
+    prompt_tokens: int
+    stats: Stats
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A job that failed: the HTTP status (400 before any text, else 500) and one sentence."""
+
+    status: int
+    message: str
+
+
+Event = str | Ending | Failure  # text, then one Ending or Failure
+
+
+@dataclass
+class Job:
+    """One request's way through the worker: how to get its prompt ids, its sampling, and events back to the loop."""
+
+    prompt: Callable[[LoadedModels], list[int]]
+    sampling: Sampling
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    sent: bool = False  # whether any text went out (a failure after it is the server's, a 500)
+
+    def emit(self, event: Event) -> None:
+        """Hand an event to the request's coroutine (thread-safe)."""
+        self.sent = self.sent or isinstance(event, str)
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+class Engine:
+    """The one worker thread and its bounded, first-come-first-served queue of jobs."""
+
+    def __init__(
+        self,
+        models: LoadedModels,
+        block_size: int | None,
+        max_new_tokens: int | None,
+        size: int,
+        thinking: bool | None = None,
+    ) -> None:
+        if models.tokenizer is None:
+            raise DFlashError("The model has no tokenizer (tokenizer.json), so it cannot be served.")
+        self.models = models
+        self.block_size = block_size
+        self.max_new_tokens = max_new_tokens
+        self.thinking = thinking  # the drafter's thinking mode: what chat templates render unless a request says
+        self.jobs: queue.Queue[Job] = queue.Queue(maxsize=size)
+        self.counts = {"served": 0, "cancelled": 0, "failed": 0}
+        self.busy = False
+        self.eos_texts = tuple(t for t in (models.tokenizer.decode([i]) for i in sorted(models.stop_ids)) if t)
+        threading.Thread(target=self._work, name="dflash-generation", daemon=True).start()
+
+    def submit(self, job: Job) -> bool:
+        """Queue the job; False when the queue is full."""
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full:
+            return False
+        return True
+
+    def _work(self) -> None:
+        while True:
+            job = self.jobs.get()
+            self.busy = True
+            try:
+                self._serve(job)
+            finally:
+                self.busy = False
+
+    def _serve(self, job: Job) -> None:
+        """Generate one job and hand it its events; every exception ends as this job's Failure."""
+        try:
+            if job.cancelled.is_set():
+                self.counts["cancelled"] += 1
+                return
+            ending = self._generate(job)
+            if ending is None:
+                self.counts["cancelled"] += 1
+                return
+            job.emit(ending)
+            self.counts["served"] += 1
+        except DFlashError as exc:
+            self.counts["failed"] += 1
+            job.emit(Failure(500 if job.sent else 400, str(exc)))
+        except Exception as exc:  # one request's failure is its own error response, never the server's end
+            self.counts["failed"] += 1
+            log.exception("generation failed")
+            job.emit(Failure(500, f"The generation failed ({type(exc).__name__}: {exc})."))
+
+    def settings(self, sampling: Sampling, prompt_tokens: int) -> Settings:
+        """The loop's settings for a request: no max_tokens means serve's --max-new-tokens, else up to the context."""
+        room = self.models.target.max_context - prompt_tokens
+        return Settings(
+            max_new_tokens=sampling.max_tokens or self.max_new_tokens or max(room, 1),
+            sampling=sampling.params,
+            block_size=self.block_size,
+            draft=self.models.drafter is not None,
+            stop_ids=self.models.stops(sampling.ignore_eos),
+            seed=sampling.seed,
+        )
+
+    def _generate(self, job: Job) -> Ending | None:
+        """Iterate the generation, emitting text as it comes; stop when cancelled (no Ending) or at a stop string."""
+        sampling = job.sampling
+        cutter = StopCutter(sampling.stop + (() if sampling.ignore_eos else self.eos_texts))
+        ids = job.prompt(self.models)
+        stats = Stats()
+        try:
+            with closing(stream(self.models, GenerationRequest(ids, self.settings(sampling, len(ids))))) as chunks:
+                for chunk in chunks:
+                    stats = chunk.stats
+                    if job.cancelled.is_set():
+                        return None
+                    text = cutter.add(chunk.text)
+                    if text or not job.sent:
+                        job.emit(text)
+                    if cutter.hit in sampling.stop:
+                        break
+        except OUT_OF_MEMORY:
+            what = f"A decoding step at {len(ids) + stats.new_tokens} tokens of context"
+            raise out_of_memory(what, self.models.target.device.type) from None
+        job.emit(cutter.flush())
+        finish = "stop" if cutter.hit is not None or stats.finish_reason == "stop" else "length"
+        return Ending(finish, len(ids), stats)

@@ -1,0 +1,183 @@
+"""Ollama's native API beside OpenAI's: /api/version, /api/tags, /api/show, /api/chat and /api/generate (NDJSON
+streaming, the options clients send), for clients that speak only Ollama's API."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from ..chat_template import takes_tools
+from ..generation import LoadedModels
+from ..sampling import SamplingParams
+from .engine import Ending, Event, Failure, Job
+from .exchange import Server
+from .protocol import BadRequest, Refused, Sampling, flag, number, parse_messages, stop_strings, whole
+from .tools import ToolText, conversation, parse_calls, parse_tools, tool_names
+
+log = logging.getLogger("dflash.serve")
+
+API_VERSION = "0.12.0"  # the Ollama release whose API these routes follow (clients gate features on it)
+OPTIONS = {"num_predict", "temperature", "top_p", "top_k", "seed", "stop"}
+REFUSED = {"images": "images", "format": "structured output ('format')", "suffix": "'suffix'"}
+REFUSED |= {"context": "'context' token lists"}
+
+
+def refusal(exc: Refused) -> Response:
+    """A refusal in Ollama's error shape: {"error": sentence}."""
+    return JSONResponse({"error": str(exc)}, status_code=exc.status, headers=exc.headers())
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
+
+
+def parse_options(body: dict) -> Sampling:
+    """stream (true unless false) and options.num_predict/temperature/top_p/top_k/seed/stop, with Ollama's defaults;
+    other options are ignored with a debug log, and what cannot be honoured is refused by name."""
+    for name, what in REFUSED.items():
+        if body.get(name) not in (None, [], ""):
+            raise BadRequest(f"{what} cannot be honoured by dflash serve.", name)
+    options = body.get("options") or {}
+    if not isinstance(options, dict):
+        raise BadRequest("'options' must be an object.", "options")
+    if set(options) - OPTIONS:
+        log.debug("ignored Ollama options: %s", ", ".join(sorted(set(options) - OPTIONS)))
+    predict = whole(options, "num_predict", -2, 2**31 - 1)
+    seed = whole(options, "seed", -(2**63), 2**64 - 1)
+    top_p = number(options, "top_p", 0.9, 0.0, 1.0) or 1.0  # Ollama reads top_p 0 as no truncation
+    top_k = whole(options, "top_k", 0, 2**31 - 1)
+    params = SamplingParams(number(options, "temperature", 0.8, 0.0, 2.0), top_p, 40 if top_k is None else top_k)
+    return Sampling(
+        max_tokens=predict if predict and predict > 0 else None,  # -1 and -2: up to the context
+        params=params,
+        seed=seed if seed is not None and seed >= 0 else None,
+        stop=stop_strings(options.get("stop"), "options.stop"),
+        stream=body.get("stream") is None or flag(body, "stream"),
+    )
+
+
+class Reply:
+    """How /api/chat and /api/generate write a job's answer: one object, or NDJSON lines ending with done: true."""
+
+    media_type = "application/x-ndjson"
+
+    def __init__(self, chat: bool, model: str, tools: list[dict] | None = None) -> None:
+        self.chat, self.model, self.tools, self.started = chat, model, tools, time.monotonic()
+
+    def error(self, status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+        return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+    def piece(self, text: str, done: bool = False, calls: list[dict] | None = None) -> dict:
+        """One line: text (a chat's message, else the response), with its tool calls in Ollama's shape."""
+        body = {"model": self.model, "created_at": _now()}
+        if not self.chat:
+            return body | {"response": text, "done": done}
+        message = {"role": "assistant", "content": text}
+        if calls:
+            functions = [
+                {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])} for c in calls
+            ]
+            message["tool_calls"] = [{"function": function} for function in functions]
+        return body | {"message": message, "done": done}
+
+    def whole(self, text: str, ending: Ending) -> dict:
+        content, calls = parse_calls(text, tool_names(self.tools)) if self.tools else (text, [])
+        return self._last(content, calls, ending)
+
+    def _last(self, text: str, calls: list[dict], ending: Ending) -> dict:
+        """The last line: done, why, the counts and the durations in nanoseconds."""
+        stats = ending.stats
+        return self.piece(text, True, calls) | {
+            "done_reason": ending.finish_reason,
+            "total_duration": int((time.monotonic() - self.started) * 1e9),
+            "load_duration": 0,
+            "prompt_eval_count": ending.prompt_tokens,
+            "prompt_eval_duration": int(stats.prefill_s * 1e9),
+            "eval_count": stats.new_tokens,
+            "eval_duration": int(stats.decode_s * 1e9),
+        }
+
+    async def stream(self, events: AsyncIterator[Event]) -> AsyncIterator[str]:
+        """NDJSON lines: each text (a tool call held back and sent with the last line), then the last line."""
+        held = ToolText(self.tools) if self.chat and self.tools else None
+        async for event in events:
+            if isinstance(event, str):
+                text = held.add(event) if held else event
+                if text:
+                    yield json.dumps(self.piece(text)) + "\n"
+            elif isinstance(event, Failure):
+                yield json.dumps({"error": event.message}) + "\n"
+            else:
+                rest, calls = held.finish() if held else ("", [])
+                yield json.dumps(self._last(rest, calls, event)) + "\n"
+
+
+DETAILS = {"format": "", "family": "dflash", "families": ["dflash"], "parameter_size": "", "quantization_level": ""}
+
+
+def routes(server: Server) -> list[Route]:
+    """The Ollama endpoints over the server's engine (the model is the one served, whatever name a request gives)."""
+    engine, model = server.engine, server.model
+
+    async def chat(request: Request, body: dict) -> Response:
+        messages, sampling, tools = parse_messages(body), parse_options(body), parse_tools(body)
+        think = body.get("think")
+        if think is not None and not isinstance(think, bool):
+            raise BadRequest("'think' must be true or false.", "think")
+
+        def render(models: LoadedModels) -> list[int]:
+            enable = engine.thinking if think is None else think
+            turns, shown = conversation(messages, tools, takes_tools(models.tokenizer.config))
+            return models.tokenizer.encode_chat(turns, True, enable, shown)
+
+        return await server.answer(
+            request, Job(render, sampling, asyncio.get_running_loop()), Reply(True, model, tools)
+        )
+
+    async def generate(request: Request, body: dict) -> Response:
+        prompt, system, sampling = body.get("prompt") or "", body.get("system") or "", parse_options(body)
+        if not isinstance(prompt, str) or not isinstance(system, str):
+            raise BadRequest("'prompt' and 'system' must be strings.", "prompt")
+        if not prompt:  # Ollama's way to load a model: nothing to generate
+            return JSONResponse(Reply(False, model).piece("", True) | {"done_reason": "load"})
+        raw = flag(body, "raw")
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+
+        def render(models: LoadedModels) -> list[int]:
+            if raw:
+                return models.tokenizer.encode(prompt)
+            return models.tokenizer.encode_chat(messages, add_generation_prompt=True, enable_thinking=engine.thinking)
+
+        return await server.answer(request, Job(render, sampling, asyncio.get_running_loop()), Reply(False, model))
+
+    async def tags(request: Request, body: None) -> Response:
+        card = {"name": model, "model": model, "modified_at": _now(), "size": 0, "digest": "", "details": DETAILS}
+        return JSONResponse({"models": [card]})
+
+    async def show(request: Request, body: dict) -> Response:
+        info = {"general.architecture": "dflash", "dflash.context_length": engine.models.target.max_context}
+        card = {"modelfile": "", "parameters": "", "template": "", "details": DETAILS, "model_info": info}
+        return JSONResponse(card | {"capabilities": ["completion"], "modified_at": _now()})
+
+    async def version(request: Request, body: None) -> Response:
+        return JSONResponse({"version": API_VERSION})
+
+    async def root(request: Request) -> Response:
+        return PlainTextResponse("Ollama is running")  # what Ollama answers; front-ends probe it
+
+    return [
+        Route("/", root, methods=["GET"]),
+        Route("/api/version", server.endpoint(version, refusal), methods=["GET"]),
+        Route("/api/tags", server.endpoint(tags, refusal), methods=["GET"]),
+        Route("/api/show", server.endpoint(show, refusal), methods=["POST"]),
+        Route("/api/chat", server.endpoint(chat, refusal), methods=["POST"]),
+        Route("/api/generate", server.endpoint(generate, refusal), methods=["POST"]),
+    ]

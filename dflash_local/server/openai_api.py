@@ -1,0 +1,147 @@
+"""OpenAI's API: /v1/chat/completions, /v1/completions and /v1/models, their answers whole or as SSE chunks, and usage
+built from the loop's Stats."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..chat_template import takes_tools
+from ..generation import LoadedModels
+from .engine import Ending, Event, Failure, Job
+from .exchange import Server
+from .protocol import error_response, parse_messages, parse_prompt, parse_sampling, parse_thinking
+from .tools import ToolText, conversation, parse_calls, parse_tools, tool_names
+
+
+def usage(ending: Ending) -> dict:
+    """OpenAI usage plus a `dflash` object: tau, acceptance lengths, block sizes, decode tokens/s, prefilled tokens."""
+    stats = ending.stats
+    return {
+        "prompt_tokens": ending.prompt_tokens,
+        "completion_tokens": stats.new_tokens,
+        "total_tokens": ending.prompt_tokens + stats.new_tokens,
+        "dflash": {
+            "tau": stats.tau,
+            "acceptance_lengths": stats.acceptance_lengths,
+            "block_sizes": stats.block_sizes,
+            "decode_tokens_per_s": stats.decode_tokens_per_s,
+            "prefill_tokens": stats.prefill_tokens,
+        },
+    }
+
+
+def _sse(body: dict | str) -> str:
+    return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n"
+
+
+class Shape:
+    """How one OpenAI endpoint writes its answers: whole, or as SSE chunks (with a usage chunk when asked)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, chat: bool, model: str, include_usage: bool = False, tools: list[dict] | None = None) -> None:
+        self.chat, self.model, self.include_usage, self.tools = chat, model, include_usage, tools
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _object(self, kind: str, choices: list, usage: dict | None = None) -> dict:
+        body = {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+        return body if usage is None else body | {"usage": usage}
+
+    def error(self, status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        return error_response(status, message, kind, headers=headers)
+
+    def whole(self, text: str, ending: Ending) -> dict:
+        if not self.chat:
+            choice = {"index": 0, "text": text, "finish_reason": ending.finish_reason}
+            return self._object("text_completion", [choice], usage(ending))
+        message, finish = {"role": "assistant", "content": text}, ending.finish_reason
+        content, calls = parse_calls(text, tool_names(self.tools)) if self.tools else (text, [])
+        if calls:
+            message, finish = {"role": "assistant", "content": content or None, "tool_calls": calls}, "tool_calls"
+        return self._object(
+            "chat.completion", [{"index": 0, "message": message, "finish_reason": finish}], usage(ending)
+        )
+
+    def chunk(self, text: str | None, finish: str | None = None, usage: dict | None = None) -> dict:
+        """A stream chunk: text (None: the opening role chunk of a chat), a finish reason, or (no choices) usage."""
+        if usage is not None:
+            return self._object("chat.completion.chunk" if self.chat else "text_completion", [], usage)
+        if not self.chat:
+            return self._object("text_completion", [{"index": 0, "text": text or "", "finish_reason": finish}])
+        delta = {"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {})
+        return self._object("chat.completion.chunk", [{"index": 0, "delta": delta, "finish_reason": finish}])
+
+    def _calls_chunk(self, calls: list[dict]) -> dict:
+        """The tool calls as one delta (each with its index, as OpenAI streams them)."""
+        delta = {"tool_calls": [{"index": index} | call for index, call in enumerate(calls)]}
+        return self._object("chat.completion.chunk", [{"index": 0, "delta": delta, "finish_reason": None}])
+
+    async def stream(self, events: AsyncIterator[Event]) -> AsyncIterator[str]:
+        """SSE chunks: the chat's role chunk, each text (tool calls as deltas at the end), the finish reason, usage
+        if asked, then [DONE]."""
+        held = ToolText(self.tools) if self.chat and self.tools else None
+        if self.chat:
+            yield _sse(self.chunk(None))
+        async for event in events:
+            if isinstance(event, str):
+                text = held.add(event) if held else event
+                if text:
+                    yield _sse(self.chunk(text))
+            elif isinstance(event, Failure):
+                yield _sse({"error": {"message": event.message, "type": "server_error", "param": None, "code": None}})
+            else:
+                rest, calls = held.finish() if held else ("", [])
+                if rest:
+                    yield _sse(self.chunk(rest))
+                if calls:
+                    yield _sse(self._calls_chunk(calls))
+                yield _sse(self.chunk("", "tool_calls" if calls else event.finish_reason))
+                if self.include_usage:
+                    yield _sse(self.chunk(None, usage=usage(event)))
+        yield _sse("[DONE]")
+
+
+def routes(server: Server) -> list[Route]:
+    """The OpenAI endpoints over the server's engine."""
+    engine, model = server.engine, server.model
+
+    async def chat(request: Request, body: dict) -> Response:
+        messages, sampling, thinking = parse_messages(body), parse_sampling(body), parse_thinking(body)
+        tools = parse_tools(body)
+
+        def render(models: LoadedModels) -> list[int]:
+            enable = engine.thinking if thinking is None else thinking
+            turns, shown = conversation(messages, tools, takes_tools(models.tokenizer.config))
+            return models.tokenizer.encode_chat(turns, True, enable, shown)
+
+        job = Job(render, sampling, asyncio.get_running_loop())
+        return await server.answer(request, job, Shape(True, model, sampling.include_usage, tools))
+
+    async def completions(request: Request, body: dict) -> Response:
+        prompt, sampling = parse_prompt(body), parse_sampling(body)
+
+        def encode(models: LoadedModels) -> list[int]:
+            return models.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+
+        job = Job(encode, sampling, asyncio.get_running_loop())
+        return await server.answer(request, job, Shape(False, model, sampling.include_usage))
+
+    async def models(request: Request, body: None) -> Response:
+        card = {"id": model, "object": "model", "created": 0, "owned_by": "dflash-local"}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    return [
+        Route("/v1/chat/completions", server.endpoint(chat), methods=["POST"]),
+        Route("/v1/completions", server.endpoint(completions), methods=["POST"]),
+        Route("/v1/models", server.endpoint(models), methods=["GET"]),
+    ]

@@ -1,0 +1,259 @@
+"""OpenAI request bodies, checked: the generation fields, messages and prompts, and the error shape of a refusal."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+
+from starlette.responses import JSONResponse
+
+from ..sampling import SamplingParams
+
+log = logging.getLogger("dflash.serve")
+
+MAX_STOPS = 4
+
+
+class Refused(Exception):
+    """A request answered with an HTTP error in the OpenAI shape before it reaches the engine."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, close: bool = False, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.param, self.close, self.code = status, param, close, code
+
+    def headers(self) -> dict[str, str] | None:
+        """Connection: close where the rest of the request cannot be read."""
+        return {"Connection": "close"} if self.close else None
+
+    def response(self) -> JSONResponse:
+        """The refusal in OpenAI's error shape."""
+        return error_response(self.status, str(self), param=self.param, code=self.code, headers=self.headers())
+
+
+class BadRequest(Refused):
+    """A request the API refuses: HTTP 400 with the OpenAI error shape, naming the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(400, message, param)
+
+
+def error_response(
+    status: int,
+    message: str,
+    kind: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The generation fields of a request, checked: the loop's sampling parameters and what only HTTP has (stop
+    strings, streaming, usage); the worker makes them the loop's Settings."""
+
+    max_tokens: int | None = None  # None: up to the context (or serve's --max-new-tokens)
+    params: SamplingParams = SamplingParams(temperature=1.0)  # OpenAI's default temperature
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+    ignore_eos: bool = False
+
+
+def number(body: dict, name: str, default: float, low: float, high: float) -> float:
+    """body[name] as a number from low to high (default when absent or null)."""
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise BadRequest(f"'{name}' must be a number from {low:g} to {high:g}, got {json.dumps(value)}.", name)
+    return float(value)
+
+
+def whole(body: dict, name: str, low: int, high: int) -> int | None:
+    """body[name] as a whole number from low to high, or None when absent or null."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise BadRequest(f"'{name}' must be a whole number from {low} to {high}, got {json.dumps(value)}.", name)
+    return value
+
+
+def flag(body: dict, name: str) -> bool:
+    """body[name] as true or false (false when absent or null)."""
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise BadRequest(f"'{name}' must be true or false, got {json.dumps(value)}.", name)
+    return value
+
+
+def stop_strings(value: object, name: str = "stop") -> tuple[str, ...]:
+    """A stop field: one string or a list of up to MAX_STOPS non-empty strings."""
+    stops = [value] if isinstance(value, str) else ([] if value is None else value)
+    if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
+        raise BadRequest(f"'{name}' must be a string or a list of up to {MAX_STOPS} non-empty strings.", name)
+    return tuple(stops)
+
+
+NO_FUNCTIONS = "send 'tools' instead (the legacy functions API is not served)"
+NOT_FORCED = "a required or named call needs constrained decoding, which dflash serve does not do yet"
+NO_PENALTIES = "the samplers apply no penalties; send 0 or leave it out"
+UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
+    "functions": ((None, []), f"'functions' cannot be honoured: {NO_FUNCTIONS}."),
+    "tool_choice": ((None, "none", "auto"), f"'tool_choice' must be none or auto: {NOT_FORCED}."),
+    "function_call": ((None, "none", "auto"), f"'function_call' must be none or auto: {NO_FUNCTIONS}."),
+    "response_format": ((None, {"type": "text"}), 'Only response_format {"type": "text"} is supported.'),
+    "n": ((None, 1), "Only n = 1 is supported: the engine decodes one sequence at a time."),
+    "best_of": ((None, 1), "Only best_of = 1 is supported: the engine decodes one sequence at a time."),
+    "logprobs": ((None, False), "'logprobs' is not supported by dflash serve."),
+    "top_logprobs": ((None, 0), "'top_logprobs' is not supported by dflash serve."),
+    "echo": ((None, False), "'echo' is not supported by dflash serve."),
+    "suffix": ((None, ""), "'suffix' is not supported by dflash serve."),
+    "logit_bias": ((None, {}), "'logit_bias' is not supported by dflash serve."),
+    "presence_penalty": ((None, 0), f"'presence_penalty' cannot be honoured: {NO_PENALTIES}."),
+    "frequency_penalty": ((None, 0), f"'frequency_penalty' cannot be honoured: {NO_PENALTIES}."),
+}
+# Fields read here or by the endpoints, and those accepted with no effect on one sequence without tools.
+KNOWN = {
+    "model",
+    "messages",
+    "tools",
+    "prompt",
+    "chat_template_kwargs",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+}
+KNOWN |= {"top_p", "top_k", "seed", "stop", "stream", "stream_options", "ignore_eos", "user", "parallel_tool_calls"}
+KNOWN |= set(UNSUPPORTED)
+
+
+def refuse_unsupported(body: dict) -> None:
+    """A 400 naming the first field that asks for what this server cannot do, instead of a 200 that ignores it."""
+    for name, (allowed, message) in UNSUPPORTED.items():
+        if body.get(name) not in allowed:
+            raise BadRequest(message, name)
+    for name in ("user", "parallel_tool_calls"):
+        if body.get(name) is not None and not isinstance(body[name], str if name == "user" else bool):
+            raise BadRequest(f"'{name}' must be {'a string' if name == 'user' else 'true or false'}.", name)
+    unknown = sorted(set(body) - KNOWN)
+    if unknown:
+        log.debug("ignored unknown request fields: %s", ", ".join(unknown))
+
+
+def parse_sampling(body: dict) -> Sampling:
+    """temperature, top_p, top_k, max_tokens (or max_completion_tokens), stop, seed, stream, stream_options,
+    ignore_eos; refused and unknown fields as refuse_unsupported says."""
+    refuse_unsupported(body)
+    limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise BadRequest("'stream_options' must be an object.", "stream_options")
+    top_k = whole(body, "top_k", -1, 2**31 - 1)
+    return Sampling(
+        max_tokens=whole(body, limit, 1, 2**31 - 1),
+        params=SamplingParams(number(body, "temperature", 1.0, 0.0, 2.0), top_p(body), max(top_k or 0, 0)),
+        seed=whole(body, "seed", 0, 2**64 - 1),
+        stop=stop_strings(body.get("stop")),
+        stream=flag(body, "stream"),
+        include_usage=flag(options or {}, "include_usage"),
+        ignore_eos=flag(body, "ignore_eos"),
+    )
+
+
+def top_p(body: dict) -> float:
+    """top_p: more than 0 and at most 1."""
+    value = number(body, "top_p", 1.0, 0.0, 1.0)
+    if value == 0:
+        raise BadRequest("'top_p' must be more than 0 and at most 1, got 0.", "top_p")
+    return value
+
+
+def _content(message: dict, where: str) -> str:
+    """A message's text: a string, or the text parts of a list of content parts."""
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in content):
+            raise BadRequest("Only text content parts are supported.", f"{where}.content")
+        return "".join(p["text"] for p in content)
+    raise BadRequest("A message's content must be a string or a list of text parts.", f"{where}.content")
+
+
+def _tool_calls(message: dict, where: str) -> list[dict]:
+    """An assistant message's tool calls as templates take them: arguments as an object (transformers' way)."""
+    calls = message.get("tool_calls") or []
+    if not isinstance(calls, list):
+        raise BadRequest("'tool_calls' must be a list.", f"{where}.tool_calls")
+    taken = []
+    for index, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        arguments = function.get("arguments", "{}") if isinstance(function, dict) else None
+        try:
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except json.JSONDecodeError:
+            arguments = None
+        if not isinstance(name, str) or not isinstance(arguments, dict):
+            message = "A tool call must be {function: {name, arguments (a JSON object, as text)}}."
+            raise BadRequest(message, f"{where}.tool_calls[{index}]")
+        function = {"name": name, "arguments": arguments}
+        taken.append({"id": str(call.get("id", "")), "type": "function", "function": function})
+    return taken
+
+
+def parse_messages(body: dict) -> list[dict]:
+    """The chat messages as the template takes them: role and content strings, an assistant's tool calls, and a tool
+    result's call id and name."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list of {role, content} objects.", "messages")
+    parsed = []
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise BadRequest("Each message must be an object with a 'role' string.", where)
+        taken = {"role": message["role"], "content": _content(message, where)}
+        if message.get("tool_calls"):
+            taken["tool_calls"] = _tool_calls(message, where)
+        for name in ("tool_call_id", "name"):
+            if isinstance(message.get(name), str):
+                taken[name] = message[name]
+        parsed.append(taken)
+    return parsed
+
+
+def parse_thinking(body: dict) -> bool | None:
+    """chat_template_kwargs.enable_thinking (as vLLM and SGLang take it), if the request sets it."""
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise BadRequest("'chat_template_kwargs' must be an object.", "chat_template_kwargs")
+    thinking = kwargs.get("enable_thinking")
+    if thinking is not None and not isinstance(thinking, bool):
+        raise BadRequest("'enable_thinking' must be true or false.", "chat_template_kwargs.enable_thinking")
+    return thinking
+
+
+def parse_prompt(body: dict) -> str | list[int]:
+    """A completions prompt: text, a list of one text, or token ids (a list of integers, or a list of one)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+        return prompt
+    raise BadRequest("'prompt' must be a non-empty string or a list of token ids (one prompt per request).", "prompt")

@@ -1,0 +1,145 @@
+"""Tool calling: the request's `tools` checked, the conversation put the way the chat template takes it (its own tool
+rendering, else a generic tool prompt), and the model's tool calls read back out of its text (Hermes-style
+`<tool_call>` JSON as Qwen writes it, Llama 3.1's bare JSON), also while the text streams."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any
+
+from .protocol import BadRequest
+
+NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+OPEN, CLOSE, PYTHON_TAG = "<tool_call>", "</tool_call>", "<|python_tag|>"
+GENERIC_PROMPT = (
+    "You can call these tools (each a JSON object: the function's name, description and JSON Schema parameters):\n"
+    "{tools}\n"
+    'To call a tool, answer with only <tool_call>{{"name": NAME, "arguments": {{...}}}}</tool_call>, one block '
+    "per call; a tool's result comes back in <tool_response></tool_response>. Otherwise answer as usual."
+)
+
+
+def parse_tools(body: dict) -> list[dict] | None:
+    """The request's function tools (None: no tools, or tool_choice "none"), each checked and named in a 400."""
+    tools = body.get("tools")
+    if tools in (None, []) or body.get("tool_choice") == "none":
+        return None
+    if not isinstance(tools, list):
+        raise BadRequest("'tools' must be a list of function tools.", "tools")
+    for index, tool in enumerate(tools):
+        where = f"tools[{index}]"
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or tool.get("type") != "function":
+            raise BadRequest('Each tool must be {"type": "function", "function": {...}}.', where)
+        if not isinstance(function.get("name"), str) or not NAME.fullmatch(function["name"]):
+            raise BadRequest("A function's name must be 1 to 64 letters, digits, _, . or -.", f"{where}.function.name")
+        if not isinstance(function.get("parameters", {}), dict):
+            raise BadRequest("A function's parameters must be a JSON Schema object.", f"{where}.function.parameters")
+        if not isinstance(function.get("description", ""), str):
+            raise BadRequest("A function's description must be a string.", f"{where}.function.description")
+    return tools
+
+
+def conversation(
+    messages: list[dict[str, Any]], tools: list[dict] | None, template_takes_tools: bool
+) -> tuple[list[dict[str, Any]], list[dict] | None]:
+    """The messages and tools as the chat template takes them: as they are where it renders tools itself (or none
+    are involved), else the generic conversation and no tools."""
+    involved = tools is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+    if template_takes_tools or not involved:
+        return messages, tools
+    return generic_conversation(messages, tools), None
+
+
+def generic_conversation(messages: list[dict[str, Any]], tools: list[dict] | None) -> list[dict[str, Any]]:
+    """For a template that takes no tools: the tool prompt before the first user turn's text, calls and results
+    written as text, and turns of the same role joined (such templates often allow only alternating turns)."""
+    plain: list[dict[str, Any]] = []
+    for message in messages:
+        role, content = message["role"], message.get("content") or ""
+        if role == "tool":
+            role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
+        for call in message.get("tool_calls") or []:
+            text = json.dumps({"name": call["function"]["name"], "arguments": call["function"]["arguments"]})
+            content = f"{content}\n{OPEN}{text}{CLOSE}".lstrip("\n")
+        if plain and plain[-1]["role"] == role:
+            plain[-1] = {"role": role, "content": f"{plain[-1]['content']}\n\n{content}"}
+        else:
+            plain.append({"role": role, "content": content})
+    first = next((m for m in plain if m["role"] == "user"), None)
+    if tools and first is not None:
+        lines = "\n".join(json.dumps(tool["function"]) for tool in tools)
+        first["content"] = f"{GENERIC_PROMPT.format(tools=lines)}\n\n{first['content']}"
+    return plain
+
+
+def tool_names(tools: list[dict]) -> set[str]:
+    """The declared functions' names."""
+    return {tool["function"]["name"] for tool in tools}
+
+
+def _call(text: str, names: set[str]) -> dict | None:
+    """One OpenAI tool call from a JSON object {name, arguments | parameters} naming a declared tool, else None."""
+    try:
+        found = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(found, dict) or found.get("name") not in names:
+        return None
+    arguments = found.get("arguments", found.get("parameters", {}))
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    function = {"name": found["name"], "arguments": json.dumps(arguments)}
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": function}
+
+
+def parse_calls(text: str, names: set[str]) -> tuple[str, list[dict]]:
+    """(the text before any call, the calls) when the text holds tool calls that all parse; else (text, [])."""
+    if OPEN in text:
+        before, _, rest = text.partition(OPEN)
+        blocks = [block.partition(CLOSE) for block in rest.split(OPEN)]
+        if all(not after.strip() for _, _, after in blocks):
+            calls = [_call(body.strip(), names) for body, _, _ in blocks]
+            if all(calls):
+                return before.strip(), calls  # type: ignore[return-value]
+        return text, []
+    bare = text.strip().removeprefix(PYTHON_TAG).strip()
+    call = _call(bare, names) if bare.startswith("{") else None
+    return ("", [call]) if call else (text, [])
+
+
+class ToolText:
+    """A streamed reply that may hold tool calls: text is sent as it comes, except from where a call may begin (a
+    `<tool_call>`, or JSON or `<|python_tag|>` at the start), which is held back and read at the end."""
+
+    def __init__(self, tools: list[dict]) -> None:
+        self.names = tool_names(tools)
+        self.text, self.sent = "", 0
+
+    def add(self, delta: str) -> str:
+        """Append delta; return the text that can be sent now."""
+        self.text += delta
+        lead = self.text.lstrip()
+        if self.sent == 0 and (not lead or lead.startswith("{") or PYTHON_TAG.startswith(lead[: len(PYTHON_TAG)])):
+            return ""
+        at = self.text.find(OPEN, self.sent)
+        end = at if at >= 0 else len(self.text) - _held(self.text[self.sent :])
+        end = max(end, self.sent)
+        out, self.sent = self.text[self.sent : end], end
+        return out
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """The rest of the text (when it holds no calls) or the text before them, and the calls."""
+        return parse_calls(self.text[self.sent :], self.names)
+
+
+def _held(tail: str) -> int:
+    """How many characters at the end of tail may begin `<tool_call>`."""
+    return max((n for n in range(1, len(OPEN)) if tail.endswith(OPEN[:n])), default=0)
