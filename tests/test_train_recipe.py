@@ -177,7 +177,7 @@ sys.path.insert(0, {tests!r})
 from test_train_recipe import _request
 from dflash_local.train.pipeline import run_training
 request = _request(Path({target!r}), Path({corpus!r}), Path({out!r}), steps=100000)
-request = replace(request, train=replace(request.train, checkpoint_every=3, eval_every=1000))
+request = replace(request, train=replace(request.train, checkpoint_every=3, eval_every=1000, lr=3e-3))
 for event in run_training(request):
     pass
 """
@@ -209,9 +209,8 @@ def test_training_resumes_after_a_kill(setup, tmp_path):
     events = [e for e in run_training(request) if hasattr(e, "step")]
     assert [e.step for e in events] == [step + 1, step + 2]
     resumed = dict(read_weights(out, torch.float32))
-    assert torch.allclose(
-        resumed["layers.0.mlp.up_proj.weight"], state["model"]["layers.0.mlp.up_proj.weight"].float(), atol=1e-2
-    )
+    for name in ("layers.0.mlp.up_proj.weight", "layers.1.self_attn.q_proj.weight"):  # the checkpoint's, not new ones
+        assert torch.allclose(resumed[name], state["model"][name].float(), rtol=1e-2, atol=1e-5), name
 
 
 def test_walk_and_summary_count_as_decoding_does():

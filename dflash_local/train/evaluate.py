@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from ..drafters.torch_drafter import DFlashModel
+from ..drafters.torch_drafter import DFlashDrafter, DFlashModel
 from .objective import IGNORE, block_loss, make_blocks
 
 
@@ -116,3 +117,18 @@ def evaluate(
         row = (tokens, features, int(lengths[0]), int(prompts[0]))
         per_row.append(row_acceptance(model, embed, head, row, cfg.block_size, cfg.mask_token_id, label_map, scale))
     return summarise(per_row, cfg.block_size, blocks)
+
+
+def evaluate_folder(
+    folder: Path,
+    embed: torch.Tensor,
+    head: torch.Tensor,
+    data,
+    indices: list[int],
+    blocks: tuple[int, ...] = (4, 8, 16),
+) -> Evaluation:
+    """Evaluate a saved drafter (fp32 on the CPU) on rows of data; embed and head: the target's full matrices."""
+    model = DFlashDrafter.load(folder).model
+    d2t = getattr(model, "d2t", None)
+    label_map = label_map_of(d2t, len(embed))
+    return evaluate(model, embed, head if d2t is None else head[d2t], data, indices, label_map, None, blocks)
