@@ -139,7 +139,7 @@ def dequantized(tensor: GGUFTensor, rows: int, width: int, chunk: int = 4096) ->
     out = torch.empty(rows, width)
     for begin in range(0, rows, chunk):
         values = gguf.quants.dequantize(tensor.read_rows(slice(begin, begin + chunk)), tensor.tensor_type)
-        block = np.asarray(values, dtype=np.float32).reshape(-1, width)
+        block = np.array(values, dtype=np.float32).reshape(-1, width)  # a copy: F32 tensors come back read-only
         out[begin : begin + len(block)] = torch.from_numpy(block)
     return out
 
