@@ -795,6 +795,12 @@ def train(
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for a GGUF target (default: all)."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the checkpoint in the work folder."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    init: Optional[str] = typer.Option(
+        None, "--init", help="Start from 'target' (its last layers) or a drafter folder (fine-tune it); default random."
+    ),
+    soft_top_k: int = typer.Option(0, "--soft-top-k", help="Keep the target's top-k logits per token (soft labels)."),
+    soft_weight: float = typer.Option(0.0, "--soft-weight", help="Share of the loss on the soft labels (0..1)."),
+    gamma: Optional[float] = typer.Option(None, "--gamma", help="Loss decay over block offsets (default 7*B/16)."),
 ) -> None:
     """Train a DFlash drafter for a target by self-distillation."""
     with user_errors():
@@ -804,6 +810,7 @@ def train(
         from .train.pipeline import DistillProgress, TrainRequest, run_training
         from .train.selfdistill import DistillSettings
         from .train.trainer import TrainSettings
+        from .train.warm_start import WarmStart
 
         request = TrainRequest(
             target=target,
@@ -818,8 +825,13 @@ def train(
             threads=threads,
             resume=resume,
             device=pick_device(device),
+            init=init,
             distill=DistillSettings(
-                new_tokens=new_tokens, batch_size=distill_batch, sampled_fraction=sampled_fraction, seed=seed
+                new_tokens=new_tokens,
+                batch_size=distill_batch,
+                sampled_fraction=sampled_fraction,
+                seed=seed,
+                soft_top_k=soft_top_k,
             ),
             train=TrainSettings(
                 layers=layers,
@@ -831,6 +843,8 @@ def train(
                 warmup=warmup,
                 eval_every=eval_every,
                 seed=seed,
+                gamma=gamma,
+                soft_weight=soft_weight,
             ),
         )
         columns = (
@@ -846,6 +860,9 @@ def train(
             for event in run_training(request):
                 if isinstance(event, DistillProgress):
                     progress.update(distill, completed=event.done, total=event.total, info=f"{event.done} prompts")
+                    continue
+                if isinstance(event, WarmStart):
+                    progress.console.log(f"warm start from {event.source}: {event.tensors} tensors {event.layers}")
                     continue
                 if fit is None:
                     fit = progress.add_task("training", total=event.steps, info="")

@@ -146,8 +146,8 @@ def test_partial_last_shard_is_regenerated_for_more_prompts(setup, tmp_path):
 
 def test_a_gguf_target_trains_a_reduced_vocabulary_drafter_both_drafters_run(tiny_gguf, tmp_path):
     """--target FILE.gguf: llama.cpp continues the prompts (its taps give the features, equal to the one-sequence
-    target's), the drafter drafts over the data's most frequent ids (d2t) and runs as torch and native drafter alike,
-    losslessly; resuming continues from the checkpoint."""
+    target's; its top-4 logits, the soft labels), the drafter drafts over the data's most frequent ids (d2t) and runs
+    as torch and native drafter alike, losslessly; resuming continues from the checkpoint."""
     from dflash_local.drafters.native import NativeDrafter
     from dflash_local.targets.llamacpp import LlamaCppTarget
     from dflash_local.train.selfdistill import load_shards
@@ -161,7 +161,7 @@ def test_a_gguf_target_trains_a_reduced_vocabulary_drafter_both_drafters_run(tin
         max_prompts=12,
         draft_vocab=300,
         threads=1,
-        distill=DistillSettings(new_tokens=24, batch_size=6, shard_size=6, sampled_fraction=0.0),
+        distill=DistillSettings(new_tokens=24, batch_size=6, shard_size=6, sampled_fraction=0.0, soft_top_k=4),
         train=TrainSettings(
             layers=1, block_size=4, steps=12, batch_size=4, anchors=4, warmup=2, eval_every=6, checkpoint_every=6
         ),
@@ -180,6 +180,13 @@ def test_a_gguf_target_trains_a_reduced_vocabulary_drafter_both_drafters_run(tin
         expected.logits[int(shard["prompt_lengths"][0]) - 1 :].argmax(dim=1).tolist()
         == ids[int(shard["prompt_lengths"][0]) : length]
     )  # the shard's continuation is the target's greedy one
+    first = int(shard["prompt_lengths"][0])
+    logits = expected.logits[first - 1 : length - 1]  # soft labels: the target's top 4 (near-ties may swap)
+    values, top = logits.topk(4)
+    stored = shard["soft_ids"][0, first:length].long()
+    assert stored[:, 0].tolist() == top[:, 0].tolist()
+    assert torch.allclose(shard["soft_logits"][0, first:length].float(), logits.gather(1, stored), atol=5e-2)
+    assert torch.allclose(shard["soft_logits"][0, first:length].float(), values, atol=5e-2)
     prompt = ids[:10]
     plain, _ = run(target, None, prompt, Settings(max_new_tokens=24, draft=False))
     for each in (drafter, NativeDrafter.load(tmp_path / "drafter", target, threads=1)):

@@ -16,6 +16,7 @@ from ..llama_lib import llama_cpp, tapped_architectures
 from ..sampling import SamplingParams, pick
 from ..targets.llama_taps import first_llama_error, output_functions, quiet_llama_logs, tap_functions
 from ..targets.llamacpp import BATCH, model_params
+from .selfdistill import Continuation, top_k
 
 
 def _free(batch, ctx, model) -> None:
@@ -95,12 +96,13 @@ def continue_prompts(
     params: SamplingParams,
     stop_ids: frozenset[int],
     generator: torch.Generator,
-) -> list[tuple[list[int], torch.Tensor]]:
-    """Continue the prompts together (one sequence each); per prompt (prompt + continuation ids, bf16 features of
-    every position fed to the target, shape [len(ids) - 1, features])."""
+    soft_top_k: int = 0,
+) -> list[Continuation]:
+    """Continue the prompts together (one sequence each); one Continuation per prompt (bf16 features)."""
     target.clear()
     ids = [list(prompt) for prompt in prompts]
     features: list[list[np.ndarray]] = [[] for _ in prompts]
+    tops: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in prompts]
     pending = [
         (seq, pos, token, pos == len(prompt) - 1)
         for seq, prompt in enumerate(prompts)
@@ -109,14 +111,20 @@ def continue_prompts(
     live = list(range(len(prompts)))
     for _ in range(new_tokens + 1):
         picked: list[int] = []
+        top_rows: list[tuple[torch.Tensor, torch.Tensor]] = []
         for begin in range(0, len(pending), BATCH):
             chunk = pending[begin : begin + BATCH]
             logits, feats = target.decode(chunk)
             for row, (seq, _, _, _) in enumerate(chunk):
                 features[seq].append(feats[row : row + 1])
             if len(logits):
+                found = top_k(logits, soft_top_k)
+                if found is not None:
+                    top_rows += list(zip(*found, strict=True))
                 picked += pick(logits, params, generator).tolist()
         wanting = [seq for seq, _, _, wants in pending if wants]
+        for seq, top in zip(wanting, top_rows, strict=False):
+            tops[seq].append(top)
         live = []
         for seq, token in zip(wanting, picked, strict=True):
             ids[seq].append(token)
@@ -128,5 +136,9 @@ def continue_prompts(
     out = []
     for seq in range(len(prompts)):
         rows = torch.from_numpy(np.concatenate(features[seq])).to(torch.bfloat16)
-        out.append((ids[seq], rows[: len(ids[seq]) - 1]))
+        found = Continuation(ids[seq], rows[: len(ids[seq]) - 1])
+        if soft_top_k:
+            found.top_ids = torch.stack([ids_ for ids_, _ in tops[seq]])
+            found.top_logits = torch.stack([values for _, values in tops[seq]])
+        out.append(found)
     return out

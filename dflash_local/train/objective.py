@@ -4,7 +4,8 @@ Each block is [token at anchor, MASK x (B-1)] at positions anchor..anchor+B-1. I
 context features of positions before its anchor, and its own block (non-causal), nothing else:
 exactly what the drafter sees at inference. Loss: cross-entropy against the sequence's next tokens,
 weighted by exp(-(j - 1) / gamma) at block offset j, gamma = 7 for B = 16 (scaled with B), since a
-late position only counts when every earlier one was accepted.
+late position only counts when every earlier one was accepted. With soft labels (the target's top-k logits
+stored in the shards) the loss mixes in cross-entropy against the target's distribution over those ids.
 """
 
 from __future__ import annotations
@@ -16,14 +17,15 @@ import torch
 from torch.nn import functional as F
 
 from ..drafters.torch_drafter import DFlashModel
+from ..errors import DFlashError
 from ..layers import rope_cos_sin
 
 IGNORE = -100
 
 
-def position_weights(block_size: int) -> torch.Tensor:
-    """Loss weight per block offset 0..B-1 (offset 0 is the known token: weight 0)."""
-    gamma = 7.0 * block_size / 16
+def position_weights(block_size: int, gamma: float | None = None) -> torch.Tensor:
+    """Loss weight per block offset 0..B-1 (offset 0 is the known token: weight 0); gamma defaults to 7 * B / 16."""
+    gamma = gamma or 7.0 * block_size / 16
     weights = [0.0] + [math.exp(-(j - 1) / gamma) for j in range(1, block_size)]
     return torch.tensor(weights)
 
@@ -37,6 +39,8 @@ class Blocks:
     labels: torch.Tensor  # [batch, K*B], IGNORE where there is nothing to predict
     weights: torch.Tensor  # [batch, K*B]
     mask: torch.Tensor  # [batch, 1, K*B, L + K*B]: what each query may see
+    soft_ids: torch.Tensor | None = None  # [batch, K*B, k] the target's top-k ids for each slot's label
+    soft_logits: torch.Tensor | None = None  # [batch, K*B, k] their logits
 
 
 def make_blocks(
@@ -47,8 +51,11 @@ def make_blocks(
     anchors: int,
     mask_token_id: int,
     generator: torch.Generator,
+    soft: tuple[torch.Tensor, torch.Tensor] | None = None,
+    gamma: float | None = None,
 ) -> Blocks:
-    """Sample `anchors` block starts per sequence inside its generated part (at or after the prompt's end)."""
+    """Sample `anchors` block starts per sequence inside its generated part (at or after the prompt's end);
+    soft: the rows' top-k (ids, logits) [batch, width, k] at the position of the token they predict."""
     batch, width = tokens.shape
     starts = torch.zeros(batch, anchors, dtype=torch.long)
     live = torch.zeros(batch, anchors, dtype=torch.bool)
@@ -67,12 +74,28 @@ def make_blocks(
     has_label = in_sequence & live.repeat_interleave(block_size, 1) & (offsets.repeat(anchors) > 0)[None]
     labels = torch.where(has_label, gathered, IGNORE)
     ids = torch.where(offsets.repeat(anchors)[None] == 0, gathered, mask_token_id)
-    weights = position_weights(block_size).repeat(anchors)[None] * has_label
+    weights = position_weights(block_size, gamma).repeat(anchors)[None] * has_label
     block_of = torch.arange(anchors).repeat_interleave(block_size)
     same_block = block_of[:, None] == block_of[None, :]
     sees_context = torch.arange(width)[None, None, :] < starts.repeat_interleave(block_size, 1)[:, :, None]
     mask = torch.cat([sees_context, same_block[None].expand(batch, -1, -1)], dim=2)
-    return Blocks(ids, positions, labels, weights, mask[:, None])
+    blocks = Blocks(ids, positions, labels, weights, mask[:, None])
+    if soft is not None:
+        at = positions.clamp_max(width - 1)[:, :, None].expand(-1, -1, soft[0].shape[-1])
+        blocks.soft_ids = soft[0].long().gather(1, at)
+        blocks.soft_logits = soft[1].float().gather(1, at)
+    return blocks
+
+
+def soft_cross_entropy(
+    log_probs: torch.Tensor, soft_ids: torch.Tensor, soft_logits: torch.Tensor, label_map: torch.Tensor | None
+) -> torch.Tensor:
+    """Per slot, cross-entropy of the drafter's log-probabilities [N, V] against the target's distribution over its
+    top-k ids [N, k] (renormalised over the ids the head covers; 0 where it covers none)."""
+    rows = soft_ids if label_map is None else label_map[soft_ids]
+    covered = rows != IGNORE
+    teacher = torch.where(covered, soft_logits, float("-inf")).softmax(dim=-1).nan_to_num(0.0)
+    return -(teacher * log_probs.gather(1, rows.clamp_min(0))).sum(dim=-1)
 
 
 @dataclass
@@ -93,9 +116,11 @@ def block_loss(
     block_size: int,
     complete_only: bool = True,
     label_map: torch.Tensor | None = None,
+    soft_weight: float = 0.0,
 ) -> BlockResult:
-    """One drafter forward over every block of the batch; weighted cross-entropy. Acceptance counts
-    cover complete blocks only, or every live block (labels past a sequence's end count as misses).
+    """One drafter forward over every block of the batch; weighted cross-entropy, (1 - soft_weight) on the target's
+    tokens and soft_weight on its top-k distribution (blocks.soft_*). Acceptance counts cover complete blocks only,
+    or every live block (labels past a sequence's end count as misses).
     label_map: target id -> row of a reduced head (IGNORE outside it: no loss, a miss)."""
     dtype = features.dtype
     batch, width, _ = features.shape
@@ -112,6 +137,16 @@ def block_loss(
     if label_map is not None:
         labels = torch.where(labels == IGNORE, IGNORE, label_map[labels.clamp_min(0)])
     per_token = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="none")
+    if soft_weight:
+        if blocks.soft_ids is None:
+            raise DFlashError("Soft labels were asked for, but the shards hold none (distil with soft labels).")
+        soft = soft_cross_entropy(
+            logits.flatten(0, 1).log_softmax(dim=-1),
+            blocks.soft_ids.flatten(0, 1),
+            blocks.soft_logits.flatten(0, 1),
+            label_map,
+        )
+        per_token = (1 - soft_weight) * per_token + soft_weight * soft
     weights = blocks.weights.flatten().to(per_token.dtype)
     loss = (per_token * weights).sum() / weights.sum().clamp_min(1e-6)
     with torch.no_grad():

@@ -7,21 +7,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import gguf
 import numpy as np
 import torch
 
+from ..drafters.config import DrafterConfig
 from ..errors import DFlashError
 from ..gguf.file import GGUFTensor, read_gguf, read_header
 from ..targets.torch_llama import TargetConfig, TorchLlamaTarget
 from ..tokenizer import TextTokenizer, stop_token_ids
 from ..weights import read_config
+from . import warm_start
 from .corpus import corpus_files, load_prompts
 from .selfdistill import Continuer, DistillSettings, generate_shards, load_shards, torch_continuer
 from .trainer import Sequences, TrainEvent, TrainSettings, default_layer_ids, draft_vocabulary, drafter_config, train
+from .warm_start import LayerReader, WarmStart, gguf_layer_reader, torch_layer_reader
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class TrainRequest:
     threads: int | None = None
     resume: bool = False
     device: str = "cpu"
+    init: str | None = None  # "target" (its last layers) or an existing drafter's folder; None: random
     distill: DistillSettings = field(default_factory=DistillSettings)
     train: TrainSettings = field(default_factory=TrainSettings)
 
@@ -135,9 +139,16 @@ def dequantized(tensor: GGUFTensor, rows: int, width: int, chunk: int = 4096) ->
     out = torch.empty(rows, width)
     for begin in range(0, rows, chunk):
         values = gguf.quants.dequantize(tensor.read_rows(slice(begin, begin + chunk)), tensor.tensor_type)
-        block = np.asarray(values, dtype=np.float32).reshape(-1, width)
+        block = np.array(values, dtype=np.float32).reshape(-1, width)  # a copy: F32 tensors come back read-only
         out[begin : begin + len(block)] = torch.from_numpy(block)
     return out
+
+
+def _gguf_matrix(tensor: GGUFTensor) -> torch.Tensor:
+    """A whole GGUF tensor in fp32, in torch's shape (GGUF lists the row length first)."""
+    width = tensor.shape[0]
+    rows = math.prod(tensor.shape[1:])
+    return dequantized(tensor, rows, width).reshape(tuple(reversed(tensor.shape)))
 
 
 @dataclass
@@ -151,9 +162,10 @@ class _Prepared:
     embed: torch.Tensor
     head: torch.Tensor
     extra: dict
+    layers: LayerReader  # the target's layer tensors, for a warm start
 
 
-def _prepare_torch(request: TrainRequest, layer_ids_of) -> _Prepared:
+def _prepare_torch(request: TrainRequest, layer_ids_of: Callable[[TargetConfig], list[int]]) -> _Prepared:
     target = TorchLlamaTarget.load(request.target, dtype=torch.float32, device=request.device)
     layer_ids = layer_ids_of(target.cfg)
     stops = stop_token_ids(request.target)
@@ -161,14 +173,17 @@ def _prepare_torch(request: TrainRequest, layer_ids_of) -> _Prepared:
         target.cfg,
         TextTokenizer.load(request.target),
         stops,
-        lambda prompts: torch_continuer(target.model, request.distill.new_tokens, layer_ids, stops),
+        lambda prompts: torch_continuer(
+            target.model, request.distill.new_tokens, layer_ids, stops, request.distill.soft_top_k
+        ),
         target.model.model.embed_tokens.weight.detach(),
         target.model.lm_head.weight.detach(),
         {},
+        torch_layer_reader(target.model),
     )
 
 
-def _prepare_gguf(request: TrainRequest, layer_ids_of) -> _Prepared:
+def _prepare_gguf(request: TrainRequest, layer_ids_of: Callable[[TargetConfig], list[int]]) -> _Prepared:
     from ..gguf.tokenizer import GGUFTokenizer
     from .gguf_distill import ParallelTarget, continue_prompts
 
@@ -182,7 +197,9 @@ def _prepare_gguf(request: TrainRequest, layer_ids_of) -> _Prepared:
         target = ParallelTarget(request.target, settings.batch_size, length, layer_ids, threads)
 
         def run(batch: list[list[int]], params, generator: torch.Generator):
-            return continue_prompts(target, batch, settings.new_tokens, params, target.info.eos_ids, generator)
+            return continue_prompts(
+                target, batch, settings.new_tokens, params, target.info.eos_ids, generator, settings.soft_top_k
+            )
 
         return run
 
@@ -198,34 +215,74 @@ def _prepare_gguf(request: TrainRequest, layer_ids_of) -> _Prepared:
         embed,
         head,
         gguf_drafter_fields(request.target, cfg),
+        gguf_layer_reader(info.tensors, cfg, _gguf_matrix),
     )
 
 
-def run_training(request: TrainRequest) -> Iterator[DistillProgress | TrainEvent]:
-    """Yield progress while distilling and training; the drafter ends up in request.out."""
+def _layer_ids_of(request: TrainRequest, cfg: TargetConfig) -> list[int]:
+    layer_ids = request.target_layer_ids or default_layer_ids(cfg, request.train.layers)
+    bad = [i for i in layer_ids if not 0 <= i < cfg.num_layers]
+    if bad:
+        raise DFlashError(f"Target layer ids {layer_ids} do not fit a target with {cfg.num_layers} layers.")
+    return layer_ids
+
+
+def prepare(request: TrainRequest) -> _Prepared:
+    """Check the request and load what distillation and training need from its target."""
     check_request(request)
+    prepare_backend = _prepare_gguf if request.target.suffix == ".gguf" else _prepare_torch
+    return prepare_backend(request, lambda cfg: _layer_ids_of(request, cfg))
 
-    def layer_ids_of(cfg: TargetConfig) -> list[int]:
-        layer_ids = request.target_layer_ids or default_layer_ids(cfg, request.train.layers)
-        bad = [i for i in layer_ids if not 0 <= i < cfg.num_layers]
-        if bad:
-            raise DFlashError(f"Target layer ids {layer_ids} do not fit a target with {cfg.num_layers} layers.")
-        return layer_ids
 
-    prepare = _prepare_gguf if request.target.suffix == ".gguf" else _prepare_torch
-    ready = prepare(request, layer_ids_of)
-    cfg = ready.cfg
-    layer_ids = layer_ids_of(cfg)
-    mask_id = _mask_token(ready.tokenizer, cfg.vocab_size, request.mask_token_id)
+def distill(request: TrainRequest, ready: _Prepared) -> Iterator[DistillProgress]:
+    """Self-distil the request's corpus into shards under its work folder (shards already there are kept)."""
     prompts = load_prompts(request.corpus, ready.tokenizer, request.prompt_tokens, request.distill.seed)
     if request.max_prompts:
         prompts = prompts[: request.max_prompts]
-    data_dir = request.work_dir / "data"
-    for done, total in generate_shards(lambda: ready.continuer(prompts), prompts, data_dir, request.distill):
+    for done, total in generate_shards(
+        lambda: ready.continuer(prompts), prompts, request.work_dir / "data", request.distill
+    ):
         yield DistillProgress(done, total)
-    data = Sequences(load_shards(data_dir), request.train.heldout_fraction, request.train.seed)
-    d2t = draft_vocabulary(data, request.draft_vocab, cfg.vocab_size) if request.draft_vocab else None
-    config = drafter_config(cfg, request.train.layers, request.train.block_size, layer_ids, mask_id, ready.extra, d2t)
+
+
+def _adopt_drafter_shape(request: TrainRequest, config: dict) -> TrainRequest:
+    """The request with the existing drafter's depth, block size, feature layers and mask token."""
+    cfg = DrafterConfig.from_dict(config, Path(str(request.init)))
+    return replace(
+        request,
+        target_layer_ids=cfg.target_layer_ids,
+        mask_token_id=cfg.mask_token_id,
+        train=replace(request.train, layers=cfg.num_layers, block_size=cfg.block_size),
+    )
+
+
+def run_training(request: TrainRequest) -> Iterator[DistillProgress | WarmStart | TrainEvent]:
+    """Yield progress while distilling and training; the drafter ends up in request.out."""
+    init_config = None
+    if request.init not in (None, "target"):
+        init_config = warm_start.drafter_config(Path(str(request.init)))
+        request = _adopt_drafter_shape(request, init_config)
+    ready = prepare(request)
+    cfg = ready.cfg
+    if init_config is not None:
+        warm_start.check_drafter_fits(Path(str(request.init)), init_config, cfg)
+    layer_ids = _layer_ids_of(request, cfg)
+    mask_id = _mask_token(ready.tokenizer, cfg.vocab_size, request.mask_token_id)
+    yield from distill(request, ready)
+    data = Sequences(load_shards(request.work_dir / "data"), request.train.heldout_fraction, request.train.seed)
+    initial = None
+    if init_config is not None:
+        initial, d2t, started = warm_start.from_drafter(Path(str(request.init)), init_config)
+        config = init_config
+        yield started
+    else:
+        d2t = draft_vocabulary(data, request.draft_vocab, cfg.vocab_size) if request.draft_vocab else None
+        config = drafter_config(
+            cfg, request.train.layers, request.train.block_size, layer_ids, mask_id, ready.extra, d2t
+        )
+        if request.init == "target":
+            initial, started = warm_start.from_target(ready.layers, config)
+            yield started
     yield from train(
         ready.embed,
         ready.head,
@@ -237,4 +294,5 @@ def run_training(request: TrainRequest) -> Iterator[DistillProgress | TrainEvent
         request.resume,
         request.device,
         d2t,
+        initial,
     )

@@ -1,5 +1,6 @@
 """Self-distillation data: the target continues each prompt (greedy or sampled), in batches, and the
-token ids plus the target's context features are written to disk in shards so a run can resume."""
+token ids, the target's context features and (optionally) its top-k logits before each written token are written
+to disk in shards so a run can resume."""
 
 from __future__ import annotations
 
@@ -27,6 +28,27 @@ class DistillSettings:
     sampled_fraction: float = 0.25
     temperature: float = 0.8
     seed: int = 0
+    soft_top_k: int = 0  # keep the target's k likeliest ids and their logits before each written token (0: none)
+
+
+@dataclass
+class Continuation:
+    """One continued prompt: prompt + continuation ids, the features of every position fed to the target
+    ([len(ids) - 1, features]) and, with soft labels, the target's top-k ids and logits before each written token
+    ([len(ids) - len(prompt), k]; None without)."""
+
+    ids: list[int]
+    features: torch.Tensor
+    top_ids: torch.Tensor | None = None
+    top_logits: torch.Tensor | None = None
+
+
+def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The k largest logits of each row and their ids (int32, bf16), or None for k = 0."""
+    if k <= 0:
+        return None
+    values, ids = torch.topk(logits.float(), k, dim=-1)
+    return ids.to(torch.int32).cpu(), values.to(torch.bfloat16).cpu()
 
 
 @torch.inference_mode()
@@ -38,9 +60,9 @@ def continue_batch(
     params: SamplingParams,
     stop_ids: frozenset[int],
     generator: torch.Generator,
-) -> list[tuple[list[int], torch.Tensor]]:
-    """Continue left-padded prompts together; return per prompt (prompt + continuation ids, features of
-    every position fed to the target, shape [len(ids) - 1, features])."""
+    soft_top_k: int = 0,
+) -> list[Continuation]:
+    """Continue left-padded prompts together; one Continuation per prompt."""
     device = model.lm_head.weight.device
     batch, longest = len(prompts), max(map(len, prompts))
     total = longest + new_tokens
@@ -61,8 +83,11 @@ def continue_batch(
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     ends = torch.full((batch,), total, device=device)
     stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
+    tops = []
     for step in range(longest, total):
-        token = pick(model.lm_head(hidden[:, -1]).float(), params, generator)
+        logits = model.lm_head(hidden[:, -1]).float()
+        tops.append(top_k(logits, soft_top_k))
+        token = pick(logits, params, generator)
         ids[:, step] = token
         hit = torch.isin(token, stops) & ~done
         ends = torch.where(hit, step + 1, ends)
@@ -77,7 +102,11 @@ def continue_batch(
     out = []
     for row in range(batch):
         begin, end = int(pad[row]), int(ends[row])
-        out.append((ids[row, begin:end].tolist(), features[row, begin : end - 1]))
+        found = Continuation(ids[row, begin:end].tolist(), features[row, begin : end - 1])
+        if soft_top_k:
+            found.top_ids = torch.stack([t[0][row] for t in tops[: end - longest]])
+            found.top_logits = torch.stack([t[1][row] for t in tops[: end - longest]])
+        out.append(found)
     return out
 
 
@@ -87,39 +116,49 @@ def _save_atomically(tensors: dict[str, torch.Tensor], path: Path) -> None:
     os.replace(partial, path)
 
 
-def pack_shard(rows: list[tuple[list[int], torch.Tensor, int, bool]], path: Path) -> None:
-    """Write (ids, features, prompt length, sampled) rows, right-padded, as one safetensors shard."""
-    width = max(len(row[0]) for row in rows)
-    dim = rows[0][1].shape[-1]
+def pack_shard(rows: list[tuple[Continuation, int, bool]], path: Path) -> None:
+    """Write (continuation, prompt length, sampled) rows, right-padded, as one safetensors shard. Soft labels, where
+    the continuations carry them, go to soft_ids / soft_logits [rows, width, k] at the position of the token they
+    predict (zeros over the prompt)."""
+    width = max(len(row[0].ids) for row in rows)
+    dim = rows[0][0].features.shape[-1]
     tokens = torch.zeros(len(rows), width, dtype=torch.int32)
     feats = torch.zeros(len(rows), width, dim, dtype=torch.bfloat16)
-    for row, (ids, features, _, _) in enumerate(rows):
-        tokens[row, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
-        feats[row, : features.shape[0]] = features.to(torch.bfloat16)
-    _save_atomically(
-        {
-            "tokens": tokens,
-            "features": feats,
-            "lengths": torch.tensor([len(row[0]) for row in rows], dtype=torch.int32),
-            "prompt_lengths": torch.tensor([row[2] for row in rows], dtype=torch.int32),
-            "sampled": torch.tensor([row[3] for row in rows], dtype=torch.bool),
-        },
-        path,
-    )
+    for row, (found, _, _) in enumerate(rows):
+        tokens[row, : len(found.ids)] = torch.tensor(found.ids, dtype=torch.int32)
+        feats[row, : found.features.shape[0]] = found.features.to(torch.bfloat16)
+    tensors = {
+        "tokens": tokens,
+        "features": feats,
+        "lengths": torch.tensor([len(row[0].ids) for row in rows], dtype=torch.int32),
+        "prompt_lengths": torch.tensor([row[1] for row in rows], dtype=torch.int32),
+        "sampled": torch.tensor([row[2] for row in rows], dtype=torch.bool),
+    }
+    if rows[0][0].top_ids is not None:
+        k = rows[0][0].top_ids.shape[-1]
+        tensors["soft_ids"] = torch.zeros(len(rows), width, k, dtype=torch.int32)
+        tensors["soft_logits"] = torch.zeros(len(rows), width, k, dtype=torch.bfloat16)
+        for row, (found, prompt_length, _) in enumerate(rows):
+            end = prompt_length + len(found.top_ids)
+            tensors["soft_ids"][row, prompt_length:end] = found.top_ids
+            tensors["soft_logits"][row, prompt_length:end] = found.top_logits
+    _save_atomically(tensors, path)
 
 
-# Continues a batch of prompts: (prompts, sampling, generator) -> per prompt (ids, features of the fed positions).
-Continuer = Callable[[list[list[int]], SamplingParams, torch.Generator], list[tuple[list[int], torch.Tensor]]]
+# Continues a batch of prompts: (prompts, sampling, generator) -> one Continuation per prompt.
+Continuer = Callable[[list[list[int]], SamplingParams, torch.Generator], list[Continuation]]
 
 
-def torch_continuer(model: LlamaModel, new_tokens: int, layer_ids: list[int], stop_ids: frozenset[int]) -> Continuer:
+def torch_continuer(
+    model: LlamaModel, new_tokens: int, layer_ids: list[int], stop_ids: frozenset[int], soft_top_k: int = 0
+) -> Continuer:
     """continue_batch on a torch target."""
 
     device = model.lm_head.weight.device
 
     def run(prompts: list[list[int]], params: SamplingParams, generator: torch.Generator):
         on_device = torch.Generator(device=device).manual_seed(generator.initial_seed())
-        return continue_batch(model, prompts, new_tokens, layer_ids, params, stop_ids, on_device)
+        return continue_batch(model, prompts, new_tokens, layer_ids, params, stop_ids, on_device, soft_top_k)
 
     return run
 
@@ -147,7 +186,7 @@ def generate_shards(
             generator = torch.Generator().manual_seed(settings.seed + number)
             continuer = continuer or make_continuer()
             results = continuer(batch, params, generator)
-            rows += [(ids, feats, len(prompt), sampled) for (ids, feats), prompt in zip(results, batch, strict=True)]
+            rows += [(found, len(prompt), sampled) for found, prompt in zip(results, batch, strict=True)]
             yield first + offset + len(batch), total
         pack_shard(rows, path)
 

@@ -20,7 +20,8 @@ from ..drafters.torch_drafter import DFlashModel
 from ..errors import DFlashError
 from ..runtime import bf16_is_fast
 from ..targets.torch_llama import TargetConfig
-from .objective import IGNORE, block_loss, make_blocks
+from .evaluate import evaluate, label_map_of
+from .objective import block_loss, make_blocks
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,8 @@ class TrainSettings:
     eval_sequences: int = 32
     checkpoint_every: int = 200
     seed: int = 0
+    gamma: float | None = None  # position-weight decay over block offsets (None: 7 * block_size / 16)
+    soft_weight: float = 0.0  # share of the loss on the target's top-k distribution (needs soft-label shards)
 
 
 @dataclass
@@ -97,8 +100,15 @@ def drafter_config(
     return config
 
 
-def new_drafter(config: dict, seed: int, d2t: torch.Tensor | None = None) -> DFlashModel:
-    """A freshly initialised drafter (normal(0, 0.02) linears, unit norms), drafting over d2t if given."""
+def new_drafter(
+    config: dict,
+    seed: int,
+    d2t: torch.Tensor | None = None,
+    initial: dict[str, torch.Tensor] | None = None,
+    feature_scale: torch.Tensor | None = None,
+) -> DFlashModel:
+    """A drafter drafting over d2t if given: normal(0, 0.02) linears and unit norms, then the tensors of `initial`
+    (a warm start, fc taking the target's raw features: it is multiplied by feature_scale to take scaled ones)."""
     torch.manual_seed(seed)
     model = DFlashModel(DrafterConfig.from_dict(config, Path("<new drafter>")))
     for name, param in model.named_parameters():
@@ -108,6 +118,12 @@ def new_drafter(config: dict, seed: int, d2t: torch.Tensor | None = None) -> DFl
             torch.nn.init.normal_(param, std=0.02)
     if d2t is not None:
         model.d2t.copy_(d2t)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in (initial or {}).items():
+            if name == "fc.weight" and feature_scale is not None:
+                tensor = tensor * feature_scale.to(tensor.device)
+            params[name].copy_(tensor)
     return model
 
 
@@ -165,6 +181,19 @@ class Sequences:
         live = torch.arange(features.shape[1])[None, :] < (lengths - 1)[:, None]
         return features[live].float().pow(2).mean(dim=0).sqrt().clamp_min(1e-3)
 
+    def soft(self, indices: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rows' soft labels (top-k ids, logits) padded to width, or None when the shards hold none."""
+        rows = [self.rows[i] for i in indices]
+        if any("soft_ids" not in shard for shard, _ in rows):
+            return None
+        k = rows[0][0]["soft_ids"].shape[-1]
+        ids = torch.zeros(len(rows), width, k, dtype=torch.int32)
+        logits = torch.zeros(len(rows), width, k, dtype=torch.bfloat16)
+        for i, (shard, r) in enumerate(rows):
+            n = min(width, shard["soft_ids"].shape[1])
+            ids[i, :n], logits[i, :n] = shard["soft_ids"][r, :n], shard["soft_logits"][r, :n]
+        return ids, logits
+
     def batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """tokens, features, lengths, prompt lengths for the rows, padded to the longest."""
         rows = [self.rows[i] for i in indices]
@@ -195,37 +224,10 @@ def _autocast(device: str):
     return torch.autocast(device_type=kind, dtype=torch.bfloat16, enabled=bf16_is_fast(device))
 
 
-@torch.no_grad()
-def estimate_tau(
-    model, embed, head, data: Sequences, settings: TrainSettings, mask_id: int, device: str, label_map, scale
-) -> float:
-    """Greedy tau on held-out sequences: blocks at every position, chained as decoding would walk them."""
-    steps = tokens_made = 0
-    block = settings.block_size
-    for index in data.heldout[: settings.eval_sequences]:
-        tokens, features, lengths, prompts = data.batch([index])
-        first, length = int(prompts[0]), int(lengths[0])
-        anchors = length - 1 - first
-        if anchors < 1:
-            continue
-        blocks = _to(make_blocks(tokens, lengths, prompts, block, anchors, mask_id, torch.Generator()), device)
-        with _autocast(device):
-            result = block_loss(
-                model, embed, head, features.to(device).float() / scale, blocks, block, False, label_map
-            )
-        accepted = result.accepted.tolist()  # one per anchor, in position order
-        position = first
-        while position < length - 1:
-            made = min(accepted[position - first] + 1, length - 1 - position)
-            position += made
-            tokens_made += made
-            steps += 1
-    return tokens_made / steps if steps else 0.0
-
-
 def _to(blocks, device: str):
-    for name in ("ids", "positions", "labels", "weights", "mask"):
-        setattr(blocks, name, getattr(blocks, name).to(device))
+    for name in ("ids", "positions", "labels", "weights", "mask", "soft_ids", "soft_logits"):
+        value = getattr(blocks, name)
+        setattr(blocks, name, None if value is None else value.to(device))
     return blocks
 
 
@@ -240,15 +242,18 @@ def train(
     resume: bool,
     device: str = "cpu",
     d2t: torch.Tensor | None = None,
+    initial: dict[str, torch.Tensor] | None = None,
 ) -> Iterator[TrainEvent]:
     """Optimise a drafter, yielding a TrainEvent per step; writes checkpoints to work and the drafter to out.
-    With d2t the drafter's head is those rows of the target's, and labels outside them count as misses."""
-    model = new_drafter(config, settings.seed, d2t).to(device)
-    label_map = None
+    With d2t the drafter's head is those rows of the target's, and labels outside them count as misses; initial:
+    tensors to start from (a warm start) instead of random ones, unless a checkpoint is resumed."""
+    checkpoint = work / "checkpoint.pt"
+    resuming = resume and checkpoint.is_file()
+    scale = data.feature_scale()
+    model = new_drafter(config, settings.seed, d2t, None if resuming else initial, scale).to(device)
+    label_map = label_map_of(d2t, len(embed))
     if d2t is not None:
         head = head[d2t]
-        label_map = torch.full((len(embed),), IGNORE, dtype=torch.long)
-        label_map[d2t] = torch.arange(len(d2t))
         label_map = label_map.to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
@@ -258,10 +263,8 @@ def train(
         lr=settings.lr,
         betas=(0.9, 0.95),
     )
-    checkpoint = work / "checkpoint.pt"
     step = 0
-    scale = data.feature_scale()
-    if resume and checkpoint.is_file():
+    if resuming:
         state = torch.load(checkpoint, map_location=device, weights_only=True)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -277,15 +280,25 @@ def train(
         model.train()
         indices = order_rng.sample(data.train, min(settings.batch_size, len(data.train)))
         tokens, features, lengths, prompts = data.batch(indices)
-        blocks = _to(
-            make_blocks(tokens, lengths, prompts, settings.block_size, settings.anchors, mask_id, generator), device
+        soft = data.soft(indices, tokens.shape[1]) if settings.soft_weight else None
+        blocks = make_blocks(
+            tokens, lengths, prompts, settings.block_size, settings.anchors, mask_id, generator, soft, settings.gamma
         )
+        blocks = _to(blocks, device)
         lr = _lr(step, settings)
         for group in optimizer.param_groups:
             group["lr"] = lr
         with _autocast(device):
             result = block_loss(
-                model, embed, head, features.to(device).float() / scale, blocks, settings.block_size, True, label_map
+                model,
+                embed,
+                head,
+                features.to(device).float() / scale,
+                blocks,
+                settings.block_size,
+                True,
+                label_map,
+                settings.soft_weight,
             )
         optimizer.zero_grad(set_to_none=True)
         result.loss.backward()
@@ -295,7 +308,10 @@ def train(
         tau = None
         if step % settings.eval_every == 0 or step == settings.steps:
             model.eval()
-            tau = estimate_tau(model, embed, head, data, settings, mask_id, device, label_map, scale)
+            heldout = data.heldout[: settings.eval_sequences]
+            with _autocast(device):
+                found = evaluate(model, embed, head, data, heldout, label_map, scale, (settings.block_size,))
+            tau = found.tau.get(settings.block_size, 0.0)
         if step % settings.checkpoint_every == 0 or step == settings.steps:
             work.mkdir(parents=True, exist_ok=True)
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
