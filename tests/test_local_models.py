@@ -113,6 +113,8 @@ def test_piped_models_are_one_line_each_catalog_and_every_store(machine):
     from dflash_local.catalog import load_catalog
 
     assert set(load_catalog()) <= set(rows)
+    published = {"qwen3.5-9b-q4", "gpt-oss-20b-q4", "qwen3-coder-30b-a3b-q4", "qwen3.6-27b-q4", "gemma4-31b-q4"}
+    assert published <= set(rows) and all(rows[name][3].endswith(" GB") for name in published)
     assert all(rows[name][1] == "catalog" for name in load_catalog())
     expected = _names(machine)
     for store, name in expected.items():
