@@ -159,6 +159,8 @@ def test_generate_runs_from_ollama_and_lmstudio_in_place(machine, q8):
     assert _generate("ollama:tiny", "--no-draft") == plain
     assert _generate("ollama:library/tiny:latest", "--drafter", str(MODELS / "drafter"), "--block-size", "4") == plain
     assert _generate(machine["lmstudio"], "--no-draft") == plain
+    doctor = invoke("doctor", "ollama:tiny")
+    assert doctor.exit_code == 0 and "ollama:tiny fits?" in doctor.stdout, doctor.stdout + doctor.stderr
     assert not list((Path(os.environ["HF_HOME"]) / "hub").glob("models--*/snapshots/*/*.part"))
 
 
