@@ -3,6 +3,7 @@ found where they lie and read in place, never copied."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -46,8 +47,8 @@ def lmstudio_dirs() -> list[Path]:
     moved one), else that home's models/, and the older ~/.cache/lm-studio/models."""
     home = Path.home() / ".lmstudio"
     pointer = Path.home() / ".lmstudio-home-pointer"
-    if pointer.is_file():
-        home = Path(pointer.read_text(errors="replace").strip()).expanduser()
+    with contextlib.suppress(OSError):
+        home = Path(pointer.read_text(errors="replace").strip() or home).expanduser()
     folders = [home / "models", Path.home() / ".cache" / "lm-studio" / "models"]
     try:
         downloads = json.loads((home / "settings.json").read_text()).get("downloadsFolder")
@@ -122,11 +123,16 @@ def gguf_link(blob: Path) -> Path:
     blob where it lies, made once, atomically."""
     link = state_dir() / "gguf-links" / f"{blob.name}.gguf"
     if link.resolve() != blob.resolve():
-        link.parent.mkdir(parents=True, exist_ok=True)
         partial = link.with_name(f"{link.name}.{os.getpid()}.partial")
-        partial.unlink(missing_ok=True)
-        partial.symlink_to(blob.resolve())
-        os.replace(partial, link)
+        try:
+            link.parent.mkdir(parents=True, exist_ok=True)
+            partial.unlink(missing_ok=True)
+            partial.symlink_to(blob.resolve())
+            os.replace(partial, link)
+        except OSError as exc:
+            raise DFlashError(
+                f"Cannot link {blob} into {link.parent} ({exc.strerror}): set DFLASH_HOME to a writable folder."
+            ) from None
     return link
 
 

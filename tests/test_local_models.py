@@ -122,7 +122,6 @@ def test_piped_models_are_one_line_each_catalog_and_every_store(machine):
     assert rows["ollama:tiny:latest"][2] == "7.9 MB" and "llama GGUF" in rows["ollama:tiny:latest"][4]
     assert "gptoss GGUF" in rows["ollama:gpt-oss:20b"][4]
     assert not [line for line in lines if "mmproj" in line or "00002-of-00002" in line]
-    assert len(lines) == len(load_catalog()) + len(expected)
 
 
 def test_models_json_names_each_file_read_in_place(machine):
