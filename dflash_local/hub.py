@@ -191,13 +191,20 @@ def file_is_whole(path: Path, remote: RemoteFile) -> bool:
     return file_digest(path, digest) == expected
 
 
-def _forget(path: Path, repo: str) -> None:
-    """Delete a cached file: the snapshot link, and the blob it points to where that is repo's own (a link to a
-    copy found elsewhere on disk leaves that copy alone)."""
+def _forget(path: Path, repo: str) -> int:
+    """Delete a cached file: the snapshot link and the blob it points to where that is repo's own (a copy found
+    elsewhere on disk and linked, not downloaded, stays); the bytes freed."""
+    if not path.is_symlink():
+        size = path.stat().st_size if path.is_file() else 0
+        path.unlink(missing_ok=True)
+        return size
     blob = path.resolve()
-    path.unlink(missing_ok=True)
-    if blob != path and blob.parent == (repo_folder(repo) / "blobs").resolve():
-        blob.unlink(missing_ok=True)
+    path.unlink()
+    if blob.parent != (repo_folder(repo) / "blobs").resolve() or not blob.is_file():
+        return 0
+    size = blob.stat().st_size
+    blob.unlink()
+    return size
 
 
 def _link_local_copies(folder: Path, missing: list[RemoteFile], repo: str) -> dict[str, Path]:
@@ -455,8 +462,7 @@ def remove(source: HubSource) -> int:
         snapshot = folder / "snapshots" / manifest["commit"]
         for name in manifest["files"]:
             if source.wants(name) and (snapshot / name).exists():
-                freed += (snapshot / name).stat().st_size
-                _forget(snapshot / name, source.repo)
+                freed += _forget(snapshot / name, source.repo)
         remaining = {n: s for n, s in manifest["files"].items() if not source.wants(n)}
         if remaining:
             _write_manifest(source, manifest["commit"], remaining)

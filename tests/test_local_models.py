@@ -14,6 +14,8 @@ import pytest
 from hub_server import COMMIT, FakeHub, repo_of
 from in_process import invoke
 
+from dflash_local.hub import human_size
+
 pytest.importorskip("llama_cpp")
 gguf = pytest.importorskip("gguf")
 
@@ -203,5 +205,6 @@ def test_a_catalog_target_already_on_disk_is_linked_not_downloaded(machine, q8, 
     offline = _generate("tiny-local", "--offline", "--block-size", "4")
     assert offline == _generate(q8, "--no-draft")
     removed = invoke("rm", "tiny-local")
-    assert removed.exit_code == 0, removed.stderr
+    drafter_bytes = sum(len(data) for data in repos["test/tiny-drafter"].values())
+    assert removed.exit_code == 0 and f"freed {human_size(drafter_bytes)}" in removed.stdout, removed.stdout
     assert not linked.exists() and copy.read_bytes() == q8.read_bytes()  # the other tool's file stays
