@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .errors import DFlashError
 from .hub import DRAFTER_FILES, MODEL_FILES, HubSource, cached_folder
+from .local_models import OLLAMA_PREFIX, check_loadable, ollama_model
 from .paths import cache_dir
 
 MODELS_DIR = Path(str(files("dflash_local.models")))  # models/ in the source tree; package data in a wheel
@@ -269,8 +270,8 @@ def resolve(name: str, drafter: str | None, fetch) -> ResolvedModel:
 
     fetch(HubSource) -> Path is called for Hub files not yet in the cache (it pulls, or refuses when offline).
     """
-    path = Path(name).expanduser()
-    if path.exists():
+    path = local_target(name)
+    if path is not None:
         entry = None
         target = path
     else:
@@ -287,6 +288,16 @@ def resolve(name: str, drafter: str | None, fetch) -> ResolvedModel:
         return ResolvedModel(target, drafter_path)
     thinking = entry.thinking if drafter is None else None
     return ResolvedModel(target, drafter_path, entry.backend, entry.prompts, entry.quantize, thinking)
+
+
+def local_target(name: str) -> Path | None:
+    """The file or folder a path or an `ollama:NAME[:TAG]` names, read in place; None for other names."""
+    if name.startswith(OLLAMA_PREFIX):
+        link = ollama_model(name.removeprefix(OLLAMA_PREFIX))
+        check_loadable(link, name)
+        return link
+    path = Path(name).expanduser()
+    return path if path.exists() else None
 
 
 def _drafter_path(drafter: str, fetch) -> Path:

@@ -678,33 +678,24 @@ def pull(
 
 
 @app.command(name="models")
-def list_models() -> None:
-    """The model catalog: what each name is, what it needs, and what is downloaded."""
+def list_models(
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON array instead of the list."),
+) -> None:
+    """The model catalog and the GGUF models other tools keep here: what each name is, needs, and has on disk."""
     with user_errors():
-        import importlib.util
-
         from rich.console import Console
-        from rich.table import Table
 
-        from .catalog import load_catalog
-        from .hub import HubSource, human_size, local_size, pulled_files
+        from .model_list import model_rows, plain_line, render, rows_as_json
 
-        table = Table(title="dflash models (pull with: dflash pull NAME)")
-        for column in ("name", "backend", "on disk", "needs", "runs on", "what"):
-            table.add_column(column, overflow="fold")
-        for entry in load_catalog().values():
-            package = entry.target.package if isinstance(entry.target, HubSource) else None
-            if entry.bundled:
-                disk = "bundled"
-            elif package and importlib.util.find_spec(package) and not any(pulled_files(s) for s in entry.sources()):
-                disk = "package"  # the installed package assembles the target offline
-            else:
-                sizes = [local_size(s) for s in entry.sources()]
-                partial = any(pulled_files(s) for s in entry.sources())
-                disk = human_size(sum(sizes)) if None not in sizes else ("partial" if partial else "-")
-            needs = f"{entry.memory_gb:g} GB" + (f" ({entry.quantize})" if entry.quantize else "")
-            table.add_row(entry.name, entry.backend, disk, needs, entry.hardware, entry.summary)
-        Console().print(table)
+        rows = model_rows()
+        console = Console()
+        if as_json:
+            typer.echo(json.dumps(rows_as_json(rows)))
+        elif console.is_terminal:
+            render(rows, console)
+        else:
+            for row in rows:
+                typer.echo(plain_line(row))
 
 
 @app.command()

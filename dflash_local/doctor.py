@@ -111,10 +111,10 @@ def _refuse(source: HubSource) -> Path:
 
 def model_checks(name: str) -> list[Check]:
     """Whether a model (name, Hub repo, folder or .gguf file, resolved as every verb does) is here and fits."""
-    from .catalog import ModelEntry, lookup, resolve
+    from .catalog import ModelEntry, local_target, lookup, resolve
 
     entry = None
-    if not Path(name).expanduser().exists():
+    if local_target(name) is None:
         found = lookup(name)
         entry = found if isinstance(found, ModelEntry) else None
     try:

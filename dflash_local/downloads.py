@@ -48,6 +48,8 @@ class Downloader:
         )
         with Progress(*columns, console=self.console) as progress:
             report = pull(source, self.token, _bar_factory(progress))
+        for name, copy in report.found.items():
+            self.console.print(f"  {name}: already on this machine at {copy}, used in place", soft_wrap=True)
         for name in report.refetched:
             self.console.print(f"  {name}: was corrupted or truncated in the cache, fetched again")
         fresh = sum(f.size for f in report.files if f.name in report.downloaded)

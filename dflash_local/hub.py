@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 from .atomic import write_text_atomic
 from .errors import DFlashError
+from .local_models import file_digest, find_copy
 from .paths import cache_dir, state_dir
 
 MODEL_FILES = (
@@ -75,6 +76,7 @@ class PullReport:
     files: list[RemoteFile]
     downloaded: list[str] = field(default_factory=list)
     refetched: list[str] = field(default_factory=list)
+    found: dict[str, Path] = field(default_factory=dict)  # files already on disk elsewhere, linked, not downloaded
 
 
 def endpoint() -> str:
@@ -186,18 +188,38 @@ def file_is_whole(path: Path, remote: RemoteFile) -> bool:
         expected = remote.blob_id
     else:
         return True
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest() == expected
+    return file_digest(path, digest) == expected
 
 
-def _forget(path: Path) -> None:
-    """Delete a cached file: the snapshot link and the blob it points to."""
+def _forget(path: Path, repo: str) -> int:
+    """Delete a cached file: the snapshot link and the blob it points to where that is repo's own (a copy found
+    elsewhere on disk and linked, not downloaded, stays); the bytes freed."""
+    if not path.is_symlink():
+        size = path.stat().st_size if path.is_file() else 0
+        path.unlink(missing_ok=True)
+        return size
     blob = path.resolve()
-    path.unlink(missing_ok=True)
-    if blob != path:
-        blob.unlink(missing_ok=True)
+    path.unlink()
+    if blob.parent != (repo_folder(repo) / "blobs").resolve() or not blob.is_file():
+        return 0
+    size = blob.stat().st_size
+    blob.unlink()
+    return size
+
+
+def _link_local_copies(folder: Path, missing: list[RemoteFile], repo: str) -> dict[str, Path]:
+    """For each missing GGUF whose size and sha256 match a file already on this machine (ollama, LM Studio, another
+    repo...), a snapshot link to that file instead of a download: {name: the file linked to}."""
+    found = {}
+    for remote in missing:
+        copy = find_copy(remote.size, remote.sha256) if remote.sha256 and remote.name.endswith(".gguf") else None
+        if copy is not None:
+            path = folder / remote.name
+            _forget(path, repo)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.symlink_to(copy)
+            found[remote.name] = copy
+    return found
 
 
 def _partial_bytes(repo: str) -> int:
@@ -232,11 +254,13 @@ def pull(source: HubSource, token: str | None = None, progress: ProgressFactory 
     folder = repo_folder(source.repo) / "snapshots" / commit
     missing = [f for f in files if not file_is_whole(folder / f.name, f)]
     report = PullReport(folder, files)
+    report.found = _link_local_copies(folder, missing, source.repo)
+    missing = [f for f in missing if f.name not in report.found]
     check_disk_space(sum(f.size for f in missing) - _partial_bytes(source.repo), cache_dir())
     for remote in missing:
         path = folder / remote.name
         if path.exists():
-            _forget(path)
+            _forget(path, source.repo)
             report.refetched.append(remote.name)
         bar = progress(remote.name) if progress else None
         for attempt in range(2):
@@ -247,7 +271,7 @@ def pull(source: HubSource, token: str | None = None, progress: ProgressFactory 
                 )
             if file_is_whole(path, remote):
                 break
-            _forget(path)
+            _forget(path, source.repo)
             if attempt == 1:
                 raise DFlashError(f"{source.repo}/{remote.name} failed verification twice (size or sha256 differ).")
         report.downloaded.append(remote.name)
@@ -438,8 +462,7 @@ def remove(source: HubSource) -> int:
         snapshot = folder / "snapshots" / manifest["commit"]
         for name in manifest["files"]:
             if source.wants(name) and (snapshot / name).exists():
-                freed += (snapshot / name).stat().st_size
-                _forget(snapshot / name)
+                freed += _forget(snapshot / name, source.repo)
         remaining = {n: s for n, s in manifest["files"].items() if not source.wants(n)}
         if remaining:
             _write_manifest(source, manifest["commit"], remaining)
