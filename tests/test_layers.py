@@ -13,7 +13,7 @@ LAYERS = (
     ("errors", "atomic", "startup", "paths", "shapes", "llama_lib", "kernels", "gguf"),  # gguf: its __init__ only
     ("hub", "downloads", "catalog", "memory_estimate", "prompt_sets", "weights", "gguf.file", "chat_template"),  # files
     ("runtime", "layers", "quant", "cuda_graphs", "sampling", "gguf.shape", "gguf.tensors"),  # building blocks
-    ("targets", "tokenizer", "gguf.tokenizer"),  # the target backends and their vocabularies
+    ("targets", "tokenizer", "gguf.tokenizer", "grammar"),  # the target backends, their vocabularies, grammars
     ("drafters", "gguf.convert"),  # what builds on a target
     ("block_policy", "session", "decode"),  # the decode loop
     ("generation", "handoff", "doctor", "chat", "bench", "server", "train", "cli", "__main__"),  # front ends
