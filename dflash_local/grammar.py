@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,7 +41,16 @@ def json_schema_grammar(schema: dict | None, strict: bool = True, prefix: str = 
         raise DFlashError(f"The JSON schema cannot be written as JSON ({exc}).") from None
     parts = [json.dumps(text) for text in (prefix,) if text] + [f"%json {body}"]
     parts += [json.dumps(suffix)] if suffix else []
-    return _llguidance().LLMatcher.grammar_from_lark(f"start: {' '.join(parts)}\n")
+    return _checked(_llguidance().LLMatcher.grammar_from_lark(f"start: {' '.join(parts)}\n"))
+
+
+def load_schema(path: Path) -> dict:
+    """The JSON schema in a file (`dflash generate --json-schema`)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DFlashError(f"The JSON schema file {path} cannot be read ({exc}).") from None
+    return read_schema(text, f"The JSON schema file {path}")
 
 
 def read_schema(text: str, source: str) -> dict:
@@ -68,17 +78,25 @@ class Grammar:
 
 
 def compile_grammar(
-    text: str, tokenizer: TextTokenizer | GGUFTokenizer, vocab_size: int, stop_ids: frozenset[int]
+    text: str, tokenizer: TextTokenizer | GGUFTokenizer | None, vocab_size: int, stop_ids: frozenset[int]
 ) -> Grammar:
     """The grammar text checked against the tokenizer's tokens (vocab_size: the target's scores per position);
     one sentence naming the problem when the grammar or schema is malformed."""
+    if tokenizer is None:
+        raise DFlashError("Constrained output needs the target's tokenizer, and this target has none.")
     if not stop_ids:
         raise DFlashError("Constrained output needs an end-of-sequence token, and this model declares none.")
     lltokenizer = _lltokenizer(tokenizer, vocab_size, stop_ids)
+    return Grammar(_checked(text, lltokenizer), lltokenizer, stop_ids)
+
+
+def _checked(text: str, lltokenizer: llguidance.LLTokenizer | None = None) -> str:
+    """The grammar text, once llguidance finds it valid (for the tokenizer, where one is given)."""
     is_error, messages = _llguidance().LLMatcher.validate_grammar_with_warnings(text, lltokenizer)
     if is_error:
-        raise DFlashError(f"The JSON schema or grammar is not valid: {messages[0]}.")
-    return Grammar(text, lltokenizer, stop_ids)
+        reason = messages[0].split("failed to compile JSON schema: ", 1)[-1].split("\n   1 | start:", 1)[0]
+        raise DFlashError(f"The JSON schema is not valid: {' '.join(reason.split()).rstrip('.')}.")
+    return text
 
 
 class GrammarMatcher:
