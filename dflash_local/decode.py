@@ -219,11 +219,15 @@ class _Decoding:
         return block, draft_probs
 
     def _draft_in_grammar(self, block: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Draft row by row from the drafter's scores masked by the grammar, the matcher consuming each draft; the
-        block ends at the first stop id drafted (not consumed; the row after it, never kept, is left unmasked)."""
+        """Draft row by row from the drafter's scores masked by the grammar, the matcher consuming each draft. The
+        block ends before a row where the drafter scores no allowed id (a drafter with a smaller draft vocabulary),
+        or at the first stop id drafted (not consumed; the row after it, never kept, is left unmasked)."""
         masks, drafts, probs = [self.masks[0]], [], []
         for row in range(logits.shape[0]):
-            token, row_probs = self.sampler.draft(mask_scores(logits[row : row + 1], masks[-1]))
+            scores = mask_scores(logits[row : row + 1], masks[-1])
+            if not bool(torch.isfinite(scores).any()):
+                break
+            token, row_probs = self.sampler.draft(scores)
             drafts.append(token)
             probs.append(row_probs)
             if int(token) in self.stop_ids:
@@ -233,8 +237,10 @@ class _Decoding:
             self.consumed += 1
             masks.append(self.matcher.allowed(block.device))
         block = block[: len(drafts) + 1]
-        block[1:] = torch.cat(drafts)
         self.masks = torch.stack(masks)
+        if not drafts:
+            return block, None
+        block[1:] = torch.cat(drafts)
         return block, None if probs[0] is None else torch.cat(probs)
 
     def verify(self, block: torch.Tensor, draft_probs: torch.Tensor | None) -> tuple[int, list[int], TargetOutput]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from .errors import DFlashError
@@ -105,16 +106,15 @@ class GrammarMatcher:
     def __init__(self, grammar: Grammar) -> None:
         self.matcher = _llguidance().LLMatcher(grammar.tokenizer, grammar.text, log_level=0)
         self.vocab_size = grammar.tokenizer.vocab_size
-        self.words = torch.empty((self.vocab_size + 31) // 32, dtype=torch.int32)
-        self.shifts = torch.arange(32, dtype=torch.int32)
+        self.words = np.zeros((self.vocab_size + 31) // 32, dtype="<u4")  # llguidance's bitmask: bit i = id i
         self._check()
 
     def allowed(self, device: torch.device | str) -> torch.Tensor:
         """Which ids may come next: bool [vocab] on device."""
-        self.matcher.unsafe_compute_mask_ptr(self.words.data_ptr(), self.words.numel() * 4)
+        self.matcher.unsafe_compute_mask_ptr(self.words.ctypes.data, self.words.nbytes)
         self._check()
-        words = self.words.to(device)
-        return ((words.unsqueeze(-1) >> self.shifts.to(device)) & 1).bool().view(-1)[: self.vocab_size]
+        bits = np.unpackbits(self.words.view(np.uint8), bitorder="little")[: self.vocab_size]
+        return torch.from_numpy(bits).view(torch.bool).to(device)
 
     def consume(self, token: int) -> None:
         """Advance past one token (one the last mask allowed)."""

@@ -217,3 +217,30 @@ def test_gguf_target_equals_plain_decoding(tiny_gguf, heldout, drafter):
         settings = Settings(max_new_tokens=NEW_TOKENS, stop_ids=grammar.stop_ids, grammar=grammar)
         ids, _ = _equal_at_every_block(target, drafter, prompt, settings)
         assert conforms(json.loads(tokenizer.decode(ids[:-1])), RECORD), tokenizer.decode(ids)
+
+
+class NarrowDrafter:
+    """The bundled drafter scoring only ids below `limit` (a draft vocabulary, as Gemma's drafter has)."""
+
+    def __init__(self, inner: DFlashDrafter, limit: int) -> None:
+        self.inner, self.limit = inner, limit
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def propose(self, *args, **kwargs) -> torch.Tensor:
+        logits = self.inner.propose(*args, **kwargs).clone()
+        logits[:, self.limit :] = float("-inf")
+        return logits
+
+
+def test_a_drafter_without_allowed_ids_ends_the_draft(tiny):
+    """Where the drafter scores no id the grammar allows, the block ends there: still plain decoding's ids."""
+    target, drafter, tokenizer, grammar = tiny
+    narrow = NarrowDrafter(drafter, 96)  # bytes and a few merges: most of the schema's keys are out of its reach
+    for prompt in _prompts(tokenizer, 2):
+        settings = Settings(max_new_tokens=NEW_TOKENS, stop_ids=grammar.stop_ids, grammar=grammar)
+        expected, _ = run(target, None, prompt, replace(settings, draft=False))
+        ids, stats = run(target, narrow, prompt, replace(settings, block_size=16))
+        assert ids == expected
+        assert 1 in stats.block_sizes  # a step that verified no draft
