@@ -170,7 +170,7 @@ class _Decoding:
         self.target, self.drafter, self.sampler, self.session = target, drafter, sampler, session
         self.stop_ids = settings.stop_ids
         self.matcher = settings.grammar.matcher() if settings.grammar is not None else None
-        self.masks: torch.Tensor | None = None  # the grammar's allowed ids at each row of the block being verified
+        self.masks: torch.Tensor | None = None  # the grammar's forbidden ids at each row of the block being verified
         self.consumed = 0  # drafts the matcher has consumed in this step
         if settings.grammar is not None:
             self.stop_ids = self.stop_ids | settings.grammar.stop_ids
@@ -191,7 +191,7 @@ class _Decoding:
         out = self.target.forward(ids, all_logits=False, features=self.drafting)
         logits = out.logits[-1]
         if self.matcher is not None:
-            logits = mask_scores(logits, self.matcher.allowed(logits.device))
+            logits = mask_scores(logits, self.matcher.forbidden(logits.device))
         first = self.sampler.first(logits)
         if self.matcher is not None and first not in self.stop_ids:  # (a stop ends the generation: nothing to match)
             self.matcher.consume(first)
@@ -206,7 +206,7 @@ class _Decoding:
         the sampler keeps none); the drafter drafts draft_size positions, taking the pending features first."""
         block = torch.full((verify_size,), self.tokens[self.start], dtype=torch.long, device=self.target.device)
         if self.matcher is not None:
-            self.masks, self.consumed = self.matcher.allowed(block.device)[None], 0
+            self.masks, self.consumed = self.matcher.forbidden(block.device)[None], 0
         if verify_size == 1:
             return block, None
         pending = self.pending
@@ -221,7 +221,7 @@ class _Decoding:
     def _draft_in_grammar(self, block: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft row by row from the drafter's scores masked by the grammar, the matcher consuming each draft. The
         block ends before a row where the drafter scores no allowed id (a drafter with a smaller draft vocabulary),
-        or at the first stop id drafted (not consumed; the row after it, never kept, is left unmasked)."""
+        or at the first stop id drafted (not consumed; the row after it, never kept, forbids nothing)."""
         masks, drafts, probs = [self.masks[0]], [], []
         for row in range(logits.shape[0]):
             scores = mask_scores(logits[row : row + 1], masks[-1])
@@ -231,11 +231,11 @@ class _Decoding:
             drafts.append(token)
             probs.append(row_probs)
             if int(token) in self.stop_ids:
-                masks.append(torch.ones_like(masks[0]))
+                masks.append(torch.zeros_like(masks[0]))
                 break
             self.matcher.consume(int(token))
             self.consumed += 1
-            masks.append(self.matcher.allowed(block.device))
+            masks.append(self.matcher.forbidden(block.device))
         block = block[: len(drafts) + 1]
         self.masks = torch.stack(masks)
         if not drafts:

@@ -1,7 +1,7 @@
 """Constrained decoding: grammars from JSON schemas (llguidance) and the matcher whose masks the decode loop applies.
 
 A `Grammar` is compiled once per request against a tokenizer; `Grammar.matcher()` gives one generation its own
-`GrammarMatcher`, which says which ids may come next, consumes tokens and rolls back past rejected drafts.
+`GrammarMatcher`, which says which ids may not come next, consumes tokens and rolls back past rejected drafts.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def _checked(text: str, lltokenizer: llguidance.LLTokenizer | None = None) -> st
 
 
 class GrammarMatcher:
-    """One generation's position in a grammar: the ids allowed next, tokens consumed, rollback of the last n."""
+    """One generation's position in a grammar: the ids forbidden next, tokens consumed, rollback of the last n."""
 
     def __init__(self, grammar: Grammar) -> None:
         self.matcher = _llguidance().LLMatcher(grammar.tokenizer, grammar.text, log_level=0)
@@ -109,11 +109,11 @@ class GrammarMatcher:
         self.words = np.zeros((self.vocab_size + 31) // 32, dtype="<u4")  # llguidance's bitmask: bit i = id i
         self._check()
 
-    def allowed(self, device: torch.device | str) -> torch.Tensor:
-        """Which ids may come next: bool [vocab] on device."""
+    def forbidden(self, device: torch.device | str) -> torch.Tensor:
+        """Which ids may not come next: bool [vocab] on device (True: forbidden)."""
         self.matcher.unsafe_compute_mask_ptr(self.words.ctypes.data, self.words.nbytes)
         self._check()
-        bits = np.unpackbits(self.words.view(np.uint8), bitorder="little")[: self.vocab_size]
+        bits = np.unpackbits((~self.words).view(np.uint8), bitorder="little")[: self.vocab_size]
         return torch.from_numpy(bits).view(torch.bool).to(device)
 
     def consume(self, token: int) -> None:

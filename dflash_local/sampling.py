@@ -48,10 +48,10 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def mask_scores(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """The logits with every id a grammar forbids at -inf (allowed: bool, broadcast over the rows), so that argmax,
+def mask_scores(logits: torch.Tensor, forbidden: torch.Tensor) -> torch.Tensor:
+    """The logits with every id a grammar forbids at -inf (forbidden: bool, broadcast over the rows), so that argmax,
     the sampling distribution and rejection sampling all keep to the allowed ids."""
-    return logits.masked_fill(~allowed, float("-inf"))
+    return logits.masked_fill(forbidden, float("-inf"))
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -133,14 +133,14 @@ def _masked_pair_distribution(target, grammar: Grammar, prompt: list[int], param
     matcher = grammar.matcher()
     target.reset()
     first = probabilities(
-        mask_scores(target.forward(torch.tensor(prompt), features=False).logits[-1:], matcher.allowed("cpu")), params
+        mask_scores(target.forward(torch.tensor(prompt), features=False).logits[-1:], matcher.forbidden("cpu")), params
     )[0]
     table = {}
     for x1 in first.nonzero().flatten().tolist():
         matcher.consume(x1)
         target.reset()
         logits = target.forward(torch.tensor([*prompt, x1]), features=False).logits[-1:]
-        second = probabilities(mask_scores(logits, matcher.allowed("cpu")), params)[0]
+        second = probabilities(mask_scores(logits, matcher.forbidden("cpu")), params)[0]
         matcher.rollback(1)
         for x2 in second.nonzero().flatten().tolist():
             table[x1, x2] = float(first[x1] * second[x2])
