@@ -244,3 +244,21 @@ def test_a_drafter_without_allowed_ids_ends_the_draft(tiny):
         ids, stats = run(target, narrow, prompt, replace(settings, block_size=16))
         assert ids == expected
         assert 1 in stats.block_sizes  # a step that verified no draft
+
+
+def test_generate_json_schema_from_the_command_line(tmp_path):
+    """`dflash generate --json-schema FILE`: the text is JSON following the schema; a malformed schema file is one
+    `error:` sentence and exit 1, before any model loads."""
+    from in_process import invoke
+
+    (tmp_path / "record.json").write_text(json.dumps(RECORD))
+    (tmp_path / "bad.json").write_text(json.dumps({"type": "object", "required": "name"}))
+    common = ["generate", "--target", str(TINY / "target"), "--drafter", str(TINY / "drafter"), "--json"]
+    common += ["--prompt", "def f(x):", "--max-new-tokens", str(NEW_TOKENS), "--block-size", "16"]
+    result = invoke(*common, "--json-schema", str(tmp_path / "record.json"))
+    assert result.exit_code == 0, result.stderr
+    text = json.loads(result.stdout)["text"]
+    assert conforms(json.loads(text[: text.rindex("}") + 1]), RECORD), text
+    bad = invoke(*common, "--json-schema", str(tmp_path / "bad.json"))
+    assert bad.exit_code == 1
+    assert bad.stderr.strip() == "error: The JSON schema is not valid: Expected array for 'required', got \"name\"."
