@@ -323,7 +323,7 @@ def generate(
     while reason is None:
         t0 = timer.mark()
         block, draft_probs = decoding.draft(verify_size, block_size if policy is not None else verify_size)
-        verify_size = block.shape[0]  # fewer where a grammar's draft ended at a stop id
+        verify_size = block.shape[0]  # fewer where a grammar ended the draft early
         t1 = timer.mark()
         accepted, made, out = decoding.verify(block, draft_probs)
         made, stopped = decoding.commit(made, out.features)
