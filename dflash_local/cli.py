@@ -259,6 +259,7 @@ def generate(
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Do not stop at end-of-sequence tokens."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
     backend: str = typer.Option("auto", "--backend", help="auto (llamacpp for .gguf on the CPU), torch or llamacpp."),
+    json_schema: Optional[Path] = typer.Option(None, "--json-schema", help="Output JSON following this schema file."),
     *,
     options: ModelOptions,
 ) -> None:
@@ -272,16 +273,21 @@ def generate(
 
         from .decode import Settings
         from .generation import GenerationRequest, run_request
+        from .grammar import compile_grammar, json_schema_grammar, load_schema
         from .sampling import SamplingParams
 
         sampling = SamplingParams(temperature, top_p, top_k)  # checks them before anything loads
+        grammar_text = None if json_schema is None else json_schema_grammar(load_schema(json_schema))
         resolved = _resolve(target, drafter, options.offline, options.token)
         if not no_draft and resolved.drafter is None:
             raise DFlashError("Pass --drafter DIR, or --no-draft for plain autoregressive decoding.")
         if backend == "auto":
             backend = resolved.backend
         models = options.load(resolved, None if no_draft else resolved.drafter, backend, block_size is None)
+        vocab, stops = models.target.vocab_size, models.stop_ids
+        grammar = None if grammar_text is None else compile_grammar(grammar_text, models.tokenizer, vocab, stops)
         settings = Settings(
+            grammar=grammar,
             max_new_tokens=max_new_tokens,
             sampling=sampling,
             block_size=block_size,

@@ -15,15 +15,17 @@ import torch
 from .block_policy import BlockPolicy
 from .drafters.base import Drafter
 from .errors import DFlashError
+from .grammar import Grammar
 from .runtime import StepClock
-from .sampling import Sampler, SamplingParams, make_sampler
+from .sampling import Sampler, SamplingParams, make_sampler, mask_scores
 from .session import Session
 from .targets.base import Target, TargetOutput
 
 
 @dataclass(frozen=True)
 class Settings:
-    """What to generate: length, sampling, block size, stop tokens, and whether to draft at all."""
+    """What to generate: length, sampling, block size, stop tokens, whether to draft at all, and a grammar the
+    output must follow (its stop ids end the output too)."""
 
     max_new_tokens: int = 128
     sampling: SamplingParams = SamplingParams()
@@ -31,6 +33,7 @@ class Settings:
     draft: bool = True
     stop_ids: frozenset[int] = frozenset()
     seed: int | None = None
+    grammar: Grammar | None = None
 
 
 @dataclass
@@ -166,6 +169,11 @@ class _Decoding:
     ) -> None:
         self.target, self.drafter, self.sampler, self.session = target, drafter, sampler, session
         self.stop_ids = settings.stop_ids
+        self.matcher = settings.grammar.matcher() if settings.grammar is not None else None
+        self.masks: torch.Tensor | None = None  # the grammar's forbidden ids at each row of the block being verified
+        self.consumed = 0  # drafts the matcher has consumed in this step
+        if settings.grammar is not None:
+            self.stop_ids = self.stop_ids | settings.grammar.stop_ids
         self.drafting = drafter is not None
         layers = tuple(drafter.target_layer_ids) if drafter is not None else None
         self.kept, self.pending = session.resume(target, drafter, prompt_ids, layers)  # pending: features the
@@ -181,7 +189,12 @@ class _Decoding:
         """Forward the prompt past what the caches hold; pick the first new token."""
         ids = torch.tensor(self.tokens[self.kept :], dtype=torch.long, device=self.target.device)
         out = self.target.forward(ids, all_logits=False, features=self.drafting)
-        first = self.sampler.first(out.logits[-1])
+        logits = out.logits[-1]
+        if self.matcher is not None:
+            logits = mask_scores(logits, self.matcher.forbidden(logits.device))
+        first = self.sampler.first(logits)
+        if self.matcher is not None and first not in self.stop_ids:  # (a stop ends the generation: nothing to match)
+            self.matcher.consume(first)
         self.tokens.append(first)
         if out.features is not None:
             self.pending.append(out.features)
@@ -192,31 +205,69 @@ class _Decoding:
         """The block to verify, [tokens[start], verify_size - 1 drafts], and the drafts' probabilities (None where
         the sampler keeps none); the drafter drafts draft_size positions, taking the pending features first."""
         block = torch.full((verify_size,), self.tokens[self.start], dtype=torch.long, device=self.target.device)
+        if self.matcher is not None:
+            self.masks, self.consumed = self.matcher.forbidden(block.device)[None], 0
         if verify_size == 1:
             return block, None
         pending = self.pending
         new_features = (pending[0] if len(pending) == 1 else torch.cat(pending)) if pending else None
         logits = self.drafter.propose(self.target, new_features, self.tokens, self.start, draft_size, verify_size - 1)
         self.pending, self.drafted_to = [], self.start
+        if self.matcher is not None:
+            return self._draft_in_grammar(block, logits)
         block[1:], draft_probs = self.sampler.draft(logits)
         return block, draft_probs
 
+    def _draft_in_grammar(self, block: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft row by row from the drafter's scores masked by the grammar, the matcher consuming each draft. The
+        block ends before a row where the drafter scores no allowed id (a drafter with a smaller draft vocabulary),
+        or at the first stop id drafted (not consumed; the row after it, never kept, forbids nothing)."""
+        masks, drafts, probs = [self.masks[0]], [], []
+        for row in range(logits.shape[0]):
+            scores = mask_scores(logits[row : row + 1], masks[-1])
+            if not bool(torch.isfinite(scores).any()):
+                break
+            token, row_probs = self.sampler.draft(scores)
+            drafts.append(token)
+            probs.append(row_probs)
+            if int(token) in self.stop_ids:
+                masks.append(torch.zeros_like(masks[0]))
+                break
+            self.matcher.consume(int(token))
+            self.consumed += 1
+            masks.append(self.matcher.forbidden(block.device))
+        block = block[: len(drafts) + 1]
+        self.masks = torch.stack(masks)
+        if not drafts:
+            return block, None
+        block[1:] = torch.cat(drafts)
+        return block, None if probs[0] is None else torch.cat(probs)
+
     def verify(self, block: torch.Tensor, draft_probs: torch.Tensor | None) -> tuple[int, list[int], TargetOutput]:
         """The target's forward over the block: how many drafts it accepts, the tokens that makes final, its output."""
-        out = self.target.forward(block, all_logits=True, features=self.drafting, greedy=self.sampler.greedy)
+        greedy = self.sampler.greedy and self.matcher is None  # a grammar masks the logits before any argmax
+        out = self.target.forward(block, all_logits=True, features=self.drafting, greedy=greedy)
         scores = out.logits if out.argmax is None else out.argmax
+        if self.matcher is not None:
+            scores = mask_scores(scores, self.masks)
         accepted, made = self.sampler.accept(block[1:], draft_probs, scores)
         return accepted, made, out
 
     def commit(self, made: list[int], features: torch.Tensor | None) -> tuple[list[int], bool]:
-        """Keep the made tokens up to the length limit and the first stop id; roll the target's cache back to them
-        and record the caches' state. Returns the kept tokens and whether a stop id ended them."""
+        """Keep the made tokens up to the length limit and the first stop id; roll the target's cache (and the
+        grammar's matcher) back to them and record the caches' state. Returns the kept tokens and whether a stop id
+        ended them."""
+        accepted = len(made) - 1
         made = made[: self.max_length - self.start - 1]
         stopped = False
         for index, token in enumerate(made):
             if token in self.stop_ids:
                 made, stopped = made[: index + 1], True
                 break
+        if self.matcher is not None and not stopped:  # back to the kept tokens (after a stop, nothing more is matched)
+            self.matcher.rollback(self.consumed - min(accepted, len(made)))
+            for token in made[accepted:]:
+                self.matcher.consume(token)
         self.tokens.extend(made)
         self.start += len(made)
         self.target.rollback(self.start)
@@ -272,6 +323,7 @@ def generate(
     while reason is None:
         t0 = timer.mark()
         block, draft_probs = decoding.draft(verify_size, block_size if policy is not None else verify_size)
+        verify_size = block.shape[0]  # fewer where a grammar ended the draft early
         t1 = timer.mark()
         accepted, made, out = decoding.verify(block, draft_probs)
         made, stopped = decoding.commit(made, out.features)

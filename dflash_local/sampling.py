@@ -48,6 +48,12 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
+def mask_scores(logits: torch.Tensor, forbidden: torch.Tensor) -> torch.Tensor:
+    """The logits with every id a grammar forbids at -inf (forbidden: bool, broadcast over the rows), so that argmax,
+    the sampling distribution and rejection sampling all keep to the allowed ids."""
+    return logits.masked_fill(forbidden, float("-inf"))
+
+
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One sample per row of a probability matrix (rows need not sum to 1): each row's CDF, summed in fp64, inverted
     at a uniform draw. The distribution of torch.multinomial, 4x faster over a 262K vocabulary (10x over 15 drafts)."""

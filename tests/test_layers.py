@@ -23,7 +23,7 @@ LAYERS = (
         "chat_template",
     ),  # files
     ("runtime", "layers", "quant", "cuda_graphs", "sampling", "gguf.shape", "gguf.tensors"),  # building blocks
-    ("targets", "tokenizer", "gguf.tokenizer"),  # the target backends and their vocabularies
+    ("targets", "tokenizer", "gguf.tokenizer", "grammar"),  # the target backends, their vocabularies, grammars
     ("drafters", "gguf.convert"),  # what builds on a target
     ("block_policy", "session", "decode"),  # the decode loop
     ("generation", "handoff", "doctor", "chat", "bench", "server", "model_list", "train", "cli", "__main__"),  # fronts

@@ -53,6 +53,11 @@ class GGUFTokenizer(ChatEncoder):
         """The vocabulary llama.cpp loaded with the target's weights (the file is not read again)."""
         return cls(target._model, target)
 
+    @property
+    def vocab(self):
+        """llama.cpp's vocabulary pointer (the grammar library reads each token's bytes through it)."""
+        return self._vocab
+
     def _meta(self, key: str) -> str | None:
         """A metadata value as llama.cpp prints it, or None when the file lacks the key."""
         from ..llama_lib import llama_cpp
