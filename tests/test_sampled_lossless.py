@@ -12,11 +12,11 @@ The power calculation: a wrong sampler moves the continuations' distribution fro
 the cells of p (sampled_reference.cells) then follows a noncentral chi-square with df = cells - 1 and noncentrality
 N * w^2, w^2 = sum (q - p)^2 / p (Cohen's effect size). The three wrong samplers of tests/wrong_samplers.py
 (a residual drawn from the target's row, acceptance with probability p instead of min(1, p/q), the bonus drawn from
-the row before the last) moved the torch kind's continuations by the w^2 in MEASURED_EFFECTS (1000-1500 samples
-each, bias-corrected: sampled_reference.effect_size; `python tests/wrong_samplers.py NAME
-tests/test_sampled_lossless.py` prints each kind's in its failure). Each test draws the fewest samples at which an
-effect of 0.75 times the smallest of them (EFFECT_FLOOR) is found with 99% power at alpha = 1e-3
-(sampled_reference.samples_for_power): 1300-1500 samples.
+the row before the last) moved the continuations by w^2 of 0.081-0.134, 0.148-0.619 and 0.40-1.04 over the four
+kinds (MEASURED_EFFECTS: the smallest; bias-corrected estimates, sampled_reference.effect_size, over each test's own
+samples: `python tests/wrong_samplers.py NAME tests/test_sampled_lossless.py` prints them in the failures). Each
+test draws the fewest samples at which an effect of 0.75 times the smallest (EFFECT_FLOOR) is found with 99% power
+at alpha = 1e-3 (sampled_reference.samples_for_power): 1100-1300 samples.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from dflash_local.targets.llamacpp import LlamaCppTarget, model_params
 from dflash_local.targets.torch_llama import TorchLlamaTarget
 
 PROMPT, NEW_TOKENS, FIXED_BLOCK = [1, 3, 0, 2], 4, 2
-MEASURED_EFFECTS = {"residual": 0.08, "accept-p": 0.39, "bonus-row": 0.97}  # w^2 per wrong sampler, the weakest kind
+MEASURED_EFFECTS = {"residual": 0.081, "accept-p": 0.148, "bonus-row": 0.40}  # w^2 per wrong sampler, weakest kind
 EFFECT_FLOOR = 0.75 * min(MEASURED_EFFECTS.values())
 
 
