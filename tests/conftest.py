@@ -5,6 +5,7 @@ Also: a skip because something `./install.sh --dev` installs is missing is a fai
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import sys
@@ -85,8 +86,11 @@ def drafter():
 
 @pytest.fixture(autouse=True, scope="session")
 def _state_home(tmp_path_factory):
-    """dflash's own state (block-size calibrations, pull records) goes to this test run's folder, not the user's."""
+    """dflash's own state (block-size calibrations, pull records) and the Hugging Face cache (the Gemma GGUF the
+    registry package assembles, checking its sha256) go to this test run's folders, not the user's."""
     os.environ["DFLASH_HOME"] = str(tmp_path_factory.mktemp("dflash-home"))
+    os.environ["HF_HOME"] = str(tmp_path_factory.mktemp("hf-home"))
+    os.environ.pop("HF_HUB_CACHE", None)  # it would win over HF_HOME
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -97,8 +101,14 @@ def _one_thread():
     torch.set_num_threads(1)
 
 
-# The files that take longest (about 150, 70, 50 and 35 s on 2 cores) start first, so that none runs last, alone.
-SLOWEST_FIRST = ("test_gemma.py", "test_gguf_lossless.py", "test_sampling.py", "test_kernels_compile.py")
+# The files that take longest (about 150, 100, 70, 50 and 35 s on 2 cores) start first, so none runs last, alone.
+SLOWEST_FIRST = (
+    "test_gemma.py",
+    "test_sampled_lossless.py",
+    "test_gguf_lossless.py",
+    "test_sampling.py",
+    "test_kernels_compile.py",
+)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -128,13 +138,45 @@ def _fail(report: pytest.CollectReport | pytest.TestReport, module: str) -> None
     )
 
 
+def environ_captured_at_import(source: str) -> int | None:
+    """The line of a test module's top-level code that reads os.environ beyond one variable's .get (a copy made at
+    import misses DFLASH_HOME and HF_HOME, which _state_home sets later), or None. Rule: ENVIRON_AT_IMPORT."""
+    statements = [s for s in ast.parse(source).body if not isinstance(s, (ast.FunctionDef, ast.ClassDef, ast.Import))]
+    for statement in statements:
+        nodes, pending = [], [statement]
+        while pending:  # ast.walk, but not into lambdas (they run later)
+            node = pending.pop()
+            nodes.append(node)
+            pending += [child for child in ast.iter_child_nodes(node) if not isinstance(child, ast.Lambda)]
+        one_variable = {
+            id(n.func.value)
+            for n in nodes
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "get"
+        }
+        for node in nodes:
+            attribute = isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os"
+            environ = (attribute and node.attr == "environ") or (isinstance(node, ast.Name) and node.id == "environ")
+            if environ and id(node) not in one_variable:
+                return node.lineno
+    return None
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_make_collect_report(collector: pytest.Collector):
-    """A module-level importorskip of a dev-installed package fails collection."""
+    """A module-level importorskip of a dev-installed package fails collection, and so does a test module whose
+    top-level code copies os.environ (ENVIRON_AT_IMPORT)."""
     outcome = yield
     report = outcome.get_result()
     if module := _missing_dev_module(report):
         _fail(report, module)
+    if isinstance(collector, pytest.Module) and collector.path.name.startswith("test_"):
+        line = environ_captured_at_import(collector.path.read_text())
+        if line is not None:
+            report.outcome = "failed"
+            report.longrepr = (
+                f"ENVIRON_AT_IMPORT: {collector.path.name}:{line} reads os.environ at import, before the session's "
+                "DFLASH_HOME and HF_HOME are set: read it inside the test (or a function it calls)"
+            )
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -151,6 +151,14 @@ def forward(folder: str, ids: list[int], out: str) -> None:
     save_file({k: v.contiguous() for k, v in tensors.items()}, out)
 
 
+def next_logits(folder: str, prefixes: list[list[int]], out: str) -> None:
+    """The transformers target's logits of the token after each prefix (row.{i}), one forward per prefix."""
+    target = _target(folder)
+    with torch.no_grad():
+        rows = {f"row.{i}": target(torch.tensor([ids])).logits[0, -1].contiguous() for i, ids in enumerate(prefixes)}
+    save_file(rows, out)
+
+
 def draft_logits(target_folder: str, drafter_folder: str, ids: list[int], steps: list[dict], out: str) -> None:
     """The reference drafter's logits (step.{i}) for consecutive steps {begin, end, first, length} sharing a cache."""
     target = _target(target_folder)
@@ -191,6 +199,7 @@ OPS = {
     "make_drafter": make_drafter,
     "generate": generate,
     "forward": forward,
+    "next_logits": next_logits,
     "draft_logits": draft_logits,
     "save_sharded": save_sharded,
     "layer_ids": layer_ids,

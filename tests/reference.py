@@ -118,6 +118,12 @@ def reference_forward(folder: Path, ids: list[int]) -> tuple[torch.Tensor, list[
     return tensors["logits"], hidden
 
 
+def reference_next_logits(folder: Path, prefixes: list[list[int]]) -> list[torch.Tensor]:
+    """The transformers target's logits [V] of the token after each prefix."""
+    tensors = oracle().tensors("next_logits", folder=str(folder), prefixes=prefixes)
+    return [tensors[f"row.{i}"] for i in range(len(prefixes))]
+
+
 def reference_draft_logits(
     target_folder: Path, drafter_folder: Path, ids: list[int], steps: list[tuple[int, int, int]], length: int
 ) -> list[torch.Tensor]:

@@ -31,12 +31,16 @@ from dflash_local.targets.torch_llama import TargetConfig, TorchLlamaTarget
 from dflash_local.weights import read_config
 
 TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
+
+
+def child_env() -> dict[str, str]:
+    """The subprocesses' environment, read when they start (after conftest points DFLASH_HOME at the session)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
 
 
 def dflash(*args: str | bytes | Path, env: dict | None = None) -> subprocess.CompletedProcess:
     argv = [sys.executable, "-m", "dflash_local", *(a if isinstance(a, bytes) else str(a) for a in args)]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env or ENV)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env or child_env())
 
 
 def assert_one_error(result: subprocess.CompletedProcess | Result, message: str) -> None:
@@ -350,7 +354,7 @@ def test_killed_convert_leaves_nothing_after_the_next_run(tmp_path):
 
     out = tmp_path / "tiny.gguf"
     argv = [sys.executable, "-m", "dflash_local", "convert", str(TINY / "target"), "--out", str(out), "--type", "f16"]
-    process = subprocess.Popen(argv, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(argv, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     staged = tmp_path / f"tiny.gguf.dflash-convert-{process.pid}" / "staged.gguf"
     deadline = time.monotonic() + 120
     while not (staged.is_file() and staged.stat().st_size > 0) and process.poll() is None:
@@ -421,5 +425,5 @@ def test_out_of_memory_is_one_sentence(monkeypatch):
 def test_version():
     script = Path(sys.executable).parent / "dflash"
     for argv in ([str(script), "--version"], [sys.executable, "-m", "dflash_local", "--version"]):
-        result = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=ENV)
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=child_env())
         assert (result.returncode, result.stdout, result.stderr) == (0, f"dflash-local {__version__}\n", "")

@@ -27,7 +27,12 @@ from dflash_local.generation import load_models
 from dflash_local.runtime import RuntimeConfig
 from dflash_local.tokenizer import TextTokenizer
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TERM": "xterm", "COLUMNS": "120"}
+
+def child_env() -> dict[str, str]:
+    """The chat processes' environment, read when they start (after conftest points DFLASH_HOME at the session)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TERM": "xterm", "COLUMNS": "120"}
+
+
 PROMPT = ">>> "
 TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"
 LONG = "Please explain " + "the whole history of every programming language ever made, " * 20
@@ -38,7 +43,7 @@ def spawn(*args: str, rows: int = 24, cols: int = 120, sigint_ignored: bool = Fa
     child = pexpect.spawn(
         sys.executable,
         ["-m", "dflash_local", "chat", "tiny", *args],
-        env={**ENV, "COLUMNS": str(cols)},
+        env={**child_env(), "COLUMNS": str(cols)},
         encoding="utf-8",
         timeout=120,
         dimensions=(rows, cols),
@@ -54,7 +59,7 @@ def pipe(text: str | bytes, *args: str) -> subprocess.CompletedProcess:
         [sys.executable, "-m", "dflash_local", "chat", "tiny", *args],
         input=data,
         capture_output=True,
-        env=ENV,
+        env=child_env(),
         timeout=120,
     )
     result.stdout, result.stderr = result.stdout.decode(), result.stderr.decode()

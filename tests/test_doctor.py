@@ -15,12 +15,19 @@ import torch
 from dflash_local import doctor, memory_estimate
 from dflash_local.errors import DFlashError
 
-ENV = {**os.environ, "COLUMNS": "200", "OMP_NUM_THREADS": "1"}
+
+def child_env() -> dict[str, str]:
+    """The doctor's environment, read when it starts (after conftest points DFLASH_HOME at the session)."""
+    return {**os.environ, "COLUMNS": "200", "OMP_NUM_THREADS": "1"}
+
+
 TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"
 
 
 def dflash(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflash_local", *args], capture_output=True, text=True, env=ENV)
+    return subprocess.run(
+        [sys.executable, "-m", "dflash_local", *args], capture_output=True, text=True, env=child_env()
+    )
 
 
 def test_doctor_reports_the_stack_and_whether_a_model_fits():

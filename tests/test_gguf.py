@@ -17,7 +17,7 @@ from dflash_local.drafters.torch_drafter import DFlashDrafter  # noqa: E402
 from dflash_local.errors import DFlashError  # noqa: E402
 from dflash_local.gguf.convert import convert  # noqa: E402
 from dflash_local.quant import Int8Matrix  # noqa: E402
-from dflash_local.targets.llamacpp import LlamaCppTarget, model_params  # noqa: E402
+from dflash_local.targets.llamacpp import LlamaCppTarget  # noqa: E402
 from dflash_local.targets.torch_llama import TorchLlamaTarget  # noqa: E402
 
 TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"
@@ -25,30 +25,20 @@ NEW_TOKENS = 40
 
 
 @pytest.mark.parametrize("kind", ["f16", "q8_0"])
-def test_dflash_equals_llamacpp_greedy(kind, tiny_gguf, heldout, drafter, monkeypatch):
-    """Both drafters (torch, llama.cpp-native) reproduce llama.cpp's greedy ids; they accept alike."""
-    from llama_cpp import Llama, llama_cpp
-
-    # llama.cpp's own run under the target's model options (its default repacks weights for AMX, which crashes on
-    # some AMX machines, and would not be the target's kernels anyway)
-    monkeypatch.setattr(llama_cpp, "llama_model_default_params", lambda: model_params("cpu"))
+def test_both_drafters_accept_alike_and_propose_the_same_drafts(kind, tiny_gguf, heldout, drafter):
+    """At block 16 on 10 held-out prompts the torch and llama.cpp-native drafters give the same ids, the trained pair
+    accepts (mean tau > 2.0) and their taus agree within 5%; they propose the same drafts (99%) step by step.
+    (Their ids against llama.cpp's own greedy run, at blocks 4, 16 and auto: test_gguf_lossless.)"""
     target = LlamaCppTarget.load(tiny_gguf[kind], max_context=2048, threads=1)
     native = NativeDrafter.load(TINY / "drafter", target, threads=1)
-    own = Llama(str(tiny_gguf[kind]), n_ctx=512, n_threads=1, n_threads_batch=1, verbose=False)
     taus, native_taus = [], []
     for index, prompt in enumerate(heldout):
-        expected, _ = run(target, None, prompt, Settings(max_new_tokens=NEW_TOKENS, draft=False))
-        if index < 3:
-            own.reset()
-            stream = own.generate(prompt, top_k=1, temp=0.0, reset=True)
-            assert [next(stream) for _ in range(NEW_TOKENS)] == expected
-        for block in (4, 16):
-            settings = Settings(max_new_tokens=NEW_TOKENS, block_size=block)
-            ids, stats = run(target, drafter, prompt, settings)
-            native_ids, native_stats = run(target, native, prompt, settings)
-            assert ids == expected and native_ids == expected, (kind, index, block)
-            taus.append(stats.tau)
-            native_taus.append(native_stats.tau)
+        settings = Settings(max_new_tokens=NEW_TOKENS, block_size=16)
+        ids, stats = run(target, drafter, prompt, settings)
+        native_ids, native_stats = run(target, native, prompt, settings)
+        assert ids == native_ids, (kind, index)
+        taus.append(stats.tau)
+        native_taus.append(native_stats.tau)
     assert sum(taus) / len(taus) > 2.0, taus
     assert abs(sum(native_taus) - sum(taus)) / sum(taus) < 0.05, (native_taus, taus)
     torch_drafts = [d for p in heldout[:4] for d in proposals(target, drafter, p, run_ar(target, p), 16)]

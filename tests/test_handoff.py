@@ -51,6 +51,7 @@ def test_a_gguf_entry_hands_off_its_unquantized_target_or_says_why_not():
     result = serve("llama3-8b-q4", "--engine", "sglang", "--block-size", "16")
     assert result.exit_code == 1
     assert result.stderr.startswith("error: 'llama3-8b-q4' is a GGUF target") and "need an HF target" in result.stderr
+    assert len(result.stderr.splitlines()) == 1, result.stderr
     assert result.stdout == ""
 
 
@@ -81,4 +82,4 @@ def test_refusals_are_one_error_line(tmp_path):
     ):
         result = serve(*args)
         assert result.exit_code == 1
-        assert result.stderr.startswith(message), result.stderr
+        assert result.stderr.startswith(message) and len(result.stderr.splitlines()) == 1, result.stderr

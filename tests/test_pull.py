@@ -146,12 +146,16 @@ def generate(hub: FakeHub, *extra: str) -> subprocess.CompletedProcess:
 
 
 def assert_one_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    """Exit status 1 and a stderr that ends in its one error line, `error: ...` holding each fragment: any lines
+    before it are the pull's own progress (from `pulling REPO ...` on: its bars and counts) and say nothing of an
+    error."""
     assert result.returncode == 1, result.stderr
-    assert "Traceback" not in result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1, result.stderr
+    *before, last = result.stderr.splitlines()
+    assert last.startswith("error: "), result.stderr
+    assert not any("error" in line.lower() or "traceback" in line.lower() for line in before), result.stderr
+    assert not before or before[0].startswith("pulling "), result.stderr
     for fragment in fragments:
-        assert fragment in lines[0], lines[0]
+        assert fragment in last, last
 
 
 def test_pull_fetches_only_needed_files_verifies_and_second_pull_downloads_nothing(hub, tmp_path):
