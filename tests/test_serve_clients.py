@@ -160,8 +160,8 @@ def test_the_ollama_client_generates_with_options_whole_and_streamed(local):
 
 def test_the_ollama_api_refuses_what_it_cannot_honour_in_its_error_shape(local, url):
     with pytest.raises(ollama.ResponseError) as caught:
-        local.chat(model="tiny", messages=MESSAGES, format="json")
-    assert caught.value.status_code == 400 and "'format'" in caught.value.error
+        local.generate(model="tiny", prompt="The", suffix="return")
+    assert caught.value.status_code == 400 and "'suffix'" in caught.value.error
     request = urllib.request.Request(f"{url}/api/tags")
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(request, timeout=30)

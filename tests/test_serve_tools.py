@@ -195,9 +195,16 @@ def test_the_openai_client_sends_tools_and_tool_history_and_reads_text_back(tool
         )
         assert answer.choices[0].message.tool_calls is None  # the tiny model writes code, never a call: text
         assert answer.choices[0].message.content and answer.choices[0].finish_reason in ("stop", "length")
-        with pytest.raises(openai.BadRequestError) as caught:
-            client.chat.completions.create(model="tiny", messages=HISTORY, tools=[WEATHER], tool_choice="required")
-        assert caught.value.param == "tool_choice"
+        city = {"type": "string", "maxLength": 12}  # bounded, so the tiny model's call ends within max_tokens
+        parameters = {"type": "object", "properties": {"city": city}, "required": ["city"]}
+        parameters["additionalProperties"] = False
+        bounded = {"type": "function", "function": WEATHER["function"] | {"parameters": parameters}}
+        forced = client.chat.completions.create(
+            model="tiny", messages=HISTORY, tools=[bounded], tool_choice="required", temperature=0, max_tokens=60
+        )
+        call = forced.choices[0].message.tool_calls[0].function  # constrained: a call, whatever the model prefers
+        assert forced.choices[0].finish_reason == "tool_calls" and call.name == "get_weather"
+        assert set(json.loads(call.arguments)) == {"city"}
 
 
 def test_ollama_replies_carry_the_calls_in_ollamas_shape_whole_and_streamed():

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from ..decode import Settings, Stats
 from ..errors import DFlashError
 from ..generation import OUT_OF_MEMORY, GenerationRequest, LoadedModels, out_of_memory, stream
+from ..grammar import compile_grammar
 from .protocol import Sampling
 
 log = logging.getLogger("dflash.serve")
@@ -152,6 +153,10 @@ class Engine:
     def settings(self, sampling: Sampling, prompt_tokens: int) -> Settings:
         """The loop's settings for a request: no max_tokens means serve's --max-new-tokens, else up to the context."""
         room = self.models.target.max_context - prompt_tokens
+        models = self.models
+        grammar = None
+        if sampling.grammar is not None:
+            grammar = compile_grammar(sampling.grammar, models.tokenizer, models.target.vocab_size, models.stop_ids)
         return Settings(
             max_new_tokens=sampling.max_tokens or self.max_new_tokens or max(room, 1),
             sampling=sampling.params,
@@ -159,6 +164,7 @@ class Engine:
             draft=self.models.drafter is not None,
             stop_ids=self.models.stops(sampling.ignore_eos),
             seed=sampling.seed,
+            grammar=grammar,
         )
 
     def _generate(self, job: Job) -> Ending | None:

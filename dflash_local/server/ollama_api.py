@@ -17,6 +17,7 @@ from starlette.routing import Route
 from ..chat_template import takes_tools
 from ..generation import LoadedModels
 from ..sampling import SamplingParams
+from .constrained import ollama_format_grammar
 from .engine import Ending, Event, Failure, Job
 from .exchange import Server
 from .protocol import BadRequest, Refused, Sampling, flag, number, parse_messages, stop_strings, whole
@@ -26,7 +27,7 @@ log = logging.getLogger("dflash.serve")
 
 API_VERSION = "0.12.0"  # the Ollama release whose API these routes follow (clients gate features on it)
 OPTIONS = {"num_predict", "temperature", "top_p", "top_k", "seed", "stop"}
-REFUSED = {"images": "images", "format": "structured output ('format')", "suffix": "'suffix'"}
+REFUSED = {"images": "images", "suffix": "'suffix'"}
 REFUSED |= {"context": "'context' token lists"}
 
 
@@ -61,6 +62,7 @@ def parse_options(body: dict) -> Sampling:
         seed=seed if seed is not None and seed >= 0 else None,
         stop=stop_strings(options.get("stop"), "options.stop"),
         stream=body.get("stream") is None or flag(body, "stream"),
+        grammar=ollama_format_grammar(body.get("format")),
     )
 
 

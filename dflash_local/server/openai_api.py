@@ -8,6 +8,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -15,6 +16,7 @@ from starlette.routing import Route
 
 from ..chat_template import takes_tools
 from ..generation import LoadedModels
+from .constrained import forced_call_grammar, response_format_grammar
 from .engine import Ending, Event, Failure, Job
 from .exchange import Server
 from .protocol import error_response, parse_messages, parse_prompt, parse_sampling, parse_thinking
@@ -118,6 +120,8 @@ def routes(server: Server) -> list[Route]:
     async def chat(request: Request, body: dict) -> Response:
         messages, sampling, thinking = parse_messages(body), parse_sampling(body), parse_thinking(body)
         tools = parse_tools(body)
+        grammar = forced_call_grammar(body, tools) or response_format_grammar(body)
+        sampling = replace(sampling, grammar=grammar)
 
         def render(models: LoadedModels) -> list[int]:
             enable = engine.thinking if thinking is None else thinking
@@ -128,7 +132,8 @@ def routes(server: Server) -> list[Route]:
         return await server.answer(request, job, Shape(True, model, sampling.include_usage, tools))
 
     async def completions(request: Request, body: dict) -> Response:
-        prompt, sampling = parse_prompt(body), parse_sampling(body)
+        prompt = parse_prompt(body)
+        sampling = replace(parse_sampling(body), grammar=response_format_grammar(body))
 
         def encode(models: LoadedModels) -> list[int]:
             return models.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt

@@ -65,6 +65,7 @@ class Sampling:
     stream: bool = False
     include_usage: bool = False
     ignore_eos: bool = False
+    grammar: str | None = None  # constrained output (server.constrained), compiled by the worker
 
 
 def number(body: dict, name: str, default: float, low: float, high: float) -> float:
@@ -106,13 +107,10 @@ def stop_strings(value: object, name: str = "stop") -> tuple[str, ...]:
 
 
 NO_FUNCTIONS = "send 'tools' instead (the legacy functions API is not served)"
-NOT_FORCED = "a required or named call needs constrained decoding, which dflash serve does not do yet"
 NO_PENALTIES = "the samplers apply no penalties; send 0 or leave it out"
 UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
     "functions": ((None, []), f"'functions' cannot be honoured: {NO_FUNCTIONS}."),
-    "tool_choice": ((None, "none", "auto"), f"'tool_choice' must be none or auto: {NOT_FORCED}."),
     "function_call": ((None, "none", "auto"), f"'function_call' must be none or auto: {NO_FUNCTIONS}."),
-    "response_format": ((None, {"type": "text"}), 'Only response_format {"type": "text"} is supported.'),
     "n": ((None, 1), "Only n = 1 is supported: the engine decodes one sequence at a time."),
     "best_of": ((None, 1), "Only best_of = 1 is supported: the engine decodes one sequence at a time."),
     "logprobs": ((None, False), "'logprobs' is not supported by dflash serve."),
@@ -133,6 +131,8 @@ KNOWN = {
     "max_tokens",
     "max_completion_tokens",
     "temperature",
+    "tool_choice",
+    "response_format",
 }
 KNOWN |= {"top_p", "top_k", "seed", "stop", "stream", "stream_options", "ignore_eos", "user", "parallel_tool_calls"}
 KNOWN |= set(UNSUPPORTED)
