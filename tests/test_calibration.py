@@ -12,12 +12,12 @@ import pytest
 import torch
 from in_process import invoke
 
-from dflash_local import block_policy
 from dflash_local.block_policy import (
     HISTORY_DECAY,
     AcceptanceEstimate,
     BlockPolicy,
     CostTable,
+    calibration,
     expected_tokens,
     load_policy,
     measure_costs,
@@ -89,7 +89,7 @@ class ScriptedDrafter:
 
 def calibrate(monkeypatch, busy: range = range(0)) -> CostTable:
     machine = Machine(busy)
-    monkeypatch.setattr(block_policy, "StepClock", lambda device: machine)
+    monkeypatch.setattr(calibration, "StepClock", lambda device: machine)
     return measure_costs(ScriptedTarget(machine), ScriptedDrafter(machine))
 
 
