@@ -13,7 +13,7 @@ WEIGHT_KINDS = ("q4_k_m", "q8_0", "f16", "bf16", "int4", "nf4")  # how a catalog
 INT4_GROUP = 128  # quant.INT4_GROUP (not imported: this module stays free of torch)
 LLAMA_BATCH = 512  # n_batch = n_ubatch of LlamaCppTarget and the native drafter: the most tokens a graph holds
 # Peak RSS of the process before any model: Python, torch, llama.cpp and this package imported (measured: 0.25 GB,
-# scripts/bench_synthetic.py). On a GPU this is host memory; CUDA's own context takes about as much VRAM.
+# benchmarks/bench_synthetic.py). On a GPU this is host memory; CUDA's own context takes about as much VRAM.
 RUNTIME_BYTES = 250_000_000
 # Bytes per 256 weights of llama.cpp's block types (ggml-common.h), for GGUF sizes of files not yet downloaded.
 BLOCK_BYTES = {"q4_k": 144, "q6_k": 210, "q8_0": 272, "f16": 512, "bf16": 512, "f32": 1024}

@@ -180,7 +180,7 @@ def test_the_quantize_on_load_entry_is_int4_counted_as_loaded(monkeypatch, tmp_p
 @pytest.mark.parametrize("shape,report", [("llama3.2-1b", "synth-1b"), ("llama3.1-8b", "synth-8b")])
 def test_catalog_figures_are_within_15_percent_of_the_measured_peaks(shape, report):
     """The catalog's figure for a shape (Q4_K_M, its drafter, native: the CPU default) and the same without a
-    drafter, against the peak RSS measured on the synthetic model of that shape (scripts/measure_memory.py)."""
+    drafter, against the peak RSS measured on the synthetic model of that shape (benchmarks/measure_memory.py)."""
     from dflash_local.shapes import SHAPES, target_config
 
     measured = json.loads((TINY.parent.parent / "results" / "memory" / f"{report}-q4_k_m-ctx4096.json").read_text())

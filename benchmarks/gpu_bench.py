@@ -7,8 +7,8 @@ acceptance step at a fixed context; the share of the memory-bandwidth bound each
 over the measured copy bandwidth); the speedup projected at tau = 3, 5, 7 as tau * decode / (draft + verify + accept).
 Also each int4 linear candidate (the Triton kernel, torch's _weight_int4pack_mm, a dense bf16 matmul) for 1..32 rows.
 
-    .venv/bin/python scripts/gpu_bench.py                      # CUDA, real shapes -> results/<gpu>/
-    .venv/bin/python scripts/gpu_bench.py --small --device cpu # tiny shapes, checks the script anywhere
+    .venv/bin/python -m benchmarks.gpu_bench                      # CUDA, real shapes -> results/<gpu>/
+    .venv/bin/python -m benchmarks.gpu_bench --small --device cpu # tiny shapes, checks the script anywhere
 """
 
 from __future__ import annotations
@@ -26,16 +26,18 @@ import gguf
 import numpy as np
 import torch
 from dflash_local.kernels import dequantize, use_triton, wq_matmul
-from step_costs import measure_steps, milliseconds
 from torch import nn
 from torch.nn import functional as F
 
+from dflash_local.block_policy import median_ms
 from dflash_local.drafters.config import DrafterConfig, default_target_layer_ids
 from dflash_local.drafters.torch_drafter import DFlashDrafter, DFlashModel
 from dflash_local.layers import rope_inv_freq
 from dflash_local.quant import group_scale_dtype, install_4bit, install_int4, quantize_int4, quantize_linears
 from dflash_local.runtime import pick_device
 from dflash_local.targets.torch_llama import LlamaModel, TargetConfig, TorchLlamaTarget
+
+from .step_costs import measure_steps
 
 TAUS = (3, 5, 7)
 VERIFY_SIZES = tuple(range(1, 33))  # verify-k for k = 1..32
@@ -243,7 +245,7 @@ def copy_bandwidth(device: str, repeats: int, megabytes: int) -> float:
     """Bytes a second one device-to-device copy of `megabytes` moves (read plus write): the practical bound."""
     source = torch.empty(megabytes << 20, dtype=torch.uint8, device=device).fill_(1)
     target = torch.empty_like(source)
-    ms = milliseconds(lambda: target.copy_(source), device, repeats)
+    ms = median_ms(lambda: target.copy_(source), device, repeats)
     return 2 * source.numel() / (ms / 1000)
 
 
@@ -274,7 +276,7 @@ def verify_costs(target: TorchLlamaTarget, context: int, device: str, repeats: i
         target.forward(ids[:k])
 
     with torch.inference_mode():
-        return {str(k): milliseconds(lambda k=k: verify(k), device, repeats) for k in VERIFY_SIZES}
+        return {str(k): median_ms(lambda k=k: verify(k), device, repeats) for k in VERIFY_SIZES}
 
 
 def measure(
@@ -349,7 +351,7 @@ def linear_candidates(shape: Shape, dtype: torch.dtype, device: str, repeats: in
             for rows in CANDIDATE_ROWS:
                 x = torch.randn(rows, shape.hidden, generator=gen, device=device).to(dtype)
                 try:
-                    entry[str(rows)] = milliseconds(lambda x=x, fn=fn: fn(x), device, repeats)
+                    entry[str(rows)] = median_ms(lambda x=x, fn=fn: fn(x), device, repeats)
                     want = (x.float() @ restored.float().T) if "dense" not in name else F.linear(x, weight).float()
                     error = ((fn(x).float() - want).abs().max() / want.abs().max()).item()
                     entry["max_error"] = max(entry.get("max_error", 0.0), error)
