@@ -14,6 +14,7 @@ import gguf
 import numpy as np
 import torch
 
+from ..dimensions import Dimensions
 from ..errors import DFlashError
 from ..gguf.file import GGUFTensor, read_gguf, read_header
 from ..targets.torch_llama import TargetConfig, TorchLlamaTarget
@@ -99,17 +100,20 @@ def gguf_target_config(path: Path) -> TargetConfig:
 
     info = read_gguf(path)
     heads = int(key("attention.head_count"))
+    dims = Dimensions(
+        hidden=info.hidden_size,
+        intermediate=int(key("feed_forward_length")),
+        layers=info.num_layers,
+        heads=heads,
+        kv_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=int(key("attention.key_length", info.hidden_size // heads)),
+        vocab=info.vocab_size,
+        tied="output.weight" not in info.tensors,
+    )
     return TargetConfig(
         model_type=arch,
-        vocab_size=info.vocab_size,
-        hidden_size=info.hidden_size,
-        intermediate_size=int(key("feed_forward_length")),
-        num_layers=info.num_layers,
-        num_heads=heads,
-        num_kv_heads=int(key("attention.head_count_kv", heads)),
-        head_dim=int(key("attention.key_length", info.hidden_size // heads)),
+        dims=dims,
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
-        tie_word_embeddings="output.weight" not in info.tensors,
         attention_bias=False,
         mlp_bias=False,
         max_position_embeddings=info.context_length,
@@ -122,7 +126,7 @@ def gguf_drafter_fields(path: Path, cfg: TargetConfig) -> dict:
     fields = read_header(path).fields
     extra: dict = {}
     if cfg.model_type.startswith("gemma"):
-        extra["input_embedding_scale"] = math.sqrt(cfg.hidden_size)
+        extra["input_embedding_scale"] = math.sqrt(cfg.dims.hidden)
     cap = fields.get(f"{cfg.model_type}.final_logit_softcapping")
     if cap:
         extra["final_logit_softcapping"] = float(cap)
@@ -187,9 +191,9 @@ def _prepare_gguf(request: TrainRequest, layer_ids_of) -> _Prepared:
         return run
 
     info = read_gguf(request.target)
-    embed = dequantized(info.tensors["token_embd.weight"], cfg.vocab_size, cfg.hidden_size)
+    embed = dequantized(info.tensors["token_embd.weight"], cfg.dims.vocab, cfg.dims.hidden)
     head_tensor = info.tensors.get("output.weight")
-    head = embed if head_tensor is None else dequantized(head_tensor, cfg.vocab_size, cfg.hidden_size)
+    head = embed if head_tensor is None else dequantized(head_tensor, cfg.dims.vocab, cfg.dims.hidden)
     return _Prepared(
         cfg,
         GGUFTokenizer.load(request.target),
@@ -207,16 +211,16 @@ def run_training(request: TrainRequest) -> Iterator[DistillProgress | TrainEvent
 
     def layer_ids_of(cfg: TargetConfig) -> list[int]:
         layer_ids = request.target_layer_ids or default_layer_ids(cfg, request.train.layers)
-        bad = [i for i in layer_ids if not 0 <= i < cfg.num_layers]
+        bad = [i for i in layer_ids if not 0 <= i < cfg.dims.layers]
         if bad:
-            raise DFlashError(f"Target layer ids {layer_ids} do not fit a target with {cfg.num_layers} layers.")
+            raise DFlashError(f"Target layer ids {layer_ids} do not fit a target with {cfg.dims.layers} layers.")
         return layer_ids
 
     prepare = _prepare_gguf if request.target.suffix == ".gguf" else _prepare_torch
     ready = prepare(request, layer_ids_of)
     cfg = ready.cfg
     layer_ids = layer_ids_of(cfg)
-    mask_id = _mask_token(ready.tokenizer, cfg.vocab_size, request.mask_token_id)
+    mask_id = _mask_token(ready.tokenizer, cfg.dims.vocab, request.mask_token_id)
     prompts = load_prompts(request.corpus, ready.tokenizer, request.prompt_tokens, request.distill.seed)
     if request.max_prompts:
         prompts = prompts[: request.max_prompts]
@@ -224,7 +228,7 @@ def run_training(request: TrainRequest) -> Iterator[DistillProgress | TrainEvent
     for done, total in generate_shards(lambda: ready.continuer(prompts), prompts, data_dir, request.distill):
         yield DistillProgress(done, total)
     data = Sequences(load_shards(data_dir), request.train.heldout_fraction, request.train.seed)
-    d2t = draft_vocabulary(data, request.draft_vocab, cfg.vocab_size) if request.draft_vocab else None
+    d2t = draft_vocabulary(data, request.draft_vocab, cfg.dims.vocab) if request.draft_vocab else None
     config = drafter_config(cfg, request.train.layers, request.train.block_size, layer_ids, mask_id, ready.extra, d2t)
     yield from train(
         ready.embed,
