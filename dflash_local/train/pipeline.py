@@ -14,9 +14,9 @@ import gguf
 import numpy as np
 import torch
 
-from ..dimensions import Dimensions
 from ..errors import DFlashError
 from ..gguf.file import GGUFTensor, read_gguf, read_header
+from ..memory_estimate import target_sizes
 from ..targets.torch_llama import TargetConfig, TorchLlamaTarget
 from ..tokenizer import TextTokenizer, stop_token_ids
 from ..weights import read_config
@@ -99,20 +99,9 @@ def gguf_target_config(path: Path) -> TargetConfig:
         return value
 
     info = read_gguf(path)
-    heads = int(key("attention.head_count"))
-    dims = Dimensions(
-        hidden=info.hidden_size,
-        intermediate=int(key("feed_forward_length")),
-        layers=info.num_layers,
-        heads=heads,
-        kv_heads=int(key("attention.head_count_kv", heads)),
-        head_dim=int(key("attention.key_length", info.hidden_size // heads)),
-        vocab=info.vocab_size,
-        tied="output.weight" not in info.tensors,
-    )
     return TargetConfig(
         model_type=arch,
-        dims=dims,
+        dims=target_sizes(path),
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
         attention_bias=False,
         mlp_bias=False,
