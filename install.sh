@@ -3,7 +3,7 @@
 # A thin layer over pip; pyproject.toml says what dflash-local needs. Creates .venv, installs torch==2.13.0 (PyPI's
 # Linux wheel is the CUDA build), then dflash-local with GGUF support (llama-cpp-python, built from source for the
 # CPU: several minutes), plus the gpu extra (Triton, bitsandbytes) where nvidia-smi works, then a second libllama
-# without llamafile for lossless F16 verification (scripts/build_libllama.sh). Every install goes through the lock,
+# without llamafile for lossless F16 verification (tools/build_libllama.sh). Every install goes through the lock,
 # constraints.txt, so users get the versions CI tested. --dev adds the test tools to .venv and creates .venv-oracle:
 # the reference implementation (PyPI dflash + transformers) the tests call as an oracle.
 set -euo pipefail
@@ -58,7 +58,7 @@ echo "==> installing dflash-local[$extras]"
 "${pip[@]}" -e ".[$extras]"
 # DFlash is bitwise lossless on F16/BF16/F32 GGUFs on the CPU only with a libllama built without llamafile's tinyBLAS:
 # build it once per llama-cpp-python version into .venv/lib/dflash-libllama (a few minutes).
-scripts/build_libllama.sh .venv
+tools/build_libllama.sh .venv
 
 if [ "$dev" = 1 ]; then
   echo "==> creating .venv-oracle: the reference implementation the tests compare against"

@@ -1,10 +1,10 @@
 """The one place dflash sets llama.cpp's environment, then imports llama-cpp-python: import llama_cpp from here.
 
-Both settings keep a verify batch's logits bitwise equal to those of one-token decodes (scripts/batch_invariance.py),
+Both settings keep a verify batch's logits bitwise equal to those of one-token decodes (benchmarks/batch_invariance.py),
 and each is left alone where the user has already set it:
 - GGML_CPU_TILED_MM=0: ggml's tiled matmul (Q4_0 and K-quants, batches of 8 rows or more) sums in another order than
   the one-token path. ggml reads it once, at the process's first matmul. Export 1 to trade that for faster prefill.
-- LLAMA_CPP_LIB_PATH: the libllama that scripts/build_libllama.sh (run by install.sh on CPU machines) builds with
+- LLAMA_CPP_LIB_PATH: the libllama that tools/build_libllama.sh (run by install.sh on CPU machines) builds with
   llamafile's tinyBLAS off, which otherwise takes every F16/BF16/F32 batch of 2 rows or more; used where it exists for
   the installed llama-cpp-python. llama_cpp loads its library on import, so this module must import it first.
 """
@@ -46,7 +46,7 @@ def loaded_library() -> Path:
 
 def tapped_architectures() -> tuple[str, ...]:
     """GGUF architectures whose layer features the loaded libllama exposes: the stock ones, plus those that
-    scripts/build_libllama.sh added taps to where that library is the one loaded."""
+    tools/build_libllama.sh added taps to where that library is the one loaded."""
     added: list[str] = []
     if loaded_library().parent == invariant_lib():
         try:

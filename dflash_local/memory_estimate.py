@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from .dimensions import Dimensions
 from .errors import DFlashError
 
 DEFAULT_CONTEXT = 4096  # the CLI's --max-context: what catalog and doctor figures assume
@@ -13,59 +14,13 @@ WEIGHT_KINDS = ("q4_k_m", "q8_0", "f16", "bf16", "int4", "nf4")  # how a catalog
 INT4_GROUP = 128  # quant.INT4_GROUP (not imported: this module stays free of torch)
 LLAMA_BATCH = 512  # n_batch = n_ubatch of LlamaCppTarget and the native drafter: the most tokens a graph holds
 # Peak RSS of the process before any model: Python, torch, llama.cpp and this package imported (measured: 0.25 GB,
-# scripts/bench_synthetic.py). On a GPU this is host memory; CUDA's own context takes about as much VRAM.
+# benchmarks/bench_synthetic.py). On a GPU this is host memory; CUDA's own context takes about as much VRAM.
 RUNTIME_BYTES = 250_000_000
 # Bytes per 256 weights of llama.cpp's block types (ggml-common.h), for GGUF sizes of files not yet downloaded.
 BLOCK_BYTES = {"q4_k": 144, "q6_k": 210, "q8_0": 272, "f16": 512, "bf16": 512, "f32": 1024}
 
 
-@dataclass(frozen=True)
-class Sizes:
-    """A Llama/Qwen3 decoder's dimensions: all memory depends on."""
-
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    tied: bool
-
-    @classmethod
-    def from_config(cls, config: dict) -> Sizes:
-        """From a (checked) config.json dict of a target or a drafter."""
-        heads = config["num_attention_heads"]
-        return cls(
-            hidden=config["hidden_size"],
-            intermediate=config["intermediate_size"],
-            layers=config["num_hidden_layers"],
-            heads=heads,
-            kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            vocab=config.get("vocab_size", 0),
-            tied=bool(config.get("tie_word_embeddings", False)),
-        )
-
-    def layer_matrices(self) -> dict[str, int]:
-        """Weights of one decoder layer's matrices, by llama.cpp tensor kind."""
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return {
-            "attn_q": q * self.hidden,
-            "attn_k": kv * self.hidden,
-            "attn_v": kv * self.hidden,
-            "attn_output": q * self.hidden,
-            "ffn_gate": self.intermediate * self.hidden,
-            "ffn_up": self.intermediate * self.hidden,
-            "ffn_down": self.intermediate * self.hidden,
-        }
-
-    def kv_bytes(self, context: int, element: int = 2) -> int:
-        """K and V of every layer for context tokens (llama.cpp and torch both keep them in 16 bits)."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * context * element
-
-
-def activation_bytes(sizes: Sizes) -> int:
+def activation_bytes(sizes: Dimensions) -> int:
     """The resident part of llama.cpp's compute buffer: a full batch of fp32 activations (see estimate)."""
     return 4 * LLAMA_BATCH * (3 * sizes.intermediate + 5 * sizes.hidden)
 
@@ -75,7 +30,7 @@ def _more_bits(layer: int, layers: int) -> bool:
     return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
 
 
-def gguf_bytes(sizes: Sizes, kind: str) -> int:
+def gguf_bytes(sizes: Dimensions, kind: str) -> int:
     """Size of the GGUF file `dflash convert --type kind` writes for a target (tensor data; metadata aside)."""
     if kind not in ("q4_k_m", "q8_0", "f16", "bf16"):
         raise DFlashError(f"No size rule for GGUF type '{kind}'.")
@@ -94,14 +49,14 @@ def gguf_bytes(sizes: Sizes, kind: str) -> int:
     return total + sizes.hidden * 4
 
 
-def safetensors_bytes(sizes: Sizes, element: int = 2) -> int:
+def safetensors_bytes(sizes: Dimensions, element: int = 2) -> int:
     """Size of a 16-bit (element=2) HF target's weights."""
     matrices = sizes.layers * sum(sizes.layer_matrices().values())
     embedding = sizes.vocab * sizes.hidden * (1 if sizes.tied else 2)
     return (matrices + embedding) * element
 
 
-def int4_linear_bytes(sizes: Sizes, scale_element: int = 2) -> int:
+def int4_linear_bytes(sizes: Dimensions, scale_element: int = 2) -> int:
     """The decoder layers' linears as `--quantize int4` holds them (quant.install_int4): a matrix whose input width is
     a multiple of INT4_GROUP as two nibbles per uint8 code byte (64 bytes per group of 128 weights) plus a scale and a
     min per group in scale_element bytes each (fp16: 2; fp32 compute keeps fp32, 4), i.e. 68 bytes per 128 weights in
@@ -117,7 +72,7 @@ def int4_linear_bytes(sizes: Sizes, scale_element: int = 2) -> int:
     return sizes.layers * total
 
 
-def drafter_bytes(target: Sizes, drafter_layers: int, target_layers: int, element: int = 2) -> int:
+def drafter_bytes(target: Dimensions, drafter_layers: int, target_layers: int, element: int = 2) -> int:
     """A published-layout DFlash drafter's weights: its layers plus fc over the concatenated target features."""
     layer = sum(target.layer_matrices().values())
     return (drafter_layers * layer + target.hidden * target.hidden * target_layers) * element
@@ -138,12 +93,12 @@ class Estimate:
 
 
 def estimate(
-    target: Sizes,
+    target: Dimensions,
     target_weights: int,
     context: int,
     backend: str,
     drafter_weights: int = 0,
-    drafter: Sizes | None = None,
+    drafter: Dimensions | None = None,
     block_size: int = 16,
     drafter_element: int = 2,
     drafter_kind: str = "native",
@@ -189,15 +144,15 @@ def _config(folder: Path) -> dict:
     return config
 
 
-def target_sizes(path: Path) -> Sizes:
-    """A local target's sizes: GGUF metadata, or config.json."""
+def target_sizes(path: Path) -> Dimensions:
+    """A local target's dimensions: GGUF metadata, or config.json."""
     if path.suffix == ".gguf":
         return _gguf_sizes(path)
-    return Sizes.from_config(_config(path))
+    return Dimensions.from_config(_config(path))
 
 
-def _gguf_sizes(path: Path) -> Sizes:
-    """Sizes from a GGUF file's metadata (the keys `dflash convert` and llama.cpp's converter write)."""
+def _gguf_sizes(path: Path) -> Dimensions:
+    """The dimensions in a GGUF file's metadata (the keys `dflash convert` and llama.cpp's converter write)."""
     from .gguf.file import read_header
 
     try:
@@ -212,7 +167,7 @@ def _gguf_sizes(path: Path) -> Sizes:
 
         tokens = header.fields.get("tokenizer.ggml.tokens", ())
         hidden, heads = field("embedding_length"), field("attention.head_count")
-        return Sizes(
+        return Dimensions(
             hidden=hidden,
             intermediate=field("feed_forward_length"),
             layers=field("block_count"),
@@ -237,7 +192,7 @@ def estimate_files(
     if drafter is None:
         return estimate(sizes, _weight_files_bytes(target), context, backend)
     config = _config(drafter)
-    drafter_sizes = Sizes.from_config(config | {"vocab_size": sizes.vocab})
+    drafter_sizes = Dimensions.from_config(config | {"vocab_size": sizes.vocab})
     block = int(config.get("block_size", 16))
     draft = _weight_files_bytes(drafter)
     stored = _weight_files_bytes(target)
@@ -248,11 +203,11 @@ def estimate_shape(name: str, weights: str, context: int) -> Estimate:
     """The estimate for a known shape (shapes.SHAPES) whose target is stored as weights: a GGUF type (llama.cpp)
     or bf16 safetensors for the torch target as stored, quantized on load (int4: quant.install_int4, nf4:
     bitsandbytes), or pre-quantized nf4; the drafter is its published bf16 one."""
-    from .shapes import SHAPES, drafter_config, target_config
+    from .shapes import SHAPES, drafter_config
 
     shape = SHAPES[name]
-    sizes = Sizes.from_config(target_config(shape))
-    drafter = Sizes.from_config(drafter_config(shape))
+    sizes = shape.dims
+    drafter = Dimensions.from_config(drafter_config(shape))
     if weights in ("bf16", "int4", "nf4"):
         stored = safetensors_bytes(sizes)
         linears = sizes.layers * sum(sizes.layer_matrices().values())

@@ -12,8 +12,6 @@ from test_lossless import PROMPTS, OracleDrafter, _autoregressive
 
 from dflash_local.block_policy import (
     HISTORY_DECAY,
-    PROBE_SHARE,
-    RECHECK,
     AcceptanceEstimate,
     BlockPolicy,
     CostTable,
@@ -21,6 +19,7 @@ from dflash_local.block_policy import (
     load_policy,
     measure_costs,
 )
+from dflash_local.block_policy.policy import PROBE_SHARE, RECHECK
 from dflash_local.decode import Settings, generate, run
 from dflash_local.drafters.torch_drafter import DFlashDrafter
 from dflash_local.targets.torch_llama import TorchLlamaTarget

@@ -12,12 +12,12 @@ import pytest
 import torch
 from in_process import invoke
 
-from dflash_local import block_policy
 from dflash_local.block_policy import (
     HISTORY_DECAY,
     AcceptanceEstimate,
     BlockPolicy,
     CostTable,
+    calibration,
     expected_tokens,
     load_policy,
     measure_costs,
@@ -89,7 +89,7 @@ class ScriptedDrafter:
 
 def calibrate(monkeypatch, busy: range = range(0)) -> CostTable:
     machine = Machine(busy)
-    monkeypatch.setattr(block_policy, "StepClock", lambda device: machine)
+    monkeypatch.setattr(calibration, "StepClock", lambda device: machine)
     return measure_costs(ScriptedTarget(machine), ScriptedDrafter(machine))
 
 
@@ -309,3 +309,12 @@ def test_bench_calibrate_shows_the_timings_the_fit_and_when(tmp_path):
     sizes = {row["k"]: row for row in report["calibration"]["sizes"]}
     assert len(sizes[16]["target_samples_ms"]) >= 5 and sizes[5]["target_samples_ms"] == []
     assert sizes[16]["target_ms"] <= sizes[16]["target_samples_ms"][0] + 1e-9
+
+
+def test_the_benchmarks_timer_is_the_median_of_the_timed_calls(monkeypatch):
+    """calibration.median_ms, the timer benchmarks/ imports: warm-up calls are not timed, the rest give their median
+    in milliseconds on the device's clock."""
+    machine = Machine()
+    monkeypatch.setattr(calibration, "StepClock", lambda device: machine)
+    costs = iter([9.0, 9.0, 9.0, 0.003, 0.001, 0.008])  # three warm-up calls, then three timed ones
+    assert calibration.median_ms(lambda: machine.run(next(costs)), "cpu", repeats=3) == pytest.approx(3.0)

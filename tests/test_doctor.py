@@ -157,6 +157,7 @@ def test_the_quantize_on_load_entry_is_int4_counted_as_loaded(monkeypatch, tmp_p
     bytes int4 keeps: int4_linear_bytes is, to the byte, what --quantize int4 makes of the tiny target's layers in
     bf16 (uint8 nibble pairs, fp16 scale and min per 128); an unknown quantize is one sentence."""
     from dflash_local.catalog import load_catalog
+    from dflash_local.dimensions import Dimensions
     from dflash_local.quant import INT4_GROUP, GroupQuantLinear
     from dflash_local.shapes import SHAPES, target_config
     from dflash_local.targets.torch_llama import TorchLlamaTarget
@@ -165,7 +166,7 @@ def test_the_quantize_on_load_entry_is_int4_counted_as_loaded(monkeypatch, tmp_p
     assert (entry.quantize, entry.backend) == ("int4", "torch")
     int4 = memory_estimate.estimate_shape("qwen3-8b", "int4", 4096)
     assert entry.memory_gb == round(int4.total_gb, 1)
-    sizes = memory_estimate.Sizes.from_config(target_config(SHAPES["qwen3-8b"]))
+    sizes = Dimensions.from_config(target_config(SHAPES["qwen3-8b"]))
     linears = sizes.layers * sum(sizes.layer_matrices().values())
     bf16 = memory_estimate.estimate_shape("qwen3-8b", "bf16", 4096).parts["target weights"]
     assert bf16 - int4.parts["target weights"] == linears * 2 - linears * 68 // 128  # every Qwen3-8B linear is int4
@@ -188,12 +189,13 @@ def test_the_quantize_on_load_entry_is_int4_counted_as_loaded(monkeypatch, tmp_p
 @pytest.mark.parametrize("shape,report", [("llama3.2-1b", "synth-1b"), ("llama3.1-8b", "synth-8b")])
 def test_catalog_figures_are_within_15_percent_of_the_measured_peaks(shape, report):
     """The catalog's figure for a shape (Q4_K_M, its drafter, native: the CPU default) and the same without a
-    drafter, against the peak RSS measured on the synthetic model of that shape (scripts/measure_memory.py)."""
+    drafter, against the peak RSS measured on the synthetic model of that shape (benchmarks/measure_memory.py)."""
+    from dflash_local.dimensions import Dimensions
     from dflash_local.shapes import SHAPES, target_config
 
     measured = json.loads((TINY.parent.parent / "results" / "memory" / f"{report}-q4_k_m-ctx4096.json").read_text())
     context, runs = measured["max_context"], measured["runs"]
-    sizes = memory_estimate.Sizes.from_config(target_config(SHAPES[shape]))
+    sizes = Dimensions.from_config(target_config(SHAPES[shape]))
     alone = memory_estimate.estimate(sizes, memory_estimate.gguf_bytes(sizes, "q4_k_m"), context, "llamacpp")
     paired = memory_estimate.estimate_shape(shape, "q4_k_m", context)
     assert abs(measured["gguf_bytes"] / memory_estimate.gguf_bytes(sizes, "q4_k_m") - 1) < 0.02  # that shape's file

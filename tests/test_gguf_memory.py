@@ -170,3 +170,18 @@ def test_second_load_parses_no_vocabulary_in_python_and_loads_it_once(q8_gguf, m
     assert len(loads) == 2 and loads[0] == str(q8_gguf).encode()
     text = "def main():\n    return 1"
     assert models.tokenizer.encode(text) == TextTokenizer.load(TINY / "target").encode(text)
+
+
+def test_the_dimensions_are_one_record_wherever_read(q8_gguf):
+    """The tiny target's dimensions read from its config.json (the torch target's config, memory estimates) and from
+    its GGUF (memory estimates, the training pipeline) are the same Dimensions."""
+    from dflash_local.memory_estimate import target_sizes
+    from dflash_local.targets.torch_llama import TargetConfig
+    from dflash_local.train.pipeline import gguf_target_config
+    from dflash_local.weights import read_config
+
+    dims = TargetConfig.from_dict(read_config(TINY / "target"), TINY / "target").dims
+    assert dims.vocab > 0 and dims.tied and dims.head_dim * dims.heads == dims.hidden
+    assert target_sizes(TINY / "target") == dims
+    assert target_sizes(q8_gguf) == dims
+    assert gguf_target_config(q8_gguf).dims == dims

@@ -65,10 +65,10 @@ def dequantized_reference(target: TorchLlamaTarget, path: Path) -> TorchLlamaTar
     tensors = read_header(path).tensors
     model, cfg = target.model, target.cfg
     gguf_names = {"model.embed_tokens.table": "token_embd.weight", "lm_head": "output.weight"}
-    for index in range(cfg.num_layers):
+    for index in range(cfg.dims.layers):
         for gguf_name, hf in HF_NAMES.items():
             gguf_names[f"model.layers.{index}.{hf.removesuffix('.weight')}"] = f"blk.{index}.{gguf_name}"
-    heads = {"q_proj": cfg.num_heads, "k_proj": cfg.num_kv_heads}
+    heads = {"q_proj": cfg.dims.heads, "k_proj": cfg.dims.kv_heads}
     for name, module in list(model.named_modules()):
         if not isinstance(module, GroupQuantLinear) or name not in gguf_names:
             continue
@@ -81,7 +81,7 @@ def dequantized_reference(target: TorchLlamaTarget, path: Path) -> TorchLlamaTar
         linear.weight = nn.Parameter(weight, requires_grad=False)
         if name == "model.embed_tokens.table":
             model.model.embed_tokens = nn.Embedding(weight.shape[0], weight.shape[1], _weight=weight)
-            if cfg.tie_word_embeddings:
+            if cfg.dims.tied:
                 model.lm_head = linear
         else:
             model.set_submodule(name, linear)

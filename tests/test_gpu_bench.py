@@ -1,23 +1,16 @@
-"""scripts/gpu_bench.py runs end to end with tiny shapes on CPU and writes its JSON and markdown reports."""
+"""benchmarks.gpu_bench runs end to end with tiny shapes on CPU and writes its JSON and markdown reports."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).parent.parent / "scripts" / "gpu_bench.py"
+from benchmarks import gpu_bench as bench
 
 
-def test_gpu_bench_small_on_cpu(tmp_path: Path, monkeypatch) -> None:
+def test_gpu_bench_small_on_cpu(tmp_path: Path) -> None:
     """fp32, int4 and a random Q4_K_M GGUF (written as blocks, loaded into the torch target), two drafter kinds:
     decode-1, verify-k for k = 1..32, the bandwidth share, projected speedups and the int4 linear candidates."""
-    spec = importlib.util.spec_from_file_location("gpu_bench", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "gpu_bench", bench)  # dataclasses look their module up there
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # its helper scripts/step_costs.py
-    spec.loader.exec_module(bench)
     argv = ["--small", "--device", "cpu", "--targets", "fp32,int4,q4_k_m", "--drafters", "plain,int8"]
     bench.main(argv + ["--repeats", "1", "--context", "24", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "gpu_bench.json").read_text())

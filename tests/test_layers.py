@@ -10,19 +10,9 @@ REPO = Path(__file__).resolve().parent.parent
 SOURCES = {"dflash_local": REPO / "dflash_local", "dflash_local.kernels": REPO / "kernels"}
 
 LAYERS = (
-    ("errors", "atomic", "startup", "paths", "shapes", "llama_lib", "kernels", "gguf"),  # gguf: its __init__ only
-    (
-        "local_models",
-        "hub",
-        "downloads",
-        "catalog",
-        "memory_estimate",
-        "prompt_sets",
-        "weights",
-        "gguf.file",
-        "chat_template",
-    ),  # files
-    ("runtime", "layers", "quant", "cuda_graphs", "sampling", "gguf.shape", "gguf.tensors"),  # building blocks
+    ("errors", "atomic", "startup", "paths", "dimensions", "shapes", "llama_lib", "kernels", "gguf"),  # gguf: __init__
+    ("local_models", "hub", "downloads", "catalog", "memory_estimate", "prompt_sets", "weights", "gguf.file"),  # files
+    ("chat_template", "runtime", "layers", "quant", "cuda_graphs", "sampling", "gguf.shape", "gguf.tensors"),  # building blocks
     ("targets", "tokenizer", "gguf.tokenizer", "grammar"),  # the target backends, their vocabularies, grammars
     ("drafters", "gguf.convert"),  # what builds on a target
     ("block_policy", "session", "decode"),  # the decode loop

@@ -127,7 +127,7 @@ def test_quantized_drafter_keeps_output_lossless(kind: str, layer_type: type) ->
     target = TorchLlamaTarget.load(BUNDLED / "target", max_context=256)
     drafter = DFlashDrafter.load(BUNDLED / "drafter", max_context=256, quantize=kind)
     linears = [m for name, m in drafter.model.layers.named_modules() if name.endswith("_proj")]
-    assert len(linears) == 7 * drafter.cfg.num_layers and all(isinstance(m, layer_type) for m in linears)
+    assert len(linears) == 7 * drafter.cfg.dims.layers and all(isinstance(m, layer_type) for m in linears)
     lengths = []
     for prompt in PROMPTS:
         autoregressive, _ = run(target, None, prompt, Settings(max_new_tokens=40, draft=False))
@@ -195,7 +195,7 @@ def test_int8_drafter_quantizes_each_linear_from_its_stored_weights(monkeypatch:
     monkeypatch.setattr(quant, "Int8Linear", Recording)
     drafter = DFlashDrafter.load(BUNDLED / "drafter", max_context=256, quantize="int8")
     stored = load_file(BUNDLED / "drafter" / "model.safetensors")
-    assert seen == [torch.bfloat16] * 7 * drafter.cfg.num_layers
+    assert seen == [torch.bfloat16] * 7 * drafter.cfg.dims.layers
     down = drafter.model.layers[0].mlp.down_proj
     weight = stored["layers.0.mlp.down_proj.weight"].float()
     scales = weight.abs().amax(dim=1) / 127
@@ -234,9 +234,9 @@ def test_cpu_fp32_drafter_runs_its_16bit_linears_through_fp16_gemm(tmp_path: Pat
 
     drafter = DFlashDrafter.load(BUNDLED / "drafter", max_context=256)
     linears = [m for name, m in drafter.model.layers.named_modules() if name.endswith("_proj")]
-    assert len(linears) == 7 * drafter.cfg.num_layers and all(isinstance(m, Fp16Linear) for m in linears)
+    assert len(linears) == 7 * drafter.cfg.dims.layers and all(isinstance(m, Fp16Linear) for m in linears)
     stored = load_file(BUNDLED / "drafter" / "model.safetensors")
-    x = torch.randn(2, 5, drafter.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(2, 5, drafter.cfg.dims.hidden, generator=torch.Generator().manual_seed(0))
     expected = torch.nn.functional.linear(x.double(), stored["layers.0.mlp.up_proj.weight"].double())
     torch.testing.assert_close(drafter.model.layers[0].mlp.up_proj(x).double(), expected, atol=1e-5, rtol=1e-5)
 

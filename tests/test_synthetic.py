@@ -2,29 +2,24 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
+from benchmarks import bench_synthetic as bench
+from benchmarks import synthetic
+from benchmarks.synthetic import Shape, write_pair
 from dflash_local.block_policy import expected_tokens
 from dflash_local.decode import Settings, run
+from dflash_local.dimensions import Dimensions
 from dflash_local.drafters.torch_drafter import DFlashDrafter
 from dflash_local.targets.torch_llama import TorchLlamaTarget
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))  # scripts/synthetic.py and the helpers bench_synthetic.py imports
-
-import synthetic  # noqa: E402
-from synthetic import Shape, write_pair  # noqa: E402
 
 
 def test_small_shapes_load_and_decode(monkeypatch, tmp_path):
     shapes = {
-        "llama-small": Shape("llama", 64, 128, 4, 4, 2, 16, 300, False, 500000.0, 2, 8, (0, 2), 299),
-        "qwen3-small": Shape("qwen3", 64, 128, 4, 4, 2, 32, 300, True, 1e6, 2, 8, (1, 3), 299),
+        "llama-small": Shape("llama", Dimensions(64, 128, 4, 4, 2, 16, 300, False), 500000.0, 2, 8, (0, 2), 299),
+        "qwen3-small": Shape("qwen3", Dimensions(64, 128, 4, 4, 2, 32, 300, True), 1e6, 2, 8, (1, 3), 299),
     }
     monkeypatch.setattr(synthetic, "SHAPES", shapes)
     for name, shape in shapes.items():
@@ -42,7 +37,7 @@ def test_small_shapes_load_and_decode(monkeypatch, tmp_path):
 
 def test_large_models_are_written_in_shards(monkeypatch, tmp_path):
     """Peak memory stays near one shard: tensors go to numbered files with an index past the shard limit."""
-    shape = Shape("qwen3", 64, 128, 6, 4, 2, 16, 300, False, 1e6, 1, 4, (2,), 299)
+    shape = Shape("qwen3", Dimensions(64, 128, 6, 4, 2, 16, 300, False), 1e6, 1, 4, (2,), 299)
     monkeypatch.setattr(synthetic, "SHAPES", {"tiny-sharded": shape})
     real = synthetic.ShardWriter.__init__
     monkeypatch.setattr(synthetic.ShardWriter, "__init__", lambda self, folder: real(self, folder, limit=40_000))
@@ -56,13 +51,10 @@ def test_large_models_are_written_in_shards(monkeypatch, tmp_path):
 
 
 def test_bench_script_measures_a_small_pair(monkeypatch, tmp_path):
-    """scripts/bench_synthetic.py writes the pair with a tokenizer, converts it through `dflash convert`, runs each
+    """benchmarks.bench_synthetic writes the pair with a tokenizer, converts it through `dflash convert`, runs each
     drafter kind in its own process and reports costs per k, memory beside its estimate, and speedups per profile."""
     pytest.importorskip("llama_cpp")
-    spec = importlib.util.spec_from_file_location("bench_synthetic", ROOT / "scripts" / "bench_synthetic.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    shape = Shape("llama", 64, 128, 4, 4, 2, 16, 300, False, 500000.0, 2, 4, (0, 2), 299)
+    shape = Shape("llama", Dimensions(64, 128, 4, 4, 2, 16, 300, False), 500000.0, 2, 4, (0, 2), 299)
     monkeypatch.setattr(synthetic, "SHAPES", {"llama-small": shape})
     out = tmp_path / "bench.json"
     argv = ["llama-small", "--dir", str(tmp_path / "pair"), "--drafters", "none,native", "--context", "16"]

@@ -126,7 +126,7 @@ def test_init_target_first_forward_equals_the_target_layers(setup):
     out = layer(h3[:, -1:], cos[:, :, -1:], sin[:, :, -1:], past_k, past_v, torch.ones(1, 1, 1, length, dtype=bool))
     assert torch.allclose(out, h4[:, -1:], atol=1e-5)
     # every copied layer computes its target layer (causal, no context)
-    none = torch.zeros(1, drafter.cfg.num_kv_heads, 0, drafter.cfg.head_dim)
+    none = torch.zeros(1, drafter.cfg.dims.kv_heads, 0, drafter.cfg.dims.head_dim)
     assert torch.allclose(drafter.layers[0](h3, cos, sin, none, none, mask), h4, atol=1e-5)
     last = drafter.norm(drafter.layers[1](h4, cos, sin, none, none, mask))
     assert torch.allclose(last, normed_h5, atol=1e-5)

@@ -1,5 +1,6 @@
 """The wheel holds every file of the source tree where the package expects it: a new subpackage or a file under
-models/ can not be left out of pip and pipx installs (.ci/run installs the wheel and runs it)."""
+models/ can not be left out of pip and pipx installs (.ci/run installs the wheel and runs it); the recipes that
+rebuild the bundled models (models/*/recipe/) stay out."""
 
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ SKIPPED = shutil.ignore_patterns("__pycache__", "*.pyc")
 
 
 def source_files(tree: Path, folders: dict[str, str]) -> set[str]:
-    """Each file under each source folder, named as it lands in the wheel (package path / path in the folder)."""
+    """Each file under each source folder but the models' recipes, named as it lands in the wheel (package path /
+    path in the folder)."""
     return {
         f"{package.replace('.', '/')}/{path.relative_to(tree / folder).as_posix()}"
         for package, folder in folders.items()
         for path in (tree / folder).rglob("*")
-        if path.is_file() and "__pycache__" not in path.parts
+        if path.is_file() and "__pycache__" not in path.parts and "recipe" not in path.parts
     }
 
 
@@ -40,4 +42,6 @@ def test_wheel_holds_the_source_tree(tmp_path: Path):
     with zipfile.ZipFile(wheel) as archive:
         packed = {name for name in archive.namelist() if ".dist-info/" not in name}
     assert {"dflash_local/train/trainer.py", "dflash_local/models/catalog.toml"} <= packed
+    assert (tree / "models" / "tiny" / "recipe" / "train_target.py").is_file()
+    assert not any("/recipe/" in name for name in packed)
     assert packed == source_files(tree, folders)

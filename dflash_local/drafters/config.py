@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..dimensions import Dimensions
 from ..errors import DFlashError
 from ..layers import check_rope
 from ..targets.base import Target
@@ -73,15 +74,9 @@ def check_drafter_config(config: dict[str, Any], path: Path) -> None:
 class DrafterConfig:
     """A drafter's config.json: Qwen3-style layer fields plus the DFlash fields."""
 
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
+    dims: Dimensions  # vocab 0 where the config gives none
     rms_norm_eps: float
     attention_bias: bool
-    vocab_size: int | None
     draft_vocab_size: int | None  # drafts over these target ids only (the d2t tensor), as llama.cpp's reduced vocab
     block_size: int
     mask_token_id: int
@@ -103,8 +98,8 @@ class DrafterConfig:
             return dflash.get(name, config.get(name, default))
 
         try:
-            hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-            layers = int(config["num_hidden_layers"])
+            dims = Dimensions.from_config(config)
+            layers = dims.layers
             layer_ids = field("target_layer_ids")
             if layer_ids is None:
                 layer_ids = default_target_layer_ids(int(config["num_target_layers"]), layers)
@@ -113,15 +108,9 @@ class DrafterConfig:
                 raise KeyError("dflash_config.mask_token_id")
             softcap = field("final_logit_softcapping")
             return cls(
-                hidden_size=hidden,
-                intermediate_size=int(config["intermediate_size"]),
-                num_layers=layers,
-                num_heads=heads,
-                num_kv_heads=int(config.get("num_key_value_heads") or heads),
-                head_dim=int(config.get("head_dim") or hidden // heads),
+                dims=dims,
                 rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
                 attention_bias=bool(config.get("attention_bias", False)),
-                vocab_size=int(config["vocab_size"]) if config.get("vocab_size") else None,
                 draft_vocab_size=int(config["draft_vocab_size"]) if config.get("draft_vocab_size") else None,
                 block_size=int(field("block_size", 16)),
                 mask_token_id=int(mask_token_id),
@@ -140,18 +129,18 @@ class DrafterConfig:
 
 def check_fits(cfg: DrafterConfig, target: Target) -> None:
     """Raise a DFlashError unless a drafter of this config can read the target's features and vocabulary."""
-    if cfg.hidden_size != target.hidden_size:
+    if cfg.dims.hidden != target.hidden_size:
         raise DFlashError(
-            f"The drafter's hidden size {cfg.hidden_size} does not match the target's {target.hidden_size}."
+            f"The drafter's hidden size {cfg.dims.hidden} does not match the target's {target.hidden_size}."
         )
     if any(not 0 <= i < target.num_layers for i in cfg.target_layer_ids):
         raise DFlashError(
             f"The drafter reads target layers {cfg.target_layer_ids}, "
             f"but the target has only {target.num_layers} layers."
         )
-    if cfg.vocab_size is not None and cfg.vocab_size != target.vocab_size:
+    if cfg.dims.vocab and cfg.dims.vocab != target.vocab_size:
         raise DFlashError(
-            f"The drafter's vocabulary ({cfg.vocab_size} tokens) does not match the target's ({target.vocab_size})."
+            f"The drafter's vocabulary ({cfg.dims.vocab} tokens) does not match the target's ({target.vocab_size})."
         )
     if not 0 <= cfg.mask_token_id < target.vocab_size:
         raise DFlashError(f"The drafter's mask token id {cfg.mask_token_id} is outside the target's vocabulary.")

@@ -95,7 +95,7 @@ def write_drafter_gguf(folder: Path, cfg: DrafterConfig, target: LlamaCppTarget,
             writer.add_tensor(f"blk.{index}.{LAYER_TENSORS[rest]}", array)
         else:
             raise DFlashError(f"{folder}: drafter tensor {name} has no llama.cpp counterpart.")
-    factors = rope_factors(cfg.raw, cfg.head_dim)
+    factors = rope_factors(cfg.raw, cfg.dims.head_dim)
     if factors is not None:
         writer.add_tensor("rope_freqs.weight", factors.numpy())
     writer.write_header_to_file()

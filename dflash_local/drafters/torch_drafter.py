@@ -26,13 +26,13 @@ class DraftAttention(nn.Module):
 
     def __init__(self, cfg: DrafterConfig, layer_index: int) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.attention_bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.dims.heads, cfg.dims.kv_heads, cfg.dims.head_dim
+        self.q_proj = nn.Linear(cfg.dims.hidden, cfg.dims.heads * cfg.dims.head_dim, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.dims.hidden, cfg.dims.kv_heads * cfg.dims.head_dim, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.dims.hidden, cfg.dims.kv_heads * cfg.dims.head_dim, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.dims.heads * cfg.dims.head_dim, cfg.dims.hidden, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(cfg.dims.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.dims.head_dim, cfg.rms_norm_eps)
         sliding = cfg.layer_types[layer_index] == "sliding_attention"
         self.is_causal = sliding if cfg.is_causal is None else bool(cfg.is_causal)
         self.sliding_window = cfg.sliding_window if sliding else None
@@ -83,9 +83,9 @@ class DraftLayer(nn.Module):
     def __init__(self, cfg: DrafterConfig, layer_index: int) -> None:
         super().__init__()
         self.self_attn = DraftAttention(cfg, layer_index)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.dims.hidden, cfg.dims.intermediate)
+        self.input_layernorm = RMSNorm(cfg.dims.hidden, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.dims.hidden, cfg.rms_norm_eps)
 
     def forward(
         self, x: torch.Tensor, cos, sin, past_k: torch.Tensor, past_v: torch.Tensor, mask=None, context_len=None
@@ -101,11 +101,11 @@ class DFlashModel(nn.Module):
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.layers = nn.ModuleList(DraftLayer(cfg, i) for i in range(cfg.num_layers))
-        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.raw, cfg.head_dim), persistent=False)
+        self.layers = nn.ModuleList(DraftLayer(cfg, i) for i in range(cfg.dims.layers))
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.dims.hidden, cfg.dims.hidden, bias=False)
+        self.hidden_norm = RMSNorm(cfg.dims.hidden, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.dims.hidden, cfg.rms_norm_eps)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.raw, cfg.dims.head_dim), persistent=False)
         if cfg.draft_vocab_size:  # target id of each draft-head row
             self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
 
@@ -129,7 +129,7 @@ class DFlashDrafter:
         self.cfg = model.cfg
         param = model.fc.weight
         self.device, self.dtype = param.device, param.dtype
-        shape = (self.cfg.num_layers, 1, self.cfg.num_kv_heads, max_context, self.cfg.head_dim)
+        shape = (self.cfg.dims.layers, 1, self.cfg.dims.kv_heads, max_context, self.cfg.dims.head_dim)
         self.cache_k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.cache_v = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.length = 0
@@ -192,7 +192,7 @@ class DFlashDrafter:
         if missing:
             raise DFlashError(f"{folder} lacks the drafter tensor {missing[0]}.")
         model.load_state_dict(tensors, assign=True, strict=False)
-        model.inv_freq = rope_inv_freq(cfg.raw, cfg.head_dim).to("cpu" if kind else device)
+        model.inv_freq = rope_inv_freq(cfg.raw, cfg.dims.head_dim).to("cpu" if kind else device)
         model.to(device)
         return cls(model.eval(), max_context, cuda_graphs, kernels)
 

@@ -51,13 +51,13 @@ def _plan(cfg: TargetConfig, folder: Path) -> list[_Planned]:
         elif name == "model.norm.weight":
             plan.append(_Planned("output_norm.weight", source))
         elif name == "lm_head.weight":
-            if not cfg.tie_word_embeddings:
+            if not cfg.dims.tied:
                 plan.append(_Planned("output.weight", source))
         elif name.startswith("model.layers."):
             index, rest = name[len("model.layers.") :].split(".", 1)
             if rest not in LAYER_TENSORS:
                 raise DFlashError(f"{folder}: tensor {name} has no GGUF counterpart.")
-            heads = {"self_attn.q_proj.weight": cfg.num_heads, "self_attn.k_proj.weight": cfg.num_kv_heads}.get(rest)
+            heads = {"self_attn.q_proj.weight": cfg.dims.heads, "self_attn.k_proj.weight": cfg.dims.kv_heads}.get(rest)
             plan.append(
                 _Planned(f"blk.{index}.{LAYER_TENSORS[rest]}", source, heads if cfg.model_type == "llama" else None)
             )
@@ -67,7 +67,7 @@ def _plan(cfg: TargetConfig, folder: Path) -> list[_Planned]:
         if entry.source.dtype not in STAGED_TYPES:
             raise DFlashError(f"{entry.source.path}: tensors of type {entry.source.dtype} cannot be converted.")
     named = {entry.name for entry in plan}
-    needed = ["token_embd.weight", "output_norm.weight"] + ([] if cfg.tie_word_embeddings else ["output.weight"])
+    needed = ["token_embd.weight", "output_norm.weight"] + ([] if cfg.dims.tied else ["output.weight"])
     missing = [name for name in needed if name not in named]
     if missing:
         raise DFlashError(f"{folder} lacks the weights for GGUF tensor {missing[0]}.")
@@ -113,7 +113,7 @@ def _add_tokenizer(writer, folder: Path, cfg: TargetConfig) -> None:
     added = {token["content"]: token for token in spec.get("added_tokens", [])}
     for content, token in added.items():
         vocab[content] = token["id"]
-    size = max(cfg.vocab_size, max(vocab.values()) + 1)
+    size = max(cfg.dims.vocab, max(vocab.values()) + 1)
     tokens = [f"[PAD{i}]" for i in range(size)]
     types = [gguf.TokenType.UNUSED] * size
     for content, index in vocab.items():
@@ -152,13 +152,13 @@ def _write_staged(cfg: TargetConfig, folder: Path, out: Path) -> None:
     """Write the GGUF llama.cpp quantizes from, one tensor in memory at a time: matrices as stored (F32, F16 or
     BF16, lossless), norms and RoPE factors in F32 (they stay F32 through quantization)."""
     plan = _plan(cfg, folder)
-    factors = rope_factors(cfg.raw, cfg.head_dim)
+    factors = rope_factors(cfg.raw, cfg.dims.head_dim)
     if factors is not None and cfg.model_type != "llama":
         raise DFlashError(f"{folder}: RoPE scaling is only converted for llama models.")
     writer = gguf.GGUFWriter(str(out), cfg.model_type)
     writer.add_name(folder.name)
     add_shape(writer, cfg, cfg.max_position_embeddings)
-    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_vocab_size(cfg.dims.vocab)
     writer.add_file_type(0)
     _add_tokenizer(writer, folder, cfg)
     for entry in plan:

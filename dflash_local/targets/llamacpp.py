@@ -137,7 +137,7 @@ class LlamaCppTarget:
         tapped = tapped_architectures()
         arch = self.info.architecture
         if arch not in tapped:
-            hint = ", and scripts/build_libllama.sh (run by install.sh) builds a libllama that reads gemma3's"
+            hint = ", and tools/build_libllama.sh (run by install.sh) builds a libllama that reads gemma3's"
             raise DFlashError(
                 f"{self.info.path.name} holds a '{arch}' model, whose layer features this libllama does not read "
                 f"(it reads {', '.join(tapped)} models), so DFlash cannot draft for it; plain decoding works "

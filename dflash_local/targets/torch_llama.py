@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..cuda_graphs import StepGraphs, cache_span
+from ..dimensions import Dimensions
 from ..errors import DFlashError
 from ..layers import MLP, RMSNorm, apply_rope, check_rope, rope_cos_sin, rope_inv_freq, set_kernels
 from ..quant import GroupQuantEmbedding, GroupQuantLinear, check_quantize, install_4bit, install_int4, prequantized
@@ -27,15 +28,8 @@ class TargetConfig:
     """The fields of an HF config.json that a Llama-family decoder needs."""
 
     model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
+    dims: Dimensions
     rms_norm_eps: float
-    tie_word_embeddings: bool
     attention_bias: bool
     mlp_bias: bool
     max_position_embeddings: int
@@ -55,18 +49,10 @@ class TargetConfig:
             )
         check_target_config(config, Path(source) / "config.json")
         try:
-            hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
             return cls(
                 model_type=model_type,
-                vocab_size=int(config["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(config["intermediate_size"]),
-                num_layers=int(config["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(config.get("num_key_value_heads") or heads),
-                head_dim=int(config.get("head_dim") or hidden // heads),
+                dims=Dimensions.from_config(config),
                 rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
                 attention_bias=bool(config.get("attention_bias", False)),
                 mlp_bias=bool(config.get("mlp_bias", False)),
                 max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
@@ -91,14 +77,14 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: TargetConfig) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.attention_bias)
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.dims.heads, cfg.dims.kv_heads, cfg.dims.head_dim
+        self.q_proj = nn.Linear(cfg.dims.hidden, cfg.dims.heads * cfg.dims.head_dim, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.dims.hidden, cfg.dims.kv_heads * cfg.dims.head_dim, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.dims.hidden, cfg.dims.kv_heads * cfg.dims.head_dim, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.dims.heads * cfg.dims.head_dim, cfg.dims.hidden, bias=cfg.attention_bias)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(cfg.dims.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.dims.head_dim, cfg.rms_norm_eps)
 
     def forward(
         self,
@@ -139,9 +125,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: TargetConfig) -> None:
         super().__init__()
         self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.dims.hidden, cfg.dims.intermediate, cfg.mlp_bias)
+        self.input_layernorm = RMSNorm(cfg.dims.hidden, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.dims.hidden, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos, sin, cache_k, cache_v, slots: torch.Tensor, mask) -> torch.Tensor:
         attended = self.self_attn(self.input_layernorm(x), cos, sin, cache_k, cache_v, slots, mask)
@@ -156,10 +142,10 @@ class Backbone(nn.Module):
         super().__init__()
         # built on the meta device, then loaded: no random init (a meta normal_ imports torch._dynamo, 2-3 s)
         self.embed_tokens = nn.Embedding(
-            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+            cfg.dims.vocab, cfg.dims.hidden, _weight=torch.empty(cfg.dims.vocab, cfg.dims.hidden)
         )
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.dims.layers))
+        self.norm = RMSNorm(cfg.dims.hidden, cfg.rms_norm_eps)
 
 
 class LlamaModel(nn.Module):
@@ -169,13 +155,13 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.raw, cfg.head_dim), persistent=False)
+        self.lm_head = nn.Linear(cfg.dims.hidden, cfg.dims.vocab, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.raw, cfg.dims.head_dim), persistent=False)
 
     def new_cache(self, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Zeroed K and V caches of shape [layers, batch, kv_heads, length, head_dim]."""
         cfg, weight = self.cfg, self.model.norm.weight
-        shape = (cfg.num_layers, batch, cfg.num_kv_heads, length, cfg.head_dim)
+        shape = (cfg.dims.layers, batch, cfg.dims.kv_heads, length, cfg.dims.head_dim)
         return (
             torch.zeros(shape, dtype=weight.dtype, device=weight.device),
             torch.zeros(shape, dtype=weight.dtype, device=weight.device),
@@ -205,7 +191,7 @@ class LlamaModel(nn.Module):
             if index in wanted:
                 captured[index] = x
         hidden = self.model.norm(x)
-        last = self.cfg.num_layers - 1
+        last = self.cfg.dims.layers - 1
         if last in wanted:
             captured[last] = hidden
         features = torch.cat([captured[i] for i in feature_layer_ids], dim=-1) if wanted else None
@@ -226,19 +212,19 @@ def load_gguf_model(path: Path, dtype: torch.dtype, device: str) -> tuple[LlamaM
     with torch.device("meta"):
         model = LlamaModel(cfg)
     reader = GGUFReader(path, header, dtype, device)
-    hidden, inner = cfg.hidden_size, cfg.intermediate_size
+    hidden, inner = cfg.dims.hidden, cfg.dims.intermediate
     shapes = {
-        "q_proj": (cfg.num_heads * cfg.head_dim, hidden),
-        "k_proj": (cfg.num_kv_heads * cfg.head_dim, hidden),
-        "v_proj": (cfg.num_kv_heads * cfg.head_dim, hidden),
-        "o_proj": (hidden, cfg.num_heads * cfg.head_dim),
+        "q_proj": (cfg.dims.heads * cfg.dims.head_dim, hidden),
+        "k_proj": (cfg.dims.kv_heads * cfg.dims.head_dim, hidden),
+        "v_proj": (cfg.dims.kv_heads * cfg.dims.head_dim, hidden),
+        "o_proj": (hidden, cfg.dims.heads * cfg.dims.head_dim),
         "gate_proj": (inner, hidden),
         "up_proj": (inner, hidden),
         "down_proj": (hidden, inner),
     }
-    rope_heads = {"q_proj": cfg.num_heads, "k_proj": cfg.num_kv_heads} if cfg.model_type == "llama" else {}
+    rope_heads = {"q_proj": cfg.dims.heads, "k_proj": cfg.dims.kv_heads} if cfg.model_type == "llama" else {}
     with torch.no_grad():
-        for index in range(cfg.num_layers):
+        for index in range(cfg.dims.layers):
             for gguf_name, hf_name in HF_NAMES.items():
                 name = f"model.layers.{index}.{hf_name.removesuffix('.weight')}"
                 if hf_name.endswith("norm.weight"):
@@ -251,13 +237,13 @@ def load_gguf_model(path: Path, dtype: torch.dtype, device: str) -> tuple[LlamaM
                 module = reader.matrix(f"blk.{index}.{gguf_name}", shapes[short], rope_heads.get(short))
                 model.set_submodule(name, module)
         model.model.norm.weight = nn.Parameter(reader.floats("output_norm.weight"), requires_grad=False)
-        table = reader.matrix("token_embd.weight", (cfg.vocab_size, hidden))
+        table = reader.matrix("token_embd.weight", (cfg.dims.vocab, hidden))
         if isinstance(table, GroupQuantLinear):
             model.model.embed_tokens = GroupQuantEmbedding(table, dtype)
         else:
-            model.model.embed_tokens = nn.Embedding(cfg.vocab_size, hidden, _weight=table.weight, _freeze=True)
-        model.lm_head = table if cfg.tie_word_embeddings else reader.matrix("output.weight", (cfg.vocab_size, hidden))
-    inv_freq = rope_inv_freq(cfg.raw, cfg.head_dim)
+            model.model.embed_tokens = nn.Embedding(cfg.dims.vocab, hidden, _weight=table.weight, _freeze=True)
+        model.lm_head = table if cfg.dims.tied else reader.matrix("output.weight", (cfg.dims.vocab, hidden))
+    inv_freq = rope_inv_freq(cfg.raw, cfg.dims.head_dim)
     if "rope_freqs.weight" in header.tensors:
         inv_freq = inv_freq / reader.floats("rope_freqs.weight").float().cpu()
     model.inv_freq = inv_freq.to(device)
@@ -326,7 +312,7 @@ class TorchLlamaTarget:
         swapped = install(model, tensors, "model.layers", dtype, device, str(folder)) if quantized else []
         if quantized:
             tensors = {name: tensor.to(device=device, dtype=dtype) for name, tensor in tensors.items()}
-        if cfg.tie_word_embeddings and "model.embed_tokens.weight" in tensors:
+        if cfg.dims.tied and "model.embed_tokens.weight" in tensors:
             tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
         expected = {
             name: param
@@ -342,20 +328,20 @@ class TorchLlamaTarget:
                     f"{folder}: tensor {name} has shape {tuple(tensor.shape)}, the config implies {tuple(param.shape)}."
                 )
         model.load_state_dict({name: tensors[name] for name in expected}, assign=True, strict=not swapped)
-        model.inv_freq = rope_inv_freq(cfg.raw, cfg.head_dim).to(device)
+        model.inv_freq = rope_inv_freq(cfg.raw, cfg.dims.head_dim).to(device)
         return cls(model.eval(), max_context, cuda_graphs, kernels=kernels)
 
     @property
     def vocab_size(self) -> int:
-        return self.cfg.vocab_size
+        return self.cfg.dims.vocab
 
     @property
     def hidden_size(self) -> int:
-        return self.cfg.hidden_size
+        return self.cfg.dims.hidden
 
     @property
     def num_layers(self) -> int:
-        return self.cfg.num_layers
+        return self.cfg.dims.layers
 
     def set_feature_layers(self, layer_ids: list[int]) -> None:
         """Choose which decoder layers' outputs `forward` returns as context features."""

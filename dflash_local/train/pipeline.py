@@ -17,6 +17,7 @@ import torch
 from ..drafters.config import DrafterConfig
 from ..errors import DFlashError
 from ..gguf.file import GGUFTensor, read_gguf, read_header
+from ..memory_estimate import target_sizes
 from ..targets.torch_llama import TargetConfig, TorchLlamaTarget
 from ..tokenizer import TextTokenizer, stop_token_ids
 from ..weights import read_config
@@ -102,18 +103,10 @@ def gguf_target_config(path: Path) -> TargetConfig:
         return value
 
     info = read_gguf(path)
-    heads = int(key("attention.head_count"))
     return TargetConfig(
         model_type=arch,
-        vocab_size=info.vocab_size,
-        hidden_size=info.hidden_size,
-        intermediate_size=int(key("feed_forward_length")),
-        num_layers=info.num_layers,
-        num_heads=heads,
-        num_kv_heads=int(key("attention.head_count_kv", heads)),
-        head_dim=int(key("attention.key_length", info.hidden_size // heads)),
+        dims=target_sizes(path),
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
-        tie_word_embeddings="output.weight" not in info.tensors,
         attention_bias=False,
         mlp_bias=False,
         max_position_embeddings=info.context_length,
@@ -126,7 +119,7 @@ def gguf_drafter_fields(path: Path, cfg: TargetConfig) -> dict:
     fields = read_header(path).fields
     extra: dict = {}
     if cfg.model_type.startswith("gemma"):
-        extra["input_embedding_scale"] = math.sqrt(cfg.hidden_size)
+        extra["input_embedding_scale"] = math.sqrt(cfg.dims.hidden)
     cap = fields.get(f"{cfg.model_type}.final_logit_softcapping")
     if cap:
         extra["final_logit_softcapping"] = float(cap)
@@ -204,9 +197,9 @@ def _prepare_gguf(request: TrainRequest, layer_ids_of: Callable[[TargetConfig], 
         return run
 
     info = read_gguf(request.target)
-    embed = dequantized(info.tensors["token_embd.weight"], cfg.vocab_size, cfg.hidden_size)
+    embed = dequantized(info.tensors["token_embd.weight"], cfg.dims.vocab, cfg.dims.hidden)
     head_tensor = info.tensors.get("output.weight")
-    head = embed if head_tensor is None else dequantized(head_tensor, cfg.vocab_size, cfg.hidden_size)
+    head = embed if head_tensor is None else dequantized(head_tensor, cfg.dims.vocab, cfg.dims.hidden)
     return _Prepared(
         cfg,
         GGUFTokenizer.load(request.target),
@@ -221,9 +214,9 @@ def _prepare_gguf(request: TrainRequest, layer_ids_of: Callable[[TargetConfig], 
 
 def _layer_ids_of(request: TrainRequest, cfg: TargetConfig) -> list[int]:
     layer_ids = request.target_layer_ids or default_layer_ids(cfg, request.train.layers)
-    bad = [i for i in layer_ids if not 0 <= i < cfg.num_layers]
+    bad = [i for i in layer_ids if not 0 <= i < cfg.dims.layers]
     if bad:
-        raise DFlashError(f"Target layer ids {layer_ids} do not fit a target with {cfg.num_layers} layers.")
+        raise DFlashError(f"Target layer ids {layer_ids} do not fit a target with {cfg.dims.layers} layers.")
     return layer_ids
 
 
@@ -252,7 +245,7 @@ def _adopt_drafter_shape(request: TrainRequest, config: dict) -> TrainRequest:
         request,
         target_layer_ids=cfg.target_layer_ids,
         mask_token_id=cfg.mask_token_id,
-        train=replace(request.train, layers=cfg.num_layers, block_size=cfg.block_size),
+        train=replace(request.train, layers=cfg.dims.layers, block_size=cfg.block_size),
     )
 
 
@@ -267,7 +260,7 @@ def run_training(request: TrainRequest) -> Iterator[DistillProgress | WarmStart 
     if init_config is not None:
         warm_start.check_drafter_fits(Path(str(request.init)), init_config, cfg)
     layer_ids = _layer_ids_of(request, cfg)
-    mask_id = _mask_token(ready.tokenizer, cfg.vocab_size, request.mask_token_id)
+    mask_id = _mask_token(ready.tokenizer, cfg.dims.vocab, request.mask_token_id)
     yield from distill(request, ready)
     data = Sequences(load_shards(request.work_dir / "data"), request.train.heldout_fraction, request.train.seed)
     initial = None
@@ -276,7 +269,7 @@ def run_training(request: TrainRequest) -> Iterator[DistillProgress | WarmStart 
         config = init_config
         yield started
     else:
-        d2t = draft_vocabulary(data, request.draft_vocab, cfg.vocab_size) if request.draft_vocab else None
+        d2t = draft_vocabulary(data, request.draft_vocab, cfg.dims.vocab) if request.draft_vocab else None
         config = drafter_config(
             cfg, request.train.layers, request.train.block_size, layer_ids, mask_id, ready.extra, d2t
         )

@@ -72,22 +72,22 @@ def drafter_config(
     config = {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
-        "hidden_size": target.hidden_size,
-        "intermediate_size": target.intermediate_size,
+        "hidden_size": target.dims.hidden,
+        "intermediate_size": target.dims.intermediate,
         "num_hidden_layers": layers,
-        "num_attention_heads": target.num_heads,
-        "num_key_value_heads": target.num_kv_heads,
-        "head_dim": target.head_dim,
+        "num_attention_heads": target.dims.heads,
+        "num_key_value_heads": target.dims.kv_heads,
+        "head_dim": target.dims.head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": target.rms_norm_eps,
         "attention_bias": False,
         "attention_dropout": 0.0,
         "max_position_embeddings": target.max_position_embeddings,
-        "vocab_size": target.vocab_size,
+        "vocab_size": target.dims.vocab,
         "tie_word_embeddings": False,
         "layer_types": ["full_attention"] * layers,
         "block_size": block_size,
-        "num_target_layers": target.num_layers,
+        "num_target_layers": target.dims.layers,
         "dflash_config": {"mask_token_id": mask_id, "target_layer_ids": layer_ids},
         "dtype": "bfloat16",
         **(extra or {}),
@@ -325,4 +325,4 @@ def train(
 
 def default_layer_ids(target: TargetConfig, layers: int) -> list[int]:
     """Target layers to read features from: the published spread, at least 3 when the target allows."""
-    return default_target_layer_ids(target.num_layers, max(layers, min(3, target.num_layers)))
+    return default_target_layer_ids(target.dims.layers, max(layers, min(3, target.dims.layers)))

@@ -79,8 +79,8 @@ def gguf_layer_reader(tensors: dict, cfg: TargetConfig, matrix: Callable[[object
             if found is not None:
                 out[name] = matrix(found)
         if cfg.model_type == "llama":
-            out["self_attn.q_proj.weight"] = unpermute(out["self_attn.q_proj.weight"], cfg.num_heads)
-            out["self_attn.k_proj.weight"] = unpermute(out["self_attn.k_proj.weight"], cfg.num_kv_heads)
+            out["self_attn.q_proj.weight"] = unpermute(out["self_attn.q_proj.weight"], cfg.dims.heads)
+            out["self_attn.k_proj.weight"] = unpermute(out["self_attn.k_proj.weight"], cfg.dims.kv_heads)
         return out
 
     return read
@@ -92,8 +92,8 @@ def from_target(read: LayerReader, config: dict) -> tuple[dict[str, torch.Tensor
     layer's features: the first drafter layer's context K/V are then the target's next layer's, where that deepest
     layer is the one just before it."""
     cfg = DrafterConfig.from_dict(config, Path("<new drafter>"))
-    numbers = list(range(config["num_target_layers"] - cfg.num_layers, config["num_target_layers"]))
-    hidden = cfg.hidden_size
+    numbers = list(range(config["num_target_layers"] - cfg.dims.layers, config["num_target_layers"]))
+    hidden = cfg.dims.hidden
     state: dict[str, torch.Tensor] = {}
     for index, number in enumerate(numbers):
         state.update({f"layers.{index}.{name}": t for name, t in read(number).items()})
@@ -127,14 +127,14 @@ def check_drafter_fits(folder: Path, config: dict, target: TargetConfig) -> None
     """One sentence unless the drafter in folder can read this target's features and vocabulary."""
     cfg = DrafterConfig.from_dict(config, folder)
     reason = None
-    if cfg.hidden_size != target.hidden_size:
-        reason = f"its hidden size is {cfg.hidden_size}, the target's {target.hidden_size}"
-    elif cfg.vocab_size is not None and cfg.vocab_size != target.vocab_size:
-        reason = f"its vocabulary has {cfg.vocab_size} ids, the target's {target.vocab_size}"
-    elif config.get("num_target_layers", target.num_layers) != target.num_layers:
-        reason = f"it was made for a target of {config['num_target_layers']} layers, this one has {target.num_layers}"
-    elif any(not 0 <= i < target.num_layers for i in cfg.target_layer_ids):
-        reason = f"it reads target layers {cfg.target_layer_ids}, this target has {target.num_layers}"
+    if cfg.dims.hidden != target.dims.hidden:
+        reason = f"its hidden size is {cfg.dims.hidden}, the target's {target.dims.hidden}"
+    elif cfg.dims.vocab and cfg.dims.vocab != target.dims.vocab:
+        reason = f"its vocabulary has {cfg.dims.vocab} ids, the target's {target.dims.vocab}"
+    elif config.get("num_target_layers", target.dims.layers) != target.dims.layers:
+        reason = f"it was made for a target of {config['num_target_layers']} layers, this one has {target.dims.layers}"
+    elif any(not 0 <= i < target.dims.layers for i in cfg.target_layer_ids):
+        reason = f"it reads target layers {cfg.target_layer_ids}, this target has {target.dims.layers}"
     if reason:
         raise DFlashError(f"The drafter in {folder} does not fit this target: {reason}.")
 

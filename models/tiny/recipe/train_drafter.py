@@ -1,9 +1,9 @@
 """Reproduce models/tiny/drafter: self-distil the tiny target on its own training corpus, train with `dflash train`.
 
-    .venv/bin/python scripts/train_tiny_drafter.py [--work /tmp/tiny_drafter_work]
+    .venv/bin/python -m models.tiny.recipe.train_drafter [--work /tmp/tiny_drafter_work]
 
 The corpus is the one the target was trained on (stdlib sources minus the held-out modules, see
-scripts/tiny_corpus.py) plus the mined chat instructions, so the held-out prompts stay unseen.
+models/tiny/recipe/corpus.py) plus the mined chat instructions, so the held-out prompts stay unseen.
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from .corpus import chat_pairs, training_documents
 
-from tiny_corpus import chat_pairs, training_documents  # noqa: E402
-
-REPO = Path(__file__).resolve().parent.parent
+TINY = Path(__file__).resolve().parents[1]
+REPO = TINY.parents[1]
 
 
 def write_corpus(path: Path, chats: int) -> None:
@@ -33,7 +32,7 @@ def write_corpus(path: Path, chats: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, default=Path("/tmp/tiny_drafter_work"))
-    parser.add_argument("--out", type=Path, default=REPO / "models" / "tiny" / "drafter")
+    parser.add_argument("--out", type=Path, default=TINY / "drafter")
     parser.add_argument("--prompts", type=int, default=9000)
     parser.add_argument("--chats", type=int, default=600)
     parser.add_argument("--steps", type=int, default=11000)
@@ -49,7 +48,7 @@ def main() -> None:
         "dflash_local",
         "train",
         "--target",
-        str(REPO / "models" / "tiny" / "target"),
+        str(TINY / "target"),
         "--corpus",
         str(corpus),
         "--out",

@@ -6,7 +6,7 @@ their own, beside llama.cpp alone loading the GGUF and a read of the drafter's s
 (an empty cache: it writes the drafter GGUF) apart from the next. The issue-11 targets are checked against the file
 sizes and the KV caches the shapes imply. Prints one JSON object.
 
-    .venv/bin/python scripts/measure_memory.py --target /work/synth/synth-1b-q4_k_m.gguf \
+    .venv/bin/python -m benchmarks.measure_memory --target /work/synth/synth-1b-q4_k_m.gguf \
         --drafter /work/synth/llama3.2-1b/drafter --threads 2 --max-context 512
 """
 

@@ -5,8 +5,8 @@ GGUF, decodes a random prefix, then compares the logits of one B-token llama_dec
 llama_decodes from the same prefix. A 600-token prefix exercises flash attention's split-KV path (one query,
 >= 512 KV cells); 40 does not.
 
-    .venv/bin/python scripts/batch_invariance.py                 # the tiny target's types, every configuration
-    .venv/bin/python scripts/batch_invariance.py --types "" --synth x.gguf,y.gguf --configs default,dflash
+    .venv/bin/python -m benchmarks.batch_invariance                 # the tiny target's types, every configuration
+    .venv/bin/python -m benchmarks.batch_invariance --types "" --synth x.gguf,y.gguf --configs default,dflash
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ PREFILL = 256  # --speed: prompt tokens in the timed prefill
 TILED_OFF = {"GGML_CPU_TILED_MM": "0"}
 FUSION_OFF = {"GGML_CPU_DISABLE_FUSION": "1"}
 # name -> (libllama, environment, model params, context params); libllama: "stock" (llama-cpp-python's) or
-# "invariant" (scripts/build_libllama.sh's, llamafile off); "dflash": what dflash_local.llama_lib sets and
+# "invariant" (tools/build_libllama.sh's, llamafile off); "dflash": what dflash_local.llama_lib sets and
 # targets.llamacpp loads with
 CONFIGS = {
     "dflash": (None, None, None, {}),
@@ -208,7 +208,7 @@ def main() -> None:
 
 
 def libraries() -> dict[str, str]:
-    """The libllama folders: llama-cpp-python's own and the one scripts/build_libllama.sh makes."""
+    """The libllama folders: llama-cpp-python's own and the one tools/build_libllama.sh makes."""
     from dflash_local.llama_lib import INVARIANT_LIB, llama_cpp
 
     return {"stock": str(Path(llama_cpp.__file__).parent / "lib"), "invariant": str(INVARIANT_LIB)}
@@ -216,7 +216,8 @@ def libraries() -> dict[str, str]:
 
 def measure(job: str, config: str, threads: int, paths: dict[str, str]) -> dict:
     """Run one worker process and return its results."""
-    command = [sys.executable, __file__, "--worker", json.dumps([job, config, threads, paths, libraries()])]
+    job_args = json.dumps([job, config, threads, paths, libraries()])
+    command = [sys.executable, "-m", "benchmarks.batch_invariance", "--worker", job_args]
     out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 

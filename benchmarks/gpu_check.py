@@ -2,7 +2,7 @@
 CUDA (the int4/int8 weight-only matmul too), engine output ids with Triton vs torch kernels and CUDA graphs on vs off,
 NF4, int4 and a Q4_K_M GGUF lossless, then gpu_bench (results/<gpu>/).
 
-    .venv/bin/python scripts/gpu_check.py [--skip-bench] [--out results/<gpu>/gpu_check.json]
+    .venv/bin/python -m benchmarks.gpu_check [--skip-bench] [--out results/<gpu>/gpu_check.json]
 
 Exits non-zero when a hard check fails. bf16 engine runs are reported, not required to match: on a GPU,
 verifying 16 tokens and decoding 1 round differently in bf16.
@@ -171,8 +171,7 @@ def main() -> int:
         print("gpu_check: no CUDA device.", file=sys.stderr)
         return 2
     name = torch.cuda.get_device_name() if device == "cuda" else device
-    sys.path.insert(0, str(Path(__file__).parent))
-    import gpu_bench
+    from . import gpu_bench
 
     folder = Path(__file__).resolve().parent.parent / "results" / gpu_bench.device_folder(name)
     args.out = args.out or folder / "gpu_check.json"

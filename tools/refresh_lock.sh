@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Maintainers: rewrite the two lock files from fresh virtualenvs, then run .ci/run and commit them.
-#   scripts/refresh_lock.sh            # PYTHON=python3.11 picks the interpreter (the lock is made for its version)
+#   tools/refresh_lock.sh            # PYTHON=python3.11 picks the interpreter (the lock is made for its version)
 # constraints.txt: torch, `-e .[dev]` (runtime + gguf + gpu + test tools), with triton at the version the PyPI
 # (CUDA) torch wheel pins, so that GPU machines resolve the same lock. constraints-oracle.txt: the reference
 # oracle's venv (torch + dflash[local]). ./install.sh installs through them.
@@ -25,7 +25,7 @@ EOF
 lock() {  # lock FILE VENV HOW: freeze VENV (no editable project, no local version labels) into FILE
   {
     echo "# $3"
-    echo "# Made by scripts/refresh_lock.sh with $("$2/bin/python" --version) on $(date -u +%Y-%m-%d); rerun it to refresh."
+    echo "# Made by tools/refresh_lock.sh with $("$2/bin/python" --version) on $(date -u +%Y-%m-%d); rerun it to refresh."
     "$2/bin/python" -m pip freeze --all --exclude-editable | grep -v '^pip==' | sed -E 's/^([^=]+==[^+]+)\+.*$/\1/'
   } >"$1"
   echo "==> wrote $1 ($(grep -vc '^#' "$1") packages)"

@@ -1,7 +1,7 @@
 """Compare drafters on held-out prompts: tau at blocks 4, 8 and 16 with 95% bootstrap intervals over prompts, and the
 acceptance at each block offset, on held-out rows and (with --train-work) on rows the drafters trained on.
 
-    python scripts/eval_drafter.py --target GEMMA.gguf --prompts models/gemma3-270m/heldout_prompts.jsonl \
+    python -m benchmarks.eval_drafter --target GEMMA.gguf --prompts models/gemma3-270m/heldout_prompts.jsonl \
         --work /tmp/heldout-shards --drafter models/gemma3-270m/drafter [--drafter OTHER ...] \
         [--train-work RUN.work --train-rows 64] [--threads 1] [--json]
 

@@ -4,7 +4,7 @@ Code: the running Python's standard library (.py files, tests left out). Prose: 
 plain text by `man`. Each file goes to the held-out side when a hash of its name says so (1 in 10), so no held-out
 prompt comes from a file the drafter trained on.
 
-    python scripts/real_corpus.py OUT [--man-pages 600] [--prompts 20]
+    python models/gemma3-270m/recipe/corpus.py OUT [--man-pages 600] [--prompts 20]
 writes OUT/train/ (the --corpus for `dflash train`) and OUT/heldout_prompts.jsonl (code and prose, alternating).
 """
 

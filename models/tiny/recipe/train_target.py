@@ -1,9 +1,9 @@
 """Train the tiny Llama target model from scratch on CPU and export it in Hugging Face layout.
 
-    python scripts/tiny_corpus.py                       # held-out prompts (models/tiny/heldout_prompts.jsonl)
-    python scripts/train_tiny_target.py --steps 3000    # tokenizer + training + export
-    python scripts/train_tiny_target.py --steps 3000 --resume   # continue from the last checkpoint
-    python scripts/train_tiny_target.py --benchmark 5   # time a few steps, then stop
+    python -m models.tiny.recipe.corpus                               # held-out prompts (heldout_prompts.jsonl)
+    python -m models.tiny.recipe.train_target --steps 3000            # tokenizer + training + export
+    python -m models.tiny.recipe.train_target --steps 3000 --resume   # continue from the last checkpoint
+    python -m models.tiny.recipe.train_target --benchmark 5           # time a few steps, then stop
 
 Work files (tokenizer cache, token arrays, checkpoints, log) go to --work (default /tmp/tiny_target_work);
 the exported model goes to --out (default models/tiny/target).
@@ -15,7 +15,6 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -24,12 +23,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import tiny_corpus  # noqa: E402
+from dflash_local.layers import MLP, RMSNorm, apply_rope  # the same blocks the engine runs
 
-from dflash_local.layers import MLP, RMSNorm, apply_rope  # noqa: E402  (the same blocks the engine runs)
+from . import corpus as tiny_corpus
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+TINY = Path(__file__).resolve().parents[1]
 SPECIALS = list(tiny_corpus.SPECIAL_TOKENS)  # ids 0..4
 EOT, USER, ASSISTANT, END, MASK = range(5)
 
@@ -347,7 +345,7 @@ def lr_at(step: int, progress: float, peak: float, warmup: int, floor: float) ->
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", type=Path, default=Path("/tmp/tiny_target_work"))
-    ap.add_argument("--out", type=Path, default=REPO_ROOT / "models" / "tiny" / "target")
+    ap.add_argument("--out", type=Path, default=TINY / "target")
     ap.add_argument("--steps", type=int, default=100_000, help="step cap (the LR schedule follows --minutes)")
     ap.add_argument("--minutes", type=float, default=50.0, help="training time budget; 0 = schedule by --steps")
     ap.add_argument("--batch", type=int, default=8)

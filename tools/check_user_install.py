@@ -2,12 +2,12 @@
 bundled pair, and pulls from a Hub. Run after `./install.sh` (which also built the batch-invariant libllama) or, with
 --wheel, in a fresh venv holding the built wheel.
 
-    .venv/bin/python scripts/check_user_install.py                       # after ./install.sh
-    python scripts/check_user_install.py --venv /tmp/wheel-venv --wheel   # pip install 'dist/*.whl[gguf]' there
+    .venv/bin/python -m tools.check_user_install                       # after ./install.sh
+    python -m tools.check_user_install --venv /tmp/wheel-venv --wheel   # pip install 'dist/*.whl[gguf]' there
 
-Uses the standard library only. `dflash pull` runs against tests/hub_server.py's loopback Hub serving the bundled
-drafter, then with that Hub stopped, then against an address nothing listens on with an empty cache. Prints one line
-per check; exit 1 on any failure.
+Run from the repository root; uses the standard library only. `dflash pull` runs against tests/hub_server.py's
+loopback Hub serving the bundled drafter, then with that Hub stopped, then against an address nothing listens on with
+an empty cache. Prints one line per check; exit 1 on any failure.
 """
 
 from __future__ import annotations
@@ -19,13 +19,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tests.hub_server import FakeHub, repo_of
+
 REPO = Path(__file__).resolve().parent.parent
 VENV = REPO / ".venv"
 REPO_ID = "ci/tiny-drafter"
 UNREACHABLE = "http://127.0.0.1:9"
-sys.path.insert(0, str(REPO / "tests"))
-
-from hub_server import FakeHub, repo_of  # noqa: E402
 
 
 def dflash(*args: str, stdin: str = "", env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -5,7 +5,7 @@
 # of the architectures in TAPS (stock llama.cpp sets them for llama and qwen3, not gemma3: one line in the layer
 # loop). The libraries go to VENV/lib/dflash-libllama, where dflash_local/llama_lib.py finds them (and reads which
 # architectures got taps from tapped-architectures); a build of the same version and taps there is kept.
-#   scripts/build_libllama.sh [VENV]      # default .venv; install.sh runs it on machines without an NVIDIA GPU
+#   tools/build_libllama.sh [VENV]      # default .venv; install.sh runs it on machines without an NVIDIA GPU
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${1:-.venv}

@@ -7,8 +7,8 @@ acceptance step at a fixed context; the share of the memory-bandwidth bound each
 over the measured copy bandwidth); the speedup projected at tau = 3, 5, 7 as tau * decode / (draft + verify + accept).
 Also each int4 linear candidate (the Triton kernel, torch's _weight_int4pack_mm, a dense bf16 matmul) for 1..32 rows.
 
-    .venv/bin/python scripts/gpu_bench.py                      # CUDA, real shapes -> results/<gpu>/
-    .venv/bin/python scripts/gpu_bench.py --small --device cpu # tiny shapes, checks the script anywhere
+    .venv/bin/python -m benchmarks.gpu_bench                      # CUDA, real shapes -> results/<gpu>/
+    .venv/bin/python -m benchmarks.gpu_bench --small --device cpu # tiny shapes, checks the script anywhere
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import itertools
 import json
 import re
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,16 +26,20 @@ import gguf
 import numpy as np
 import torch
 from dflash_local.kernels import dequantize, use_triton, wq_matmul
-from step_costs import measure_steps, milliseconds
 from torch import nn
 from torch.nn import functional as F
 
+from dflash_local.block_policy import median_ms
+from dflash_local.dimensions import Dimensions
 from dflash_local.drafters.config import DrafterConfig, default_target_layer_ids
 from dflash_local.drafters.torch_drafter import DFlashDrafter, DFlashModel
 from dflash_local.layers import rope_inv_freq
 from dflash_local.quant import group_scale_dtype, install_4bit, install_int4, quantize_int4, quantize_linears
 from dflash_local.runtime import pick_device
+from dflash_local.shapes import SHAPES
 from dflash_local.targets.torch_llama import LlamaModel, TargetConfig, TorchLlamaTarget
+
+from .step_costs import measure_steps
 
 TAUS = (3, 5, 7)
 VERIFY_SIZES = tuple(range(1, 33))  # verify-k for k = 1..32
@@ -48,33 +52,28 @@ Q = gguf.GGMLQuantizationType
 
 @dataclass(frozen=True)
 class Shape:
-    """Model sizes: the target's, then the drafter's depth and block size."""
+    """The target's dimensions, the drafter's depth and block size, and the context cached before the steps."""
 
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    vocab: int
+    dims: Dimensions
     draft_layers: int
     block: int
     context: int
 
 
-LLAMA_8B = Shape(4096, 14336, 32, 32, 8, 128256, 5, 16, 1024)
-SMALL = Shape(256, 512, 4, 4, 2, 512, 2, 16, 64)  # widths that are whole K-quant super-blocks (256)
+LLAMA_8B = Shape(SHAPES["llama3.1-8b"].dims, 5, 16, 1024)
+SMALL = Shape(Dimensions(256, 512, 4, 4, 2, 64, 512, False), 2, 16, 64)  # widths of whole K-quant super-blocks (256)
 
 
 def target_config(shape: Shape) -> dict[str, Any]:
     """A Llama-3.1 config.json dict with the given sizes."""
     return {
         "model_type": "llama",
-        "vocab_size": shape.vocab,
-        "hidden_size": shape.hidden,
-        "intermediate_size": shape.intermediate,
-        "num_hidden_layers": shape.layers,
-        "num_attention_heads": shape.heads,
-        "num_key_value_heads": shape.kv_heads,
+        "vocab_size": shape.dims.vocab,
+        "hidden_size": shape.dims.hidden,
+        "intermediate_size": shape.dims.intermediate,
+        "num_hidden_layers": shape.dims.layers,
+        "num_attention_heads": shape.dims.heads,
+        "num_key_value_heads": shape.dims.kv_heads,
         "rms_norm_eps": 1e-5,
         "max_position_embeddings": 131072,
         "rope_scaling": {
@@ -94,12 +93,12 @@ def drafter_config(shape: Shape) -> dict[str, Any]:
         **target_config(shape),
         "model_type": "qwen3",
         "num_hidden_layers": shape.draft_layers,
-        "head_dim": shape.hidden // shape.heads,
+        "head_dim": shape.dims.head_dim,
         "block_size": shape.block,
-        "num_target_layers": shape.layers,
+        "num_target_layers": shape.dims.layers,
         "dflash_config": {
-            "mask_token_id": shape.vocab - 1,
-            "target_layer_ids": default_target_layer_ids(shape.layers, shape.draft_layers),
+            "mask_token_id": shape.dims.vocab - 1,
+            "target_layer_ids": default_target_layer_ids(shape.dims.layers, shape.draft_layers),
         },
     }
 
@@ -111,14 +110,14 @@ def random_target(
     q4_k_m loads a GGUF of random quantized blocks written into gguf_dir."""
     max_context = max(DEFAULT_CACHE, shape.context + 4 * shape.block)
     if quantize == "q4_k_m":
-        path = write_random_gguf(shape, gguf_dir / "random-q4_k_m.gguf")
+        path = write_random_gguf(shape.dims, gguf_dir / "random-q4_k_m.gguf")
         return TorchLlamaTarget.load(path, dtype, device, max_context)
     cfg = TargetConfig.from_dict(target_config(shape), Path("<random>"))
     with torch.device("meta"):
         model = LlamaModel(cfg)
     install = install_int4 if quantize == "int4" else install_4bit
     if quantize:
-        for index in range(cfg.num_layers):
+        for index in range(cfg.dims.layers):
             scope = f"model.layers.{index}"
             generator = torch.Generator(device=device).manual_seed(index)
             weights = {
@@ -130,7 +129,7 @@ def random_target(
             }
             install(model, weights, scope, dtype, device, "<random>")
     materialize_rest(model, dtype, device)
-    model.inv_freq = rope_inv_freq(cfg.raw, cfg.head_dim).to(device)
+    model.inv_freq = rope_inv_freq(cfg.raw, cfg.dims.head_dim).to(device)
     return TorchLlamaTarget(model.eval(), max_context=max_context)
 
 
@@ -159,50 +158,50 @@ def random_blocks(kind: Q, rows: int, width: int, rng: np.random.Generator) -> n
     return blocks.reshape(rows, -1)
 
 
-def write_random_gguf(shape: Shape, path: Path) -> Path:
+def write_random_gguf(dims: Dimensions, path: Path) -> Path:
     """A Llama-shaped GGUF of random Q4_K_M blocks (no conversion: seconds for 8B), its norms all ones."""
     writer = gguf.GGUFWriter(str(path), "llama")
-    head_dim = shape.hidden // shape.heads
+    head_dim = dims.head_dim
     writer.add_context_length(131072)
-    writer.add_embedding_length(shape.hidden)
-    writer.add_block_count(shape.layers)
-    writer.add_feed_forward_length(shape.intermediate)
-    writer.add_head_count(shape.heads)
-    writer.add_head_count_kv(shape.kv_heads)
+    writer.add_embedding_length(dims.hidden)
+    writer.add_block_count(dims.layers)
+    writer.add_feed_forward_length(dims.intermediate)
+    writer.add_head_count(dims.heads)
+    writer.add_head_count_kv(dims.kv_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(500000.0)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_vocab_size(shape.vocab)
+    writer.add_vocab_size(dims.vocab)
     writer.add_file_type(15)  # llama.cpp's MOSTLY_Q4_K_M
-    kv = shape.kv_heads * head_dim
-    matrices = [("token_embd.weight", shape.vocab, shape.hidden), ("output.weight", shape.vocab, shape.hidden)]
+    kv = dims.kv_heads * head_dim
+    matrices = [("token_embd.weight", dims.vocab, dims.hidden), ("output.weight", dims.vocab, dims.hidden)]
     norms = ["output_norm.weight"]
-    for i in range(shape.layers):
+    for i in range(dims.layers):
         for name, rows, width in (
-            ("attn_q", shape.hidden, shape.hidden), ("attn_k", kv, shape.hidden), ("attn_v", kv, shape.hidden),
-            ("attn_output", shape.hidden, shape.hidden), ("ffn_gate", shape.intermediate, shape.hidden),
-            ("ffn_up", shape.intermediate, shape.hidden), ("ffn_down", shape.hidden, shape.intermediate),
+            ("attn_q", dims.hidden, dims.hidden), ("attn_k", kv, dims.hidden), ("attn_v", kv, dims.hidden),
+            ("attn_output", dims.hidden, dims.hidden), ("ffn_gate", dims.intermediate, dims.hidden),
+            ("ffn_up", dims.intermediate, dims.hidden), ("ffn_down", dims.hidden, dims.intermediate),
         ):  # fmt: skip
             matrices.append((f"blk.{i}.{name}.weight", rows, width))
         norms += [f"blk.{i}.attn_norm.weight", f"blk.{i}.ffn_norm.weight"]
     for name, rows, width in matrices:
-        kind = q4_k_m_type(name, shape.layers)
+        kind = q4_k_m_type(name, dims.layers)
         block, size = gguf.GGML_QUANT_SIZES[kind]
         writer.add_tensor_info(
             name, (rows, width // block * size), np.dtype(np.uint8), rows * width // block * size, kind
         )
     for name in norms:
-        writer.add_tensor_info(name, (shape.hidden,), np.dtype(np.float32), shape.hidden * 4)
+        writer.add_tensor_info(name, (dims.hidden,), np.dtype(np.float32), dims.hidden * 4)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     rng = np.random.default_rng(0)
     for name, rows, width in matrices:
-        writer.write_tensor_data(random_blocks(q4_k_m_type(name, shape.layers), rows, width, rng))
+        writer.write_tensor_data(random_blocks(q4_k_m_type(name, dims.layers), rows, width, rng))
     for _ in norms:
-        writer.write_tensor_data(np.ones(shape.hidden, np.float32))
+        writer.write_tensor_data(np.ones(dims.hidden, np.float32))
     writer.close()
     return path
 
@@ -232,7 +231,7 @@ def random_drafter(
     with torch.device("meta"):
         model = DFlashModel(cfg)
     materialize_rest(model, dtype, "cpu" if quantize else device)
-    model.inv_freq = rope_inv_freq(config, cfg.head_dim).to("cpu" if quantize else device)
+    model.inv_freq = rope_inv_freq(config, cfg.dims.head_dim).to("cpu" if quantize else device)
     if quantize:
         quantize_linears(model, "layers", quantize, dtype)
         model.to(device)
@@ -243,7 +242,7 @@ def copy_bandwidth(device: str, repeats: int, megabytes: int) -> float:
     """Bytes a second one device-to-device copy of `megabytes` moves (read plus write): the practical bound."""
     source = torch.empty(megabytes << 20, dtype=torch.uint8, device=device).fill_(1)
     target = torch.empty_like(source)
-    ms = milliseconds(lambda: target.copy_(source), device, repeats)
+    ms = median_ms(lambda: target.copy_(source), device, repeats)
     return 2 * source.numel() / (ms / 1000)
 
 
@@ -260,7 +259,7 @@ def decode_bytes(target: TorchLlamaTarget, context: int) -> int:
         state = getattr(getattr(module, "weight", None), "quant_state", None)  # bitsandbytes NF4: its absmax
         if state is not None:
             tensors[state.absmax.data_ptr()] = state.absmax.numel() * state.absmax.element_size()
-    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * context * target.cache[0].element_size()
+    kv = 2 * cfg.dims.layers * cfg.dims.kv_heads * cfg.dims.head_dim * context * target.cache[0].element_size()
     return sum(tensors.values()) + kv
 
 
@@ -274,7 +273,7 @@ def verify_costs(target: TorchLlamaTarget, context: int, device: str, repeats: i
         target.forward(ids[:k])
 
     with torch.inference_mode():
-        return {str(k): milliseconds(lambda k=k: verify(k), device, repeats) for k in VERIFY_SIZES}
+        return {str(k): median_ms(lambda k=k: verify(k), device, repeats) for k in VERIFY_SIZES}
 
 
 def measure(
@@ -293,7 +292,7 @@ def measure(
     drafter.check_target(target)
     target.set_feature_layers(drafter.target_layer_ids)
     block = shape.block
-    costs = measure_steps(target, drafter, shape.vocab, shape.context, [1, block], device, repeats)
+    costs = measure_steps(target, drafter, shape.dims.vocab, shape.context, [1, block], device, repeats)
     verify = verify_costs(target, shape.context, device, repeats)
     precision = str(dtype).removeprefix("torch.")
     row = {
@@ -324,11 +323,11 @@ def aten_int4(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, gro
     return lambda x: torch.ops.aten._weight_int4pack_mm(x, packed, group, scales_and_zeros)
 
 
-def linear_candidates(shape: Shape, dtype: torch.dtype, device: str, repeats: int) -> dict[str, Any]:
+def linear_candidates(dims: Dimensions, dtype: torch.dtype, device: str, repeats: int) -> dict[str, Any]:
     """ms per rows of the hidden -> intermediate linear for each int4 candidate, and each one's largest error against
     the reference (relative to the output's largest magnitude)."""
     gen = torch.Generator(device=device).manual_seed(0)
-    weight = torch.empty(shape.intermediate, shape.hidden, device=device).normal_(0, 0.02, generator=gen).to(dtype)
+    weight = torch.empty(dims.intermediate, dims.hidden, device=device).normal_(0, 0.02, generator=gen).to(dtype)
     codes, scales, mins = quantize_int4(weight, 128, group_scale_dtype(dtype))
     candidates = {"wq_matmul (" + ("Triton" if use_triton("auto", weight) else "torch reference") + ")": None}
     candidates[f"dense {str(dtype).removeprefix('torch.')}"] = lambda x: F.linear(x, weight)
@@ -347,9 +346,9 @@ def linear_candidates(shape: Shape, dtype: torch.dtype, device: str, repeats: in
         entry: dict[str, Any] = {}
         with torch.inference_mode():
             for rows in CANDIDATE_ROWS:
-                x = torch.randn(rows, shape.hidden, generator=gen, device=device).to(dtype)
+                x = torch.randn(rows, dims.hidden, generator=gen, device=device).to(dtype)
                 try:
-                    entry[str(rows)] = milliseconds(lambda x=x, fn=fn: fn(x), device, repeats)
+                    entry[str(rows)] = median_ms(lambda x=x, fn=fn: fn(x), device, repeats)
                     want = (x.float() @ restored.float().T) if "dense" not in name else F.linear(x, weight).float()
                     error = ((fn(x).float() - want).abs().max() / want.abs().max()).item()
                     entry["max_error"] = max(entry.get("max_error", 0.0), error)
@@ -383,7 +382,8 @@ def markdown(report: dict[str, Any]) -> str:
         ratios = [f"{row['verify_over_decode'][str(k)]:.2f}x" for k in SHOWN_SIZES]
         lines.append(f"| {row['target']} | " + " | ".join(ratios) + " |")
     shape = report["shape"]
-    lines += ["", f"int4 linear {shape['hidden']} -> {shape['intermediate']} (groups of 128), ms per rows:", ""]
+    dims = shape["dims"]
+    lines += ["", f"int4 linear {dims['hidden']} -> {dims['intermediate']} (groups of 128), ms per rows:", ""]
     lines.append("| candidate | " + " | ".join(f"{rows} rows" for rows in CANDIDATE_ROWS) + " | max error |")
     lines.append("|---" * (2 + len(CANDIDATE_ROWS)) + "|")
     for name, entry in report["linear_candidates"].items():
@@ -416,7 +416,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = pick_device(args.device)
     shape = SMALL if args.small else LLAMA_8B
     if args.context:
-        shape = Shape(**{**asdict(shape), "context": args.context})
+        shape = replace(shape, context=args.context)
     names = args.targets.split(",")
     unknown = sorted(set(names) - set(FORMATS))
     if unknown:
@@ -435,6 +435,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
             if cuda:
                 torch.cuda.empty_cache()
+    linear_dtype = torch.bfloat16 if cuda else torch.float32
     report = {
         "device": name,
         "kernels": "auto",  # every model and call here runs the default mode
@@ -443,7 +444,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "shape": asdict(shape),
         "bandwidth_gbps": bandwidth / 1e9,
         "rows": rows,
-        "linear_candidates": linear_candidates(shape, torch.bfloat16 if cuda else torch.float32, device, args.repeats),
+        "linear_candidates": linear_candidates(shape.dims, linear_dtype, device, args.repeats),
     }
     out = args.out or Path(__file__).resolve().parent.parent / "results" / device_folder(name)
     json_path, markdown_path = args.json or out / "gpu_bench.json", args.markdown or out / "gpu_bench.md"

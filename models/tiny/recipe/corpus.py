@@ -4,7 +4,8 @@ Training documents are the stdlib ``*.py`` files of the running interpreter (tes
 site-packages and files over 300 KB excluded), minus the ``HELD_OUT_MODULES``, whose sources are
 used only for evaluation prompts. Everything here is deterministic.
 
-Run ``python scripts/tiny_corpus.py`` to write ``models/tiny/heldout_prompts.jsonl``.
+Run ``.venv/bin/python -m models.tiny.recipe.corpus`` from the repository root to write
+``models/tiny/heldout_prompts.jsonl``.
 """
 
 from __future__ import annotations
@@ -34,8 +35,7 @@ SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|user|>", "<|assistant|>",
 MAX_FILE_BYTES = 300_000
 MAX_RESPONSE_CHARS = 600
 SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "__pycache__", "lib2to3/tests"}
-REPO_ROOT = Path(__file__).resolve().parent.parent
-PROMPTS_PATH = REPO_ROOT / "models" / "tiny" / "heldout_prompts.jsonl"
+PROMPTS_PATH = Path(__file__).resolve().parents[1] / "heldout_prompts.jsonl"
 DOC_DIR = Path("/usr/share/doc/python3.11")
 
 

@@ -15,7 +15,8 @@ from dflash_local.shapes import SHAPES, SPECIAL_TOKENS, Shape, drafter_config, t
 
 def _layer_tensors(shape: Shape, prefix: str, generator: torch.Generator, qk_norm: bool):
     """(name, tensor) of one decoder layer in HF naming, random projections and unit norms."""
-    h, q, kv, inter = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.intermediate
+    dims = shape.dims
+    h, q, kv, inter = dims.hidden, dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim, dims.intermediate
     yield f"{prefix}.input_layernorm.weight", _ones(h)
     yield f"{prefix}.post_attention_layernorm.weight", _ones(h)
     yield f"{prefix}.self_attn.q_proj.weight", _rand(generator, q, h)
@@ -23,8 +24,8 @@ def _layer_tensors(shape: Shape, prefix: str, generator: torch.Generator, qk_nor
     yield f"{prefix}.self_attn.v_proj.weight", _rand(generator, kv, h)
     yield f"{prefix}.self_attn.o_proj.weight", _rand(generator, h, q)
     if qk_norm:
-        yield f"{prefix}.self_attn.q_norm.weight", _ones(shape.head_dim)
-        yield f"{prefix}.self_attn.k_norm.weight", _ones(shape.head_dim)
+        yield f"{prefix}.self_attn.q_norm.weight", _ones(dims.head_dim)
+        yield f"{prefix}.self_attn.k_norm.weight", _ones(dims.head_dim)
     yield f"{prefix}.mlp.gate_proj.weight", _rand(generator, inter, h)
     yield f"{prefix}.mlp.up_proj.weight", _rand(generator, inter, h)
     yield f"{prefix}.mlp.down_proj.weight", _rand(generator, h, inter)
@@ -96,10 +97,10 @@ def write_tokenizer(shape: Shape, folder: Path) -> None:
     special tokens at their real ids) and tokenizer_config.json: enough for `dflash convert` and text prompts."""
     vocab = {symbol: index for index, symbol in enumerate(_byte_symbols())}
     letters = "abcdefghijklmnopqrstuvwxyz"
-    merges = [[a, b] for a in letters for b in letters][: shape.vocab - len(vocab) - 3]  # room for the specials
+    merges = [[a, b] for a in letters for b in letters][: shape.dims.vocab - len(vocab) - 3]  # room for the specials
     for first, second in merges:
         vocab[first + second] = len(vocab)
-    specials = [(name, index) for name, index in SPECIAL_TOKENS[shape.family] if len(vocab) <= index < shape.vocab]
+    specials = [(name, index) for name, index in SPECIAL_TOKENS[shape.family] if len(vocab) <= index < shape.dims.vocab]
     added = [
         {"id": index, "content": name, "single_word": False, "lstrip": False, "rstrip": False}
         | {"normalized": False, "special": True}
@@ -136,17 +137,17 @@ def _ones(size: int) -> torch.Tensor:
 
 
 def _target_tensors(shape: Shape, generator: torch.Generator):
-    yield "model.embed_tokens.weight", _rand(generator, shape.vocab, shape.hidden)
-    for index in range(shape.layers):
+    yield "model.embed_tokens.weight", _rand(generator, shape.dims.vocab, shape.dims.hidden)
+    for index in range(shape.dims.layers):
         yield from _layer_tensors(shape, f"model.layers.{index}", generator, shape.family == "qwen3")
-    yield "model.norm.weight", _ones(shape.hidden)
-    if not shape.tied:
-        yield "lm_head.weight", _rand(generator, shape.vocab, shape.hidden)
+    yield "model.norm.weight", _ones(shape.dims.hidden)
+    if not shape.dims.tied:
+        yield "lm_head.weight", _rand(generator, shape.dims.vocab, shape.dims.hidden)
 
 
 def _drafter_tensors(shape: Shape, generator: torch.Generator):
     for index in range(shape.drafter_layers):
         yield from _layer_tensors(shape, f"layers.{index}", generator, True)
-    yield "fc.weight", _rand(generator, shape.hidden, shape.hidden * len(shape.target_layer_ids))
-    yield "hidden_norm.weight", _ones(shape.hidden)
-    yield "norm.weight", _ones(shape.hidden)
+    yield "fc.weight", _rand(generator, shape.dims.hidden, shape.dims.hidden * len(shape.target_layer_ids))
+    yield "hidden_norm.weight", _ones(shape.dims.hidden)
+    yield "norm.weight", _ones(shape.dims.hidden)

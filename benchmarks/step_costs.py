@@ -1,29 +1,13 @@
 """Per-step costs of a loaded target + drafter pair at a fixed context: target decode of 1 token, verify of k tokens,
 the drafter step returning k-1 rows, the greedy acceptance; and the speedup they give at an acceptance profile
-(scripts/bench_synthetic.py, scripts/gpu_bench.py)."""
+(benchmarks.bench_synthetic, benchmarks.gpu_bench); timed with the block policy's timer (median_ms)."""
 
 from __future__ import annotations
 
-import statistics
-
 import torch
 
-from dflash_local.block_policy import expected_tokens
-from dflash_local.runtime import StepClock
+from dflash_local.block_policy import expected_tokens, median_ms
 from dflash_local.sampling import accept_greedy
-
-
-def milliseconds(fn, device: str, repeats: int) -> float:
-    """Median time of fn in ms after warm-up, between marks on the device's timeline (CUDA events on CUDA)."""
-    for _ in range(3):
-        fn()
-    timer = StepClock(torch.device(device))
-    times = []
-    for _ in range(repeats):
-        began = timer.mark()
-        fn()
-        times.append(timer.seconds(began, timer.mark()) * 1000)
-    return statistics.median(times)
 
 
 def measure_steps(target, drafter, vocab: int, context: int, sizes: list[int], device: str, repeats: int) -> dict:
@@ -55,10 +39,10 @@ def measure_steps(target, drafter, vocab: int, context: int, sizes: list[int], d
 
     with torch.inference_mode():
         return {
-            "decode_1_ms": milliseconds(decode_one, device, repeats),
-            "verify_k_ms": {str(k): milliseconds(lambda k=k: verify(k), device, repeats) for k in sizes},
-            "drafter_rows_ms": {str(k - 1): milliseconds(lambda k=k: draft(k - 1), device, repeats) for k in sizes[1:]},
-            "accept_ms": milliseconds(accept, device, repeats),
+            "decode_1_ms": median_ms(decode_one, device, repeats),
+            "verify_k_ms": {str(k): median_ms(lambda k=k: verify(k), device, repeats) for k in sizes},
+            "drafter_rows_ms": {str(k - 1): median_ms(lambda k=k: draft(k - 1), device, repeats) for k in sizes[1:]},
+            "accept_ms": median_ms(accept, device, repeats),
         }
 
 

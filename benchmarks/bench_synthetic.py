@@ -1,8 +1,8 @@
-"""Speed-of-light sheet at real shapes, no downloads: a random-weight pair of a real shape (scripts/synthetic.py),
+"""Speed-of-light sheet at real shapes, no downloads: a random-weight pair of a real shape (benchmarks.synthetic),
 its load time, peak RSS (and VRAM on CUDA), per-step costs and the speedup they give at acceptance profiles.
 
-    .venv/bin/python scripts/bench_synthetic.py llama3.2-1b                # CPU: Q4_K_M GGUF, no/native/torch drafter
-    .venv/bin/python scripts/bench_synthetic.py llama3.1-8b --device cuda  # CUDA: bf16 torch target, torch drafter
+    .venv/bin/python -m benchmarks.bench_synthetic llama3.2-1b                # CPU: Q4_K_M GGUF, no/native/torch
+    .venv/bin/python -m benchmarks.bench_synthetic llama3.1-8b --device cuda  # CUDA: bf16 torch target and drafter
 
 The pair is written once under --dir (default $DFLASH_HOME/synthetic/NAME), the GGUF through `dflash convert`.
 Each configuration runs in its own process, so its peak RSS is its own. Per configuration: load time (the target
@@ -31,12 +31,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from dflash_local.memory_estimate import DEFAULT_CONTEXT, estimate_files
 
-from step_costs import measure_steps, projected_speedup  # noqa: E402
-
-from dflash_local.memory_estimate import DEFAULT_CONTEXT, estimate_files  # noqa: E402
+from .step_costs import measure_steps, projected_speedup
 
 PROFILE_TAUS = {"math": 6.5, "code": 5.5, "chat": 3.5}  # ASSUMED mean acceptance length at block 16 (see above)
 
@@ -53,7 +50,7 @@ def geometric_rates(tau: float, block: int = 16) -> list[float]:
 
 def prepare(name: str, folder: Path, device: str, threads: int) -> tuple[Path, Path]:
     """The pair's target (a Q4_K_M GGUF on CPU, the HF folder on CUDA) and drafter folder, written if missing."""
-    from synthetic import write_pair
+    from .synthetic import write_pair
 
     if not (folder / "drafter" / "config.json").is_file():
         write_pair(name, folder)
@@ -192,7 +189,8 @@ def main(argv: list[str] | None = None) -> dict:
     kinds = (args.drafters or ("none,native,torch" if args.device == "cpu" else "none,torch")).split(",")
     rows = []
     for kind in kinds:
-        command = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--child", kind]
+        given = argv if argv is not None else sys.argv[1:]
+        command = [sys.executable, "-m", "benchmarks.bench_synthetic", *given, "--child", kind]
         done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         if done.returncode:
             raise SystemExit(f"configuration {kind} failed:\n{done.stderr[-2000:]}")

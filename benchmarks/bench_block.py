@@ -1,7 +1,7 @@
 """Auto block size vs plain decoding vs fixed blocks, side by side per prompt, on each backend and drafter.
 
-    .venv/bin/python scripts/bench_block.py                      # every case, 10 held-out prompts, 128 tokens
-    .venv/bin/python scripts/bench_block.py --cases torch,q8_0 --prompts 3
+    .venv/bin/python -m benchmarks.bench_block                      # every case, 10 held-out prompts, 128 tokens
+    .venv/bin/python -m benchmarks.bench_block --cases torch,q8_0 --prompts 3
 
 Cases: the bundled pair on torch; its F16, Q8_0 and Q4_K_M GGUFs with the torch and the native drafter; a random-
 weight Qwen3-0.6B-shaped target with a random 5-layer drafter (acceptance about 1: auto must track plain decoding);
@@ -22,21 +22,19 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from dflash_local.block_policy import load_policy, measure_costs
+from dflash_local.decode import Settings, run
+from dflash_local.drafters.torch_drafter import DFlashDrafter
+from dflash_local.targets.torch_llama import TorchLlamaTarget
+from dflash_local.tokenizer import TextTokenizer
 
-from dflash_local.block_policy import load_policy, measure_costs  # noqa: E402
-from dflash_local.decode import Settings, run  # noqa: E402
-from dflash_local.drafters.torch_drafter import DFlashDrafter  # noqa: E402
-from dflash_local.targets.torch_llama import TorchLlamaTarget  # noqa: E402
-from dflash_local.tokenizer import TextTokenizer  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 TINY = ROOT / "models" / "tiny"
 GGUF_CASES = ("f16", "q8_0", "q4_k_m")
@@ -96,7 +94,7 @@ def pairs(case: str, work: Path):
         yield "Gemma 3 270M Q4_K_M, native drafter", target, NativeDrafter.load(GEMMA / "drafter", target, threads=1)
         yield "Gemma 3 270M Q4_K_M, torch drafter", target, DFlashDrafter.load(GEMMA / "drafter", max_context=2048)
     elif case == "synthetic":
-        from synthetic import write_pair
+        from .synthetic import write_pair
 
         folder = work / "qwen3-0.6b"
         if not (folder / "target" / "config.json").exists():
