@@ -12,7 +12,7 @@ SOURCES = {"dflash_local": REPO / "dflash_local", "dflash_local.kernels": REPO /
 LAYERS = (
     ("errors", "atomic", "startup", "paths", "dimensions", "shapes", "llama_lib", "kernels", "gguf"),  # gguf: __init__
     ("local_models", "hub", "downloads", "catalog", "memory_estimate", "prompt_sets", "weights", "gguf.file"),  # files
-    ("chat_template", "runtime", "layers", "quant", "cuda_graphs", "sampling", "gguf.shape", "gguf.tensors"),  # building blocks
+    ("chat_template", "runtime", "layers", "quant", "cuda_graphs", "sampling", "gguf.shape", "gguf.tensors"),  # blocks
     ("targets", "tokenizer", "gguf.tokenizer", "grammar"),  # the target backends, their vocabularies, grammars
     ("drafters", "gguf.convert"),  # what builds on a target
     ("block_policy", "session", "decode"),  # the decode loop

@@ -29,8 +29,9 @@ def load_drafter(
     """The torch drafter (its kernels in mode `kernels`) or llama.cpp's native one; auto takes the one measured faster
     for the device.
 
-    On the CPU native for GGUF targets: faster on small models (`dflash bench` with --drafter-kind; docs/gguf.md), and at real sizes it loads in
-    a quarter of the time of the torch drafter (which packs its linears), whose steps are faster there (README).
+    On the CPU native for GGUF targets: faster on small models (`dflash bench --drafter-kind`; docs/gguf.md), and at
+    real sizes it loads in a quarter of the time of the torch drafter (which packs its linears), whose steps are faster
+    there (README).
     CUDA is unmeasured, so auto keeps torch there.
     """
     from ..targets.llamacpp import LlamaCppTarget  # llama-cpp-python, the gguf extra
