@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from . import bench, catalog, chat, convert, doctor, generate, serve, train
+from . import bench, chat, convert, doctor, generate, models, serve, train
 from .app import app
 from .status import StartupStatus
 
 __all__ = ["app", "main"]
 
 # The commands, in the order `dflash --help` lists them.
-for command in (generate.generate, chat.chat, serve.serve, bench.bench, convert.convert, catalog.pull):
+for command in (generate.generate, chat.chat, serve.serve, bench.bench, convert.convert, models.pull):
     app.command()(command)
-app.command(name="models")(catalog.list_models)
-for command in (catalog.rm, doctor.doctor, train.train):
+app.command(name="models")(models.list_models)
+for command in (models.rm, doctor.doctor, train.train):
     app.command()(command)
 
 
