@@ -67,7 +67,7 @@ def prepare(name: str, folder: Path, device: str, threads: int) -> tuple[Path, P
 def child(target: Path, drafter: Path | None, kind: str, args) -> dict:
     """One configuration in this process: load, measure the steps, report memory."""
     from dflash_local.generation import load_models
-    from dflash_local.runtime import RuntimeConfig
+    from dflash_local.runtime import LoadSpec, RuntimeConfig
 
     row: dict = {"drafter": kind}
     if drafter is not None:
@@ -80,7 +80,7 @@ def child(target: Path, drafter: Path | None, kind: str, args) -> dict:
         row["drafter_read_s"] = time.perf_counter() - began
     runtime = RuntimeConfig(device=args.device, drafter="auto" if drafter is None else kind, threads=args.threads)
     began = time.perf_counter()
-    models = load_models(target, drafter, runtime, max_context=args.max_context, auto_block=False)
+    models = load_models(target, drafter, LoadSpec(runtime, max_context=args.max_context), auto_block=False)
     row["load_s"] = time.perf_counter() - began
     target_, drafter_ = models.target, models.drafter
     device = str(target_.device)

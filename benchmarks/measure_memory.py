@@ -51,13 +51,13 @@ import sys, time
 from pathlib import Path
 import dflash_local.drafters.native, dflash_local.gguf.tokenizer  # imports are not load time
 from dflash_local.generation import load_models
-from dflash_local.runtime import RuntimeConfig
+from dflash_local.runtime import LoadSpec, RuntimeConfig
 drafter = Path(sys.argv[2]) if sys.argv[2] else None
 runtime = RuntimeConfig(drafter=sys.argv[4])
 quantize = sys.argv[5] or None
 began = time.perf_counter()
-load_models(Path(sys.argv[1]), drafter, runtime, max_context=int(sys.argv[3]), drafter_quantize=quantize,
-            auto_block=False)
+spec = LoadSpec(runtime, max_context=int(sys.argv[3]), drafter_quantize=quantize)
+load_models(Path(sys.argv[1]), drafter, spec, auto_block=False)
 print(time.perf_counter() - began)
 """
 

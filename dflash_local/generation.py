@@ -13,13 +13,12 @@ import torch
 
 from .block_policy import CHECK_ROUNDS, BlockPolicy, CostTable, load_policy, measure_costs, time_steps
 from .decode import Settings, Stats, Step, generate
+from .drafters import load_drafter
 from .drafters.base import Drafter
-from .drafters.torch_drafter import DFlashDrafter
 from .errors import DFlashError
 from .paths import files_identity, identity_key, state_dir
-from .runtime import RuntimeConfig, pick_device, pick_dtype
+from .runtime import LoadSpec, pick_dtype, plan_load
 from .session import Session
-from .startup import phase
 from .targets import load_target
 from .targets.base import Target
 from .tokenizer import Detokenizer, TextTokenizer, stop_token_ids
@@ -66,89 +65,32 @@ def memory_guard(what: str, device: str) -> Iterator[None]:
 
 
 def load_models(
-    target_path: Path,
-    drafter_path: Path | None,
-    runtime: RuntimeConfig = RuntimeConfig(),
-    backend: str = "auto",
-    max_context: int = 4096,
-    quantize: str | None = None,
-    drafter_quantize: str | None = None,
-    auto_block: bool = True,
+    target_path: Path, drafter_path: Path | None, spec: LoadSpec = LoadSpec(), auto_block: bool = True
 ) -> LoadedModels:
-    """Load and cross-check a target and (optionally) a drafter from local paths, running as `runtime` says; with
-    auto_block, also the pair's block policy (its costs measured on first load on this machine, then cached and
-    checked by a few timings at each load)."""
-    if max_context < 1:
-        raise DFlashError(f"The context (--max-context) must be at least 1 token, got {max_context}.")
-    runtime.apply()
-    device = pick_device(runtime.device)
-    torch_dtype = pick_dtype(runtime.dtype, device)
+    """Load and cross-check a target and (optionally) a drafter from local paths as `spec` says (planned here, once:
+    runtime.plan_load); with auto_block, also the pair's block policy (its costs measured on first load on this
+    machine, then cached and checked by a few timings at each load)."""
+    if spec.max_context < 1:
+        raise DFlashError(f"The context (--max-context) must be at least 1 token, got {spec.max_context}.")
     path = Path(target_path)
-    gguf = path.suffix == ".gguf"
-    phase("loading the target")
-    with memory_guard(f"The target {path} with a {max_context}-token KV cache", device):
-        target = load_target(
-            path, backend, torch_dtype, device, max_context, quantize, runtime.cuda_graphs, runtime.kernels
-        )
+    spec = plan_load(path, spec)
+    spec.runtime.apply()
+    device = spec.runtime.device
+    spec.progress("loading the target")
+    with memory_guard(f"The target {path} with a {spec.max_context}-token KV cache", device):
+        target = load_target(path, spec)
     drafter = None
     if drafter_path is not None:
         if not Path(drafter_path).exists():
             raise DFlashError(f"{drafter_path} does not exist.")
-        phase("loading the drafter")
+        spec.progress("loading the drafter")
         with memory_guard(f"The drafter {drafter_path} with a {target.max_context}-token cache", device):
-            if gguf or backend == "llamacpp":
-                from .drafters import load_drafter  # llama.cpp's own drafter where it is faster (CPU)
-
-                drafter = load_drafter(
-                    drafter_path,
-                    target,
-                    torch_dtype,
-                    device,
-                    runtime.drafter,
-                    drafter_quantize,
-                    runtime.cuda_graphs,
-                    runtime.kernels,
-                )
-            else:
-                drafter = DFlashDrafter.load(
-                    drafter_path,
-                    torch_dtype,
-                    device,
-                    target.max_context,
-                    drafter_quantize,
-                    runtime.cuda_graphs,
-                    runtime.kernels,
-                )
+            drafter = load_drafter(drafter_path, target, spec)
         drafter.check_target(target)
     policy = None
     if drafter is not None and auto_block:
-        identity = {
-            "target": files_identity(path),
-            "drafter": files_identity(Path(drafter_path)),
-            "backend": type(target).__name__,
-            "drafter_kind": type(drafter).__name__,
-            "device": device,
-            "dtype": str(torch_dtype),
-            "threads": torch.get_num_threads(),
-        }
-        from .atomic import unwritable_reason
-
-        costs = state_dir() / "block-costs" / f"{identity_key(identity)}.json"
-        if (reason := unwritable_reason(costs.parent)) is not None:
-            print(
-                f"warning: {costs.parent} is not writable ({reason}): block sizes are timed afresh at every load; "
-                "set DFLASH_HOME to a writable folder to keep them.",
-                file=sys.stderr,
-            )
-
-        def calibrate() -> CostTable:
-            phase("calibrating: timing each block size on this machine (a first load, or a cached table found off)")
-            return measure_costs(target, drafter)
-
-        policy = load_policy(
-            costs, drafter.block_size, calibrate, lambda sizes: time_steps(target, drafter, sizes, CHECK_ROUNDS)
-        )
-    if gguf:
+        policy = _block_policy(target, drafter, _costs_file(path, Path(drafter_path), target, drafter, spec), spec)
+    if path.suffix == ".gguf":
         from .gguf.tokenizer import GGUFTokenizer
         from .targets.torch_llama import TorchLlamaTarget
 
@@ -157,6 +99,41 @@ def load_models(
         tokenizer = GGUFTokenizer.load(path) if alone else GGUFTokenizer.of_target(target)
         return LoadedModels(target, drafter, tokenizer, target.stop_ids, policy)
     return LoadedModels(target, drafter, TextTokenizer.load(path), stop_token_ids(path), policy)
+
+
+def _costs_file(target_path: Path, drafter_path: Path, target: Target, drafter: Drafter, spec: LoadSpec) -> Path:
+    """Where the pair's measured costs per block size are kept: keyed by both models' files, the backend and drafter
+    kind, the device, dtype and threads (any change there times the sizes afresh)."""
+    identity = {
+        "target": files_identity(target_path),
+        "drafter": files_identity(drafter_path),
+        "backend": type(target).__name__,
+        "drafter_kind": type(drafter).__name__,
+        "device": spec.runtime.device,
+        "dtype": str(pick_dtype(spec.runtime.dtype, spec.runtime.device)),
+        "threads": torch.get_num_threads(),
+    }
+    return state_dir() / "block-costs" / f"{identity_key(identity)}.json"
+
+
+def _block_policy(target: Target, drafter: Drafter, costs: Path, spec: LoadSpec) -> BlockPolicy:
+    """The pair's block policy from its cached costs, measured first where none are cached (or they are found off)."""
+    from .atomic import unwritable_reason
+
+    if (reason := unwritable_reason(costs.parent)) is not None:
+        print(
+            f"warning: {costs.parent} is not writable ({reason}): block sizes are timed afresh at every load; "
+            "set DFLASH_HOME to a writable folder to keep them.",
+            file=sys.stderr,
+        )
+
+    def calibrate() -> CostTable:
+        spec.progress("calibrating: timing each block size on this machine (a first load, or a cached table found off)")
+        return measure_costs(target, drafter)
+
+    return load_policy(
+        costs, drafter.block_size, calibrate, lambda sizes: time_steps(target, drafter, sizes, CHECK_ROUNDS)
+    )
 
 
 def recalibrate(models: LoadedModels) -> BlockPolicy:

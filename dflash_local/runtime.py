@@ -1,9 +1,12 @@
-"""How models run on this machine: the runtime config (device, dtype, kernels, CUDA graphs, drafter kind, threads)."""
+"""How models load and run on this machine: the runtime config (device, dtype, kernels, CUDA graphs, drafter kind,
+threads) and the load spec around it (context, quantization, backend, progress), planned once from the files."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
@@ -110,3 +113,44 @@ class RuntimeConfig:
         """Make the one process-wide choice: torch's CPU threads (the kernel mode goes to the models at load)."""
         if self.threads is not None:
             torch.set_num_threads(self.threads)
+
+
+def _silent(text: str) -> None:
+    """Loading's progress where no one shows it (tests, scripts, a library user)."""
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Everything loading a target/drafter pair needs, passed whole to every loader: how the models run, the KV
+    cache length, the target's and the drafter's quantization, the backend, and where loading reports its phases."""
+
+    runtime: RuntimeConfig = RuntimeConfig()
+    max_context: int = 4096
+    quantize: str | None = None  # torch targets: None, "int4" or "nf4"
+    drafter_quantize: str | None = None  # torch drafters: None, "int8" or "nf4"
+    backend: str = "auto"  # auto, torch or llamacpp
+    progress: Callable[[str], None] = field(default=_silent, compare=False)  # e.g. "loading the target"
+
+    def reporting_to(self, progress: Callable[[str], None]) -> LoadSpec:
+        """This spec, with loading's phases reported to `progress`."""
+        return replace(self, progress=progress)
+
+
+def plan_load(target: Path, spec: LoadSpec) -> LoadSpec:
+    """The one place device, backend and drafter kind are decided, from the target's file and the spec; what
+    the loaders take."""
+    runtime = spec.runtime
+    device = pick_device(runtime.device)
+    gguf = target.suffix == ".gguf"
+    backend = spec.backend
+    if backend == "auto":  # GGUF files run on llama.cpp on the CPU, on the torch target's int4/int8 kernels on CUDA
+        backend = "llamacpp" if gguf and torch.device(device).type == "cpu" else "torch"
+    drafter = runtime.drafter
+    if not gguf and backend != "llamacpp":
+        drafter = "torch"
+    elif drafter == "auto":
+        # llama.cpp's native drafter on the CPU: faster on small models (scripts/bench_gguf.py), and at real sizes it
+        # loads in a quarter of the torch drafter's time (README); CUDA is unmeasured, so torch there
+        native_fits = backend == "llamacpp" and torch.device(device).type == "cpu" and spec.drafter_quantize is None
+        drafter = "native" if native_fits else "torch"
+    return replace(spec, runtime=replace(runtime, device=device, drafter=drafter), backend=backend)

@@ -21,11 +21,13 @@ import torch
 from in_process import invoke
 from typer.testing import CliRunner, Result
 
-from dflash_local import __version__, bench, chat, cli, generation
+from dflash_local import __version__, bench, chat, cli, generation, runtime
 from dflash_local.catalog import load_catalog
+from dflash_local.cli import files, values
 from dflash_local.drafters.config import DrafterConfig
 from dflash_local.drafters.torch_drafter import DFlashDrafter
 from dflash_local.errors import DFlashError
+from dflash_local.runtime import LoadSpec
 from dflash_local.sampling import SamplingParams
 from dflash_local.targets.torch_llama import TargetConfig, TorchLlamaTarget
 from dflash_local.weights import read_config
@@ -115,26 +117,26 @@ def test_sampling_params_reject_what_cannot_sample(values, message):
 
 def test_numbers_are_refused_before_loading():
     with pytest.raises(DFlashError) as caught:
-        cli._parse_ids("1 2", "--prompt-ids")
+        values.parse_ids("1 2", "--prompt-ids")
     assert str(caught.value) == "--prompt-ids must be comma-separated integers, got '1 2' ('1 2' is not an integer)."
-    assert cli._parse_ids(" 1, 2 ,3", "--prompt-ids") == [1, 2, 3]
+    assert values.parse_ids(" 1, 2 ,3", "--prompt-ids") == [1, 2, 3]
     for args, message in (
         ((-5, 4096), "--max-new-tokens must be at least 1, got -5."),
         ((8, 0), "--max-context must be at least 1 token, got 0."),
     ):
         with pytest.raises(DFlashError) as caught:
-            cli._check_numbers(*args)
+            values.check_numbers(*args)
         assert str(caught.value) == message
     for option, message in (
         ("-3", "--block-size must be at least 2 (up to the drafter's trained size), got -3."),
         ("eight", "--block-size must be auto or a whole number, got 'eight'."),
     ):
         with pytest.raises(DFlashError) as caught:
-            cli._block_size(option)
+            values.block_size(option)
         assert str(caught.value) == message
-    assert cli._block_size("auto") is None and cli._block_size("8") == 8
+    assert values.block_size("auto") is None and values.block_size("8") == 8
     with pytest.raises(DFlashError) as caught:
-        generation.load_models(TINY / "target", None, max_context=0)
+        generation.load_models(TINY / "target", None, LoadSpec(max_context=0))
     assert str(caught.value) == "The context (--max-context) must be at least 1 token, got 0."
 
 
@@ -326,10 +328,10 @@ def test_unwritable_cache_folders(tmp_path, monkeypatch):
         else:
             monkeypatch.setenv(name, value)
     with pytest.raises(DFlashError) as caught:
-        cli._resolve("someone/model", None, False, None)  # what generate/chat/bench call before pulling
+        files.resolve("someone/model", None, False, None)  # what generate/chat/bench call before pulling
     message = f"The dflash folder {bad} (from DFLASH_HOME={bad}) is not writable (Not a directory): "
     assert str(caught.value) == message + "point DFLASH_HOME at a writable folder."
-    assert cli._resolve("tiny", None, False, None).target == TINY / "target"  # bundled: nothing is written
+    assert files.resolve("tiny", None, False, None).target == TINY / "target"  # bundled: nothing is written
 
 
 def test_convert_out_that_cannot_be_written(tmp_path):
@@ -385,7 +387,7 @@ def test_out_of_memory_is_one_sentence(monkeypatch):
     target = TINY / "target"
     with monkeypatch.context() as patch:
         patch.setattr(TorchLlamaTarget, "load", _oom)
-        patch.setattr(generation, "pick_device", lambda name: "cuda")
+        patch.setattr(runtime, "pick_device", lambda name: "cuda")
         result = runner.invoke(cli.app, args)
     assert result.exit_code == 1
     assert result.stderr == (

@@ -45,7 +45,7 @@ def test_bench_detects_differing_outputs(monkeypatch):
     from dflash_local.catalog import resolve
     from dflash_local.decode import Settings
     from dflash_local.generation import load_models
-    from dflash_local.runtime import RuntimeConfig
+    from dflash_local.runtime import LoadSpec, RuntimeConfig
 
     real_generate = generation.generate
 
@@ -58,6 +58,6 @@ def test_bench_detects_differing_outputs(monkeypatch):
 
     monkeypatch.setattr(generation, "generate", corrupting_generate)
     tiny = resolve("tiny", None, fetch=None)
-    models = load_models(tiny.target, tiny.drafter, RuntimeConfig(device="cpu"))
+    models = load_models(tiny.target, tiny.drafter, LoadSpec(RuntimeConfig(device="cpu")))
     report = bench.run_bench(models, bench.read_prompts(tiny.prompts, models, 1), Settings(max_new_tokens=8))
     assert report["all_identical"] is False

@@ -24,7 +24,7 @@ from dflash_local.chat import Chat, piped_lines
 from dflash_local.decode import Settings, Step, run
 from dflash_local.errors import DFlashError
 from dflash_local.generation import load_models
-from dflash_local.runtime import RuntimeConfig
+from dflash_local.runtime import LoadSpec, RuntimeConfig
 from dflash_local.tokenizer import TextTokenizer
 
 
@@ -102,7 +102,7 @@ def terminal_states(raw: str, rows: int, cols: int) -> Iterator[list[str]]:
 
 @pytest.fixture(scope="module")
 def models():
-    return load_models(TINY / "target", TINY / "drafter", RuntimeConfig(device="cpu"), max_context=96)
+    return load_models(TINY / "target", TINY / "drafter", LoadSpec(RuntimeConfig(device="cpu"), max_context=96))
 
 
 def piped_chat(models, max_new_tokens: int = 8) -> Chat:
@@ -184,7 +184,7 @@ def test_a_path_that_is_not_a_model():
 
 def test_a_long_answer_reaches_a_small_terminal_whole_and_once():
     args, message = ("--max-new-tokens", "200", "--ignore-eos", "--max-context", "512"), "def fibonacci(n):"
-    models = load_models(TINY / "target", TINY / "drafter", RuntimeConfig(device="cpu"), max_context=512)
+    models = load_models(TINY / "target", TINY / "drafter", LoadSpec(RuntimeConfig(device="cpu"), max_context=512))
     ids = models.tokenizer.encode_chat([{"role": "user", "content": message}])
     new_ids, _ = run(models.target, models.drafter, ids, Settings(max_new_tokens=200))
     answer = "".join(models.tokenizer.decode([t for t in new_ids if t not in models.stop_ids]).split())

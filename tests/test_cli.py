@@ -179,3 +179,24 @@ def test_quantized_drafter_from_the_command_line_is_lossless():
     assert invoke(*base, "--drafter-quantize", "int4").stderr.strip() == (
         "error: --drafter-quantize must be none, int8 or nf4, got 'int4'."
     )
+
+
+def test_decode_options_build_the_settings_of_every_command():
+    """The one builder of decode's Settings: drafting unless --no-draft or no drafter is loaded, the end-of-sequence
+    ids unless --ignore-eos, the block size checked (auto: None), sampling and seed as given."""
+    from dflash_local.cli.options import DecodeOptions
+    from dflash_local.errors import DFlashError
+    from dflash_local.generation import LoadedModels
+    from dflash_local.sampling import SamplingParams
+
+    paired, alone = (LoadedModels(None, drafter, None, frozenset({2})) for drafter in (object(), None))
+    given = DecodeOptions(max_new_tokens=7, temperature=0.5, top_p=0.9, top_k=3, seed=11, block_size="4")
+    settings = given.settings(paired)
+    assert (settings.max_new_tokens, settings.block_size, settings.draft, settings.seed) == (7, 4, True, 11)
+    assert settings.sampling == SamplingParams(0.5, 0.9, 3) and settings.stop_ids == frozenset({2})
+    assert DecodeOptions(no_draft=True).settings(paired).draft is False
+    assert DecodeOptions().settings(alone).draft is False
+    assert DecodeOptions(ignore_eos=True).settings(paired).stop_ids == frozenset()
+    assert DecodeOptions().settings(paired).block_size is None
+    with pytest.raises(DFlashError, match="--block-size must be at least 2"):
+        DecodeOptions(block_size="1").settings(paired)

@@ -17,6 +17,7 @@ from dflash_local.drafters.torch_drafter import DFlashDrafter  # noqa: E402
 from dflash_local.errors import DFlashError  # noqa: E402
 from dflash_local.gguf.convert import convert  # noqa: E402
 from dflash_local.quant import Int8Matrix  # noqa: E402
+from dflash_local.runtime import LoadSpec, RuntimeConfig, plan_load  # noqa: E402
 from dflash_local.targets.llamacpp import LlamaCppTarget  # noqa: E402
 from dflash_local.targets.torch_llama import TorchLlamaTarget  # noqa: E402
 
@@ -201,12 +202,16 @@ def test_drafter_choice(tiny_gguf):
     """auto: the native drafter beside a GGUF target on CPU (measured faster), torch otherwise; clear errors."""
     gguf_target = LlamaCppTarget.load(tiny_gguf["f16"], max_context=2048, threads=1)
     torch_target = TorchLlamaTarget.load(TINY / "target", max_context=2048)
-    assert isinstance(load_drafter(TINY / "drafter", gguf_target), NativeDrafter)
-    assert isinstance(load_drafter(TINY / "drafter", gguf_target, kind="torch"), DFlashDrafter)
-    assert isinstance(load_drafter(TINY / "drafter", torch_target), DFlashDrafter)
+
+    def planned(path: Path, kind: str = "auto") -> LoadSpec:
+        return plan_load(path, LoadSpec(RuntimeConfig(device="cpu", drafter=kind)))
+
+    assert isinstance(load_drafter(TINY / "drafter", gguf_target, planned(tiny_gguf["f16"])), NativeDrafter)
+    assert isinstance(load_drafter(TINY / "drafter", gguf_target, planned(tiny_gguf["f16"], "torch")), DFlashDrafter)
+    assert isinstance(load_drafter(TINY / "drafter", torch_target, planned(TINY / "target")), DFlashDrafter)
     with pytest.raises(DFlashError, match="needs a GGUF target"):
-        load_drafter(TINY / "drafter", torch_target, kind="native")
-    native = load_drafter(TINY / "drafter", gguf_target)
+        load_drafter(TINY / "drafter", torch_target, LoadSpec(RuntimeConfig(device="cpu", drafter="native")))
+    native = load_drafter(TINY / "drafter", gguf_target, planned(tiny_gguf["f16"]))
     other = LlamaCppTarget.load(tiny_gguf["q8_0"], max_context=2048, threads=1)
     with pytest.raises(DFlashError, match="only the GGUF target it was loaded with"):
         native.check_target(other)
@@ -216,12 +221,14 @@ def test_drafter_choice(tiny_gguf):
 def test_torch_drafter_borrows_an_int8_head(quantize, tiny_gguf, heldout):
     """A torch drafter on the CPU (fp32 or int8) makes the GGUF target keep its head as packed int8 rows: logits within
     int8 rounding of the file's head and the hidden state, output still llama.cpp's greedy ids."""
-    from dflash_local.drafters import load_drafter
+    from dflash_local.targets import load_target
 
-    target = LlamaCppTarget.load(tiny_gguf["q8_0"], max_context=512, threads=1)
+    spec = LoadSpec(RuntimeConfig(device="cpu", drafter="torch"), max_context=512, drafter_quantize=quantize)
+    spec = plan_load(tiny_gguf["q8_0"], spec)
+    target = load_target(tiny_gguf["q8_0"], spec)
     hidden = torch.randn(3, target.hidden_size, generator=torch.Generator().manual_seed(0))
     exact = hidden @ torch.from_numpy(target._dequantize(target._head_tensor, slice(None))).T
-    drafter = load_drafter(TINY / "drafter", target, kind="torch", quantize=quantize)
+    drafter = load_drafter(TINY / "drafter", target, spec)
     logits = target.lm_head(hidden)
     assert isinstance(target._head, Int8Matrix)
     assert (logits - exact).norm() / exact.norm() < 0.05  # int8 rows, hidden rounded to 7 bits per call

@@ -22,7 +22,7 @@ from dflash_local.errors import DFlashError  # noqa: E402
 from dflash_local.gguf.convert import convert  # noqa: E402
 from dflash_local.gguf.file import UnreadStrings, read_gguf, read_header  # noqa: E402
 from dflash_local.paths import state_dir  # noqa: E402
-from dflash_local.runtime import RuntimeConfig  # noqa: E402
+from dflash_local.runtime import LoadSpec, RuntimeConfig  # noqa: E402
 from dflash_local.targets.llamacpp import LlamaCppTarget  # noqa: E402
 from dflash_local.tokenizer import TextTokenizer  # noqa: E402
 
@@ -156,8 +156,8 @@ def test_header_reader_matches_gguf_py_without_reading_the_vocabulary(q8_gguf, t
 def test_second_load_parses_no_vocabulary_in_python_and_loads_it_once(q8_gguf, monkeypatch):
     """With the native drafter's GGUF cached, loading the pair never runs gguf-py's reader (seconds per 128K vocabulary)
     and llama.cpp loads two models, target and drafter: the tokenizer is the target's vocabulary."""
-    runtime = RuntimeConfig(drafter="native", threads=1)
-    generation.load_models(q8_gguf, TINY / "drafter", runtime, max_context=256, auto_block=False)
+    spec = LoadSpec(RuntimeConfig(drafter="native", threads=1), max_context=256)
+    generation.load_models(q8_gguf, TINY / "drafter", spec, auto_block=False)
     import llama_cpp
 
     loads = []
@@ -166,7 +166,7 @@ def test_second_load_parses_no_vocabulary_in_python_and_loads_it_once(q8_gguf, m
         llama_cpp, "llama_model_load_from_file", lambda *args: loads.append(args[0]) or load_model(*args)
     )
     monkeypatch.setattr(gguf, "GGUFReader", None)
-    models = generation.load_models(q8_gguf, TINY / "drafter", runtime, max_context=256, auto_block=False)
+    models = generation.load_models(q8_gguf, TINY / "drafter", spec, auto_block=False)
     assert len(loads) == 2 and loads[0] == str(q8_gguf).encode()
     text = "def main():\n    return 1"
     assert models.tokenizer.encode(text) == TextTokenizer.load(TINY / "target").encode(text)

@@ -143,17 +143,19 @@ def test_a_gguf_file_through_load_models_on_the_torch_backend(tiny_types) -> Non
     from dataclasses import replace
 
     from dflash_local.generation import GenerationRequest, load_models, run_request
-    from dflash_local.runtime import RuntimeConfig
+    from dflash_local.runtime import LoadSpec, RuntimeConfig, plan_load
     from dflash_local.targets import load_target
 
     path = tiny_types["q8_0"]
-    models = load_models(path, TINY / "drafter", RuntimeConfig(device="cpu"), "torch", 256, auto_block=False)
+    spec = LoadSpec(RuntimeConfig(device="cpu"), 256, backend="torch")
+    models = load_models(path, TINY / "drafter", spec, auto_block=False)
     assert isinstance(models.target, TorchLlamaTarget) and models.stop_ids == read_gguf(path).eos_ids
     settings = Settings(max_new_tokens=16, block_size=16, stop_ids=models.stop_ids)
     drafted = run_request(models, GenerationRequest("def main():", settings))
     plain = run_request(models, GenerationRequest("def main():", replace(settings, draft=False)))
     assert drafted["text"] == plain["text"] and drafted["output_ids"] == plain["output_ids"]
-    assert type(load_target(path, device="cpu", max_context=64)).__name__ == "LlamaCppTarget"
+    auto = plan_load(path, LoadSpec(RuntimeConfig(device="cpu"), 64))
+    assert type(load_target(path, auto)).__name__ == "LlamaCppTarget"
 
 
 def test_quantize_int4_from_the_command_line_is_lossless() -> None:

@@ -6,6 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from reference import reference_layer_ids, reference_save_sharded
 
@@ -74,3 +75,53 @@ def test_loading_the_bundled_pair_never_imports_torch_dynamo() -> None:
     bundled = Path(__file__).resolve().parent.parent / "models" / "tiny"
     result = subprocess.run([sys.executable, "-c", code, str(bundled)], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"
+
+
+def test_the_plan_decides_device_backend_and_drafter_kind_once() -> None:
+    """runtime.plan_load: a folder runs on torch with the torch drafter (whatever --drafter-kind says); a GGUF file
+    on the CPU runs on llama.cpp with the native drafter unless the drafter is quantized or torch is asked for; an
+    explicit --backend torch on a GGUF keeps the torch drafter; a planned spec plans to itself."""
+    from dflash_local.runtime import LoadSpec, RuntimeConfig, plan_load
+
+    def planned(path: str, backend: str = "auto", kind: str = "auto", quantize: str | None = None) -> tuple:
+        spec = plan_load(
+            Path(path), LoadSpec(RuntimeConfig("cpu", drafter=kind), drafter_quantize=quantize, backend=backend)
+        )
+        assert plan_load(Path(path), spec) == spec
+        return spec.runtime.device, spec.backend, spec.runtime.drafter
+
+    assert planned("folder") == ("cpu", "torch", "torch")
+    assert planned("folder", kind="native") == ("cpu", "torch", "torch")
+    assert planned("m.gguf") == ("cpu", "llamacpp", "native")
+    assert planned("m.gguf", quantize="int8") == ("cpu", "llamacpp", "torch")
+    assert planned("m.gguf", kind="torch") == ("cpu", "llamacpp", "torch")
+    assert planned("m.gguf", backend="torch") == ("cpu", "torch", "torch")
+
+
+def test_loading_reports_its_phases_to_the_spec_and_leaves_the_target_as_planned(tmp_path: Path) -> None:
+    """load_models tells spec.progress what it loads (no global status line); with the torch drafter beside a GGUF
+    target on the CPU, the target is loaded with its head as int8 rows (the plan's choice) and the drafter's load
+    changes nothing on it."""
+    pytest.importorskip("llama_cpp")
+    from dflash_local.drafters import load_drafter
+    from dflash_local.generation import load_models
+    from dflash_local.gguf.convert import convert
+    from dflash_local.runtime import LoadSpec, RuntimeConfig, plan_load
+    from dflash_local.targets import load_target
+    from dflash_local.targets.llamacpp import LlamaCppTarget
+
+    seen: list[str] = []
+    spec = LoadSpec(RuntimeConfig("cpu"), max_context=64, progress=seen.append)
+    models = load_models(TINY / "target", TINY / "drafter", spec, auto_block=False)
+    assert seen == ["loading the target", "loading the drafter"] and models.drafter is not None
+    gguf = convert(TINY / "target", tmp_path / "tiny.gguf", "q8_0", threads=1)
+    for kind, int8_head in (("torch", True), ("native", False)):
+        spec = plan_load(gguf, LoadSpec(RuntimeConfig("cpu", drafter=kind), max_context=64))
+        assert load_target(gguf, spec).int8_head is int8_head
+    target = LlamaCppTarget.load(gguf, max_context=64, threads=1)  # the head as floats
+    before = dict(vars(target))
+    load_drafter(TINY / "drafter", target, plan_load(gguf, LoadSpec(RuntimeConfig("cpu", drafter="torch"))))
+    assert vars(target).keys() == before.keys() and all(vars(target)[k] is v for k, v in before.items())

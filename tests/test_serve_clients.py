@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from dflash_local.generation import load_models
-from dflash_local.runtime import RuntimeConfig
+from dflash_local.runtime import LoadSpec, RuntimeConfig
 from dflash_local.server.app import create_app
 from dflash_local.server.engine import Engine
 from dflash_local.server.hardening import Limits, listen, uvicorn_server
@@ -35,7 +35,7 @@ BLOCK = 4  # a fixed block: a seeded sample repeats only where the steps' block 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
     runtime = RuntimeConfig(device="cpu")
-    models = load_models(TINY / "target", TINY / "drafter", runtime, max_context=CONTEXT, auto_block=False)
+    models = load_models(TINY / "target", TINY / "drafter", LoadSpec(runtime, max_context=CONTEXT), auto_block=False)
     return Engine(models, BLOCK, None, size=8)
 
 

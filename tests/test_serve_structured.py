@@ -17,7 +17,7 @@ from test_serve_clients import KEY, TINY, serving
 from dflash_local.decode import Settings
 from dflash_local.generation import GenerationRequest, load_models, run_request
 from dflash_local.grammar import compile_grammar, json_schema_grammar
-from dflash_local.runtime import RuntimeConfig
+from dflash_local.runtime import LoadSpec, RuntimeConfig
 from dflash_local.server.constrained import forced_call_grammar
 from dflash_local.server.engine import Engine
 from dflash_local.server.tools import CLOSE, OPEN, conversation
@@ -57,7 +57,7 @@ class Pet(BaseModel):
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    models = load_models(TINY / "target", TINY / "drafter", RuntimeConfig(device="cpu"), auto_block=False)
+    models = load_models(TINY / "target", TINY / "drafter", LoadSpec(RuntimeConfig(device="cpu")), auto_block=False)
     return Engine(models, 4, None, size=4)
 
 

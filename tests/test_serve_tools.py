@@ -17,7 +17,7 @@ from test_serve_clients import KEY, TINY, serving
 from dflash_local.chat_template import render_chat, takes_tools
 from dflash_local.decode import Stats
 from dflash_local.generation import load_models
-from dflash_local.runtime import RuntimeConfig
+from dflash_local.runtime import LoadSpec, RuntimeConfig
 from dflash_local.server import ollama_api
 from dflash_local.server.engine import Ending, Engine
 from dflash_local.server.openai_api import Shape
@@ -183,7 +183,7 @@ def test_a_malformed_tool_list_is_a_400_naming_the_field(tools, param):
 @pytest.fixture(scope="module")
 def tool_engine() -> Engine:
     """The bundled pair with room for a tool prompt (the tiny model's template takes no tools: the generic one)."""
-    models = load_models(TINY / "target", TINY / "drafter", RuntimeConfig(device="cpu"), auto_block=False)
+    models = load_models(TINY / "target", TINY / "drafter", LoadSpec(RuntimeConfig(device="cpu")), auto_block=False)
     return Engine(models, 4, None, size=2)
 
 

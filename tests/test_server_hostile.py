@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from dflash_local.cli import app
 from dflash_local.generation import load_models
-from dflash_local.runtime import RuntimeConfig
+from dflash_local.runtime import LoadSpec, RuntimeConfig
 from dflash_local.server.app import create_app
 from dflash_local.server.engine import Engine, StopCutter
 from dflash_local.server.hardening import Limits, listen, uvicorn_server
@@ -38,7 +38,7 @@ Address = tuple[str, int]
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    models = load_models(TINY / "target", TINY / "drafter", RuntimeConfig(device="cpu"), auto_block=False)
+    models = load_models(TINY / "target", TINY / "drafter", LoadSpec(RuntimeConfig(device="cpu")), auto_block=False)
     return Engine(models, None, None, size=8)
 
 

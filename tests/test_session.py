@@ -14,13 +14,13 @@ from rich.console import Console
 from dflash_local.chat import Chat
 from dflash_local.decode import Settings, generate, run
 from dflash_local.generation import GenerationRequest, LoadedModels, load_models, run_request
-from dflash_local.runtime import RuntimeConfig
+from dflash_local.runtime import LoadSpec, RuntimeConfig
 from dflash_local.sampling import SamplingParams
 from dflash_local.session import Session
 from dflash_local.tokenizer import Detokenizer
 
 TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"
-CPU = RuntimeConfig(device="cpu")
+CPU = LoadSpec(RuntimeConfig(device="cpu"), max_context=512)
 NEW_TOKENS = 24
 
 
@@ -30,7 +30,7 @@ class Stop(Exception):
 
 @pytest.fixture(scope="module")
 def tiny() -> LoadedModels:
-    return load_models(TINY / "target", TINY / "drafter", CPU, max_context=512, auto_block=False)
+    return load_models(TINY / "target", TINY / "drafter", CPU, auto_block=False)
 
 
 def request_of(models: LoadedModels, prompt: list[int], new_tokens: int = NEW_TOKENS, draft: bool = True, **sampling):
@@ -120,8 +120,8 @@ def test_reuse_answers_as_fresh_caches_do_on_the_bundled_pair(tiny, monkeypatch,
 @pytest.mark.parametrize("kind", ["torch", "native"])
 def test_reuse_answers_as_fresh_caches_do_on_a_gguf_target(tiny_gguf, monkeypatch, kind):
     pytest.importorskip("llama_cpp")
-    runtime = RuntimeConfig(device="cpu", drafter=kind)
-    models = load_models(tiny_gguf["f16"], TINY / "drafter", runtime, max_context=512, auto_block=False)
+    spec = LoadSpec(RuntimeConfig(device="cpu", drafter=kind), max_context=512)
+    models = load_models(tiny_gguf["f16"], TINY / "drafter", spec, auto_block=False)
     assert type(models.drafter).__name__ == {"torch": "DFlashDrafter", "native": "NativeDrafter"}[kind]
     same_turns(converse(models, monkeypatch, True), converse(models, monkeypatch, False))
 
@@ -140,7 +140,7 @@ def test_caches_used_without_the_session_are_not_reused(tiny):
 def test_a_second_chat_turn_prefills_only_the_new_tokens(tiny):
     settings = Settings(max_new_tokens=NEW_TOKENS, stop_ids=tiny.stop_ids)
     chat = Chat(tiny, settings, Console(file=io.StringIO()), Console(file=io.StringIO()))
-    fresh = load_models(TINY / "target", TINY / "drafter", CPU, max_context=512, auto_block=False)
+    fresh = load_models(TINY / "target", TINY / "drafter", CPU, auto_block=False)
     first_ids = chat.encode([{"role": "user", "content": "Write a function that adds two numbers."}])
     chat.answer("Write a function that adds two numbers.")
     assert chat.state.last.prefill_tokens == len(first_ids)

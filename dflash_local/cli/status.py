@@ -1,6 +1,6 @@
 """The status line a command shows on stderr while it starts (imports, model loading, calibration), so a terminal is
-never blank; it clears itself before the command's first output. The CLI starts it; code below calls phase(), which
-does nothing elsewhere (tests, scripts, a library user)."""
+never blank; it clears itself before the command's first output. cli.main starts one; loading reports its phases to
+it through the load spec's progress callable (show)."""
 
 from __future__ import annotations
 
@@ -99,11 +99,3 @@ class StartupStatus:
                     sys.stdout = self._streams[0]
                 if isinstance(sys.stderr, _ClearOnWrite):
                     sys.stderr = self._streams[1]
-
-
-STATUS = StartupStatus()
-
-
-def phase(text: str) -> None:
-    """What a starting command is doing now (e.g. "loading the target"), for the status line if one is up."""
-    STATUS.show(text)

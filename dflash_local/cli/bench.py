@@ -1,0 +1,189 @@
+"""`dflash bench`: runs dflash_local/bench.py's report per model and renders it (its table, the cost table)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..errors import DFlashError
+from . import values
+from .app import user_errors
+from .files import prompt_file, resolve
+from .options import DecodeOptions, ModelOptions, Own, decode_options, model_options
+
+
+@model_options()
+@decode_options(
+    drafter=Own(),
+    max_new_tokens=Own(),
+    block_size=Own(),
+    temperature=Own(),
+    seed=Own(0, None),
+    ignore_eos=Own(True, "Generate all max-new-tokens.", ("--ignore-eos/--stop-at-eos",)),
+)
+def bench(
+    names: Optional[list[str]] = typer.Argument(
+        None, help="Model names (dflash models), Hub repos, folders or .gguf files; default: tiny.", show_default=False
+    ),
+    prompts: Optional[str] = typer.Option(
+        None, "--prompts", help="A JSONL file, or a dataset: gsm8k, humaneval, mt-bench (default: the model's own set)."
+    ),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Use only the first N prompts."),
+    lookup: bool = typer.Option(True, "--lookup/--no-lookup", help="Also run the prompt-lookup baseline."),
+    calibrate: bool = typer.Option(
+        False, "--calibrate", help="Measure this machine's cost per block size afresh and show the table first."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG: histogram and tokens/s."),
+    *,
+    decode: DecodeOptions,
+    options: ModelOptions,
+) -> None:
+    """Autoregressive vs DFlash (and prompt lookup) on the same target, prompt by prompt; one table per model."""
+    with user_errors():
+        values.check_numbers(decode.max_new_tokens, seed=decode.seed)
+        block_size = decode.block()
+        if limit is not None and limit < 1:
+            raise DFlashError(f"--limit must be at least 1, got {limit}.")
+        if calibrate and block_size is not None:
+            raise DFlashError("--calibrate measures the costs behind --block-size auto; drop --block-size.")
+        decode.sampling()  # checks them before anything loads
+        reports = []
+        for model in names or ["tiny"]:
+            report = _bench_model(model, prompts, limit, lookup, calibrate, as_json, decode, options)
+            if plot_path is not None:
+                from ..bench import plot
+
+                suffix = f"-{Path(model).name}" if len(names or []) > 1 else ""
+                plot(report, plot_path.with_name(f"{plot_path.stem}{suffix}{plot_path.suffix}"))
+            if not as_json:
+                print_bench(report)
+            reports.append(report)
+        if as_json:
+            typer.echo(json.dumps(reports[0] if len(reports) == 1 else reports))
+
+
+def _bench_model(
+    model: str,
+    prompts: str | None,
+    limit: int | None,
+    lookup: bool,
+    calibrate: bool,
+    as_json: bool,
+    decode: DecodeOptions,
+    options: ModelOptions,
+) -> dict:
+    """One model's report: load it, calibrate first if asked (the cost table shown unless JSON), run the prompts."""
+    from ..bench import calibration_report, read_prompts, run_bench
+    from ..generation import memory_guard, recalibrate
+
+    resolved = resolve(model, decode.drafter, options.offline, options.token)
+    prompt_path = prompt_file(prompts, options.offline, options.token) if prompts else resolved.prompts
+    if prompt_path is None:
+        raise DFlashError(f"'{model}' has no built-in prompt set: pass --prompts FILE.jsonl or a dataset name.")
+    if resolved.drafter is None:
+        raise DFlashError(f"'{model}' has no drafter: pass --drafter DIR or a Hub repo.")
+    models = options.load(resolved, resolved.drafter, resolved.backend, decode.block() is None)
+    calibration = calibration_report(recalibrate(models).costs) if calibrate else None
+    if calibration is not None and not as_json:
+        print_costs(model, calibration)
+    with memory_guard(f"A benchmark run of {model}", models.target.device.type):
+        report = run_bench(models, read_prompts(prompt_path, models, limit), decode.settings(models), lookup)
+    report["model"] = model
+    if calibration is not None:
+        report["calibration"] = calibration
+    return report
+
+
+def print_bench(report: dict) -> None:
+    """The bench table: per prompt tau, each method's tok/s, the speedup and whether outputs match; then the mean,
+    the steps per block size and the acceptance by position."""
+    from rich.console import Console
+    from rich.table import Table
+
+    names = [name for name in report["mean"] if name != "speedup"]
+    labels = {"autoregressive": "AR", "dflash": "DFlash", "prompt_lookup": "lookup"}
+    table = Table(title=f"{report['model']}: {report['max_new_tokens']} new tokens, block {report['block_size']}")
+    table.add_column("prompt", max_width=28, no_wrap=True)
+    table.add_column("tau", justify="right")
+    for name in names:
+        table.add_column(f"{labels[name]} tok/s", justify="right")
+    table.add_column("speedup", justify="right")
+    table.add_column("identical")
+    for row in report["prompts"]:
+        rates = [f"{row[n]['decode_tokens_per_s']:.0f}" for n in names]
+        table.add_row(
+            row["prompt"].splitlines()[0],
+            f"{row['dflash']['tau']:.2f}",
+            *rates,
+            f"{row['speedup']:.2f}x",
+            "yes" if row["identical"] else "NO",
+        )
+    mean = report["mean"]
+    table.add_row(
+        "mean",
+        f"{mean['dflash']['tau']:.2f}",
+        *[f"{mean[n]['decode_tokens_per_s']:.0f}" for n in names],
+        f"{mean['speedup']:.2f}x",
+        "yes" if report["all_identical"] else "NO",
+        style="bold",
+    )
+    used: dict[int, int] = {}
+    for row in report["prompts"]:
+        for k, count in row["dflash"]["block_histogram"].items():
+            used[int(k)] = used.get(int(k), 0) + count
+    rates = " ".join(f"{rate:.2f}" for rate in report["dflash_acceptance_by_position"])
+    table.caption = (
+        "DFlash steps by block size k (1 = plain): "
+        + " ".join(f"{k}:{n}" for k, n in sorted(used.items()))
+        + f"\ndrafting steps that accepted at least j = 1, 2, ... drafts: {rates}"
+    )
+    Console().print(table)
+
+
+def print_costs(model: str, calibration: dict) -> None:
+    """The cost table behind --block-size auto: when it was measured, and per k the calibration's timings (fastest,
+    median, slowest, rounds), the fitted target and drafter costs, the step's, and the break-even tokens per step."""
+    import statistics
+    import time
+
+    from rich.console import Console
+    from rich.table import Table
+
+    def timings(samples: list[float]) -> str:
+        if not samples:
+            return "-"
+        return f"{samples[0]:.2f} / {statistics.median(samples):.2f} / {samples[-1]:.2f} ({len(samples)})"
+
+    measured = time.strftime("%Y-%m-%d %H:%M", time.localtime(calibration["measured_at"]))
+    table = Table(
+        title=f"{model}: cost per step on this machine (--block-size auto), measured {measured}",
+        caption="timings: fastest / median / slowest (rounds); the fit: each size's fastest, never falling with k and "
+        "at most doubling per doubling of k; sizes not timed are interpolated",
+    )
+    columns = (
+        "k",
+        "target timings ms",
+        "target ms",
+        "drafter timings ms",
+        "drafter ms",
+        "step ms",
+        "tokens to beat plain",
+    )
+    for column in columns:
+        table.add_column(column, justify="right")
+    for row in calibration["sizes"]:
+        drafter = f"{row['draft_ms']:.2f}" if row["k"] > 1 else "-"
+        table.add_row(
+            str(row["k"]),
+            timings(row["target_samples_ms"]),
+            f"{row['target_ms']:.2f}",
+            timings(row["draft_samples_ms"]),
+            drafter,
+            f"{row['step_ms']:.2f}",
+            f"{row['break_even_tokens']:.2f}",
+        )
+    Console().print(table)

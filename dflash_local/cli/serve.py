@@ -1,0 +1,108 @@
+"""`dflash serve`: the OpenAI-compatible server (server.py), or the launch command of vLLM/SGLang for the same pair."""
+
+from __future__ import annotations
+
+import os
+import shlex
+from typing import Optional
+
+import typer
+
+from ..errors import DFlashError
+from . import values
+from .app import user_errors
+from .files import check_storage, resolve
+from .options import DecodeOptions, ModelOptions, Own, decode_options, model_options
+
+
+@model_options(typer.Option(4096, "--max-context", help="KV cache length in tokens."))
+@decode_options(
+    drafter=Own(),
+    max_new_tokens=Own(None, "Default answer length when a request has no max_tokens (default: the context)."),
+    block_size=Own(),
+    no_draft=Own(),
+)
+def serve(
+    model: str = typer.Argument("tiny", help="A model name (dflash models), a Hub repo, a folder or a .gguf file."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (other machines: 0.0.0.0)."),
+    port: int = typer.Option(8000, "--port", help="TCP port (0: any free one)."),
+    api_key: Optional[str] = typer.Option(
+        None, "--api-key", envvar="DFLASH_API_KEY", help="Require Authorization: Bearer KEY on /v1 requests."
+    ),
+    queue_size: int = typer.Option(16, "--queue-size", help="Requests that may wait; more are answered 503."),
+    max_body: int = typer.Option(4 * 2**20, "--max-body", help="Largest request body in bytes; more is a 413."),
+    read_timeout: float = typer.Option(
+        30.0, "--read-timeout", help="Seconds a client has to send its request's headers, then its body (else 408)."
+    ),
+    max_connections: int = typer.Option(100, "--max-connections", help="Open connections; more are answered 503."),
+    cors_origins: list[str] = typer.Option(
+        [], "--cors-origin", help="A browser origin allowed to call the API (repeatable; default: none)."
+    ),
+    engine: Optional[str] = typer.Option(
+        None, "--engine", help="vllm or sglang: print that engine's launch command for this pair instead of serving."
+    ),
+    run_engine: bool = typer.Option(False, "--exec", help="With --engine: then run it (in place of dflash)."),
+    *,
+    decode: DecodeOptions,
+    options: ModelOptions,
+) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API (or print a vLLM/SGLang command for the same pair)."""
+    with user_errors():
+        block_size = decode.block()
+        if engine is not None:
+            _hand_off(engine, model, decode.drafter, block_size, run_engine, options.offline, options.token)
+            return
+        if run_engine:
+            raise DFlashError("--exec runs an engine's command: use it with --engine vllm or --engine sglang.")
+        max_new_tokens = decode.max_new_tokens
+        values.check_numbers(1 if max_new_tokens is None else max_new_tokens, options.max_context)
+        counts = {"--queue-size": queue_size, "--max-body": max_body, "--max-connections": max_connections}
+        for flag, value in counts.items():
+            if value < 1:
+                raise DFlashError(f"{flag} must be at least 1, got {value}.")
+        if not 0 < read_timeout < float("inf"):
+            raise DFlashError(f"--read-timeout must be a number of seconds above 0, got {read_timeout:g}.")
+        if not 0 <= port < 2**16:
+            raise DFlashError(f"--port must be from 0 to 65535, got {port}.")
+
+        from ..server import Engine, Limits, create_app, exposure_warning, listen, run_server
+
+        sock = listen(host, port)  # before loading: a taken port fails at once
+        resolved = resolve(model, decode.drafter, options.offline, options.token)
+        drafter = None if decode.no_draft else resolved.drafter
+        models = options.load(resolved, drafter, resolved.backend, block_size is None)
+        worker = Engine(models, block_size, max_new_tokens, queue_size, resolved.thinking)
+        warning = exposure_warning(host, api_key)
+        if warning:
+            typer.echo(warning, err=True)
+        address = sock.getsockname()
+        shown = f"[{address[0]}]" if ":" in address[0] else address[0]
+        typer.echo(f"serving {model} on http://{shown}:{address[1]}/v1 (OpenAI API; Ctrl-C stops)", err=True)
+        limits = Limits(max_body, read_timeout, max_connections)
+        run_server(create_app(worker, model, api_key, limits, tuple(cors_origins)), sock, limits)
+
+
+def _hand_off(
+    engine: str, model: str, drafter: str | None, block_size: int | None, run: bool, offline: bool, token: str | None
+) -> None:
+    """serve --engine: print (or exec) the vLLM/SGLang launch command for the pair."""
+    from ..downloads import Downloader
+    from ..handoff import ENGINES, engine_pair, launch_command
+    from ..hub import HubSource, cached_folder
+
+    if engine not in ENGINES:
+        raise DFlashError(f"--engine must be {' or '.join(ENGINES)}, got '{engine}'.")
+    downloader = Downloader(token, offline)
+
+    def fetch(source: HubSource):
+        if not offline:
+            check_storage()
+        return cached_folder(source) or downloader(source)
+
+    command = launch_command(engine, engine_pair(model, drafter, block_size, fetch))
+    typer.echo(shlex.join(command))
+    if run:
+        try:
+            os.execvp(command[0], command)
+        except OSError as exc:
+            raise DFlashError(f"Cannot run {command[0]} ({exc.strerror}): is {engine} installed here?") from None

@@ -1,0 +1,137 @@
+"""`dflash train`: a drafter trained for a target by self-distillation, with its progress bars."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import typer
+
+from . import values
+from .app import user_errors
+
+if TYPE_CHECKING:
+    from ..train.pipeline import DistillProgress
+    from ..train.trainer import TrainEvent
+    from ..train.warm_start import WarmStart
+
+
+def train(
+    target: Path = typer.Option(
+        ..., "--target", help="Target the drafter will serve: a model folder (HF layout) or a .gguf file (llama.cpp)."
+    ),
+    corpus: list[Path] = typer.Option(..., "--corpus", help="Prompt corpus: text files, folders, JSONL chats."),
+    out: Path = typer.Option(..., "--out", help="Where to write the drafter (config.json + model.safetensors)."),
+    work: Optional[Path] = typer.Option(None, "--work", help="Shards and checkpoints (default: OUT.work)."),
+    layers: int = typer.Option(2, "--layers", help="Drafter depth."),
+    block_size: int = typer.Option(16, "--block-size"),
+    target_layer_ids: Optional[str] = typer.Option(None, "--target-layer-ids", help="e.g. 1,3,5 (default: spread)."),
+    mask_token_id: Optional[int] = typer.Option(None, "--mask-token-id", help="Default: <|mask|> or the last id."),
+    prompt_tokens: int = typer.Option(64, "--prompt-tokens", help="Window length of text prompts."),
+    max_prompts: Optional[int] = typer.Option(None, "--max-prompts", help="Use at most this many prompts."),
+    new_tokens: int = typer.Option(192, "--new-tokens", help="Tokens the target writes per prompt."),
+    sampled_fraction: float = typer.Option(0.25, "--sampled-fraction", help="Share of sampled (not greedy) data."),
+    steps: int = typer.Option(2000, "--steps"),
+    batch_size: int = typer.Option(8, "--batch-size", help="Sequences per optimisation step."),
+    anchors: int = typer.Option(16, "--anchors", help="Blocks per sequence per step."),
+    lr: float = typer.Option(6e-4, "--lr"),
+    warmup: int = typer.Option(100, "--warmup", help="Steps of linear learning-rate warm-up."),
+    eval_every: int = typer.Option(100, "--eval-every"),
+    seed: int = typer.Option(0, "--seed"),
+    draft_vocab: Optional[int] = typer.Option(
+        None, "--draft-vocab", help="Draft over the N ids most frequent in the data only (default: all)."
+    ),
+    distill_batch: int = typer.Option(32, "--distill-batch", help="Prompts the target continues at once."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for a GGUF target (default: all)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the checkpoint in the work folder."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    init: Optional[str] = typer.Option(
+        None, "--init", help="Start from 'target' (its last layers) or a drafter folder (fine-tune it); default random."
+    ),
+    soft_top_k: int = typer.Option(0, "--soft-top-k", help="Keep the target's top-k logits per token (soft labels)."),
+    soft_weight: float = typer.Option(0.0, "--soft-weight", help="Share of the loss on the soft labels (0..1)."),
+    gamma: Optional[float] = typer.Option(None, "--gamma", help="Loss decay over block offsets (default 7*B/16)."),
+) -> None:
+    """Train a DFlash drafter for a target by self-distillation."""
+    with user_errors():
+        from ..runtime import pick_device
+        from ..train.pipeline import TrainRequest, run_training
+        from ..train.selfdistill import DistillSettings
+        from ..train.trainer import TrainSettings
+
+        request = TrainRequest(
+            target=target,
+            corpus=corpus,
+            out=out,
+            work=work,
+            prompt_tokens=prompt_tokens,
+            max_prompts=max_prompts,
+            mask_token_id=mask_token_id,
+            target_layer_ids=values.parse_ids(target_layer_ids, "--target-layer-ids") if target_layer_ids else None,
+            draft_vocab=draft_vocab,
+            threads=threads,
+            resume=resume,
+            device=pick_device(device),
+            init=init,
+            distill=DistillSettings(
+                new_tokens=new_tokens,
+                batch_size=distill_batch,
+                sampled_fraction=sampled_fraction,
+                seed=seed,
+                soft_top_k=soft_top_k,
+            ),
+            train=TrainSettings(
+                layers=layers,
+                block_size=block_size,
+                steps=steps,
+                batch_size=batch_size,
+                anchors=anchors,
+                lr=lr,
+                warmup=warmup,
+                eval_every=eval_every,
+                seed=seed,
+                gamma=gamma,
+                soft_weight=soft_weight,
+            ),  # fmt: skip
+        )
+        tau = render_training(run_training(request))
+        typer.echo(f"drafter written to {out} (held-out tau estimate {tau})")
+
+
+def render_training(events: Iterator[DistillProgress | WarmStart | TrainEvent]) -> str:
+    """Progress bars for the self-distillation and the training, a log line per held-out estimate; returns the last
+    held-out tau estimate as shown ("-" for none)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from ..train.pipeline import DistillProgress
+    from ..train.warm_start import WarmStart
+
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeRemainingColumn(),
+    )
+    tau = "-"
+    with Progress(*columns, transient=False) as progress:
+        distill = progress.add_task("self-distilling", total=None, info="")
+        fit = None
+        for event in events:
+            if isinstance(event, DistillProgress):
+                progress.update(distill, completed=event.done, total=event.total, info=f"{event.done} prompts")
+                continue
+            if isinstance(event, WarmStart):
+                progress.console.log(f"warm start from {event.source}: {event.tensors} tensors {event.layers}")
+                continue
+            if fit is None:
+                fit = progress.add_task("training", total=event.steps, info="")
+            if event.tau_estimate is not None:
+                tau = f"{event.tau_estimate:.2f}"
+                progress.console.log(f"step {event.step}/{event.steps} loss {event.loss:.3f} held-out tau {tau}")
+            progress.update(
+                fit,
+                completed=event.step,
+                info=f"loss {event.loss:.3f} · held-out tau {tau} · {event.tokens_per_s:.0f} tok/s",
+            )
+    return tau
