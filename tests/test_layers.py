@@ -10,7 +10,8 @@ REPO = Path(__file__).resolve().parent.parent
 SOURCES = {"dflash_local": REPO / "dflash_local", "dflash_local.kernels": REPO / "kernels"}
 
 LAYERS = (
-    ("errors", "atomic", "startup", "paths", "shapes", "llama_lib", "kernels", "gguf"),  # gguf: its __init__ only
+    # gguf: its __init__ only
+    ("errors", "atomic", "startup", "paths", "shapes", "llama_lib", "tap_probe", "kernels", "gguf"),
     ("hub", "downloads", "catalog", "memory_estimate", "prompt_sets", "weights", "gguf.file", "chat_template"),  # files
     ("runtime", "layers", "quant", "cuda_graphs", "sampling", "gguf.shape", "gguf.tensors"),  # building blocks
     ("targets", "tokenizer", "gguf.tokenizer"),  # the target backends and their vocabularies
