@@ -484,6 +484,7 @@ def time_steps(target, drafter, sizes: list[int], rounds: int, steady: int = 0) 
         for k in sizes:
             start = timer.mark()
             target.forward(ids[CALIBRATION_CONTEXT : CALIBRATION_CONTEXT + k])
+            target.rollback(CALIBRATION_CONTEXT + 1)  # a step keeps its first token at least: a rollback is timed
             seconds = timer.seconds(start, timer.mark())
             target.rollback(CALIBRATION_CONTEXT)
             if done:

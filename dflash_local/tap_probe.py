@@ -9,6 +9,7 @@ state folder, so each architecture is asked once per libllama build.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -66,6 +67,7 @@ def _ask_child(path: Path) -> bool:
         [sys.executable, "-m", __name__, str(path)],
         capture_output=True,
         text=True,
+        env={**os.environ, "GGML_NO_BACKTRACE": "1"},  # ggml's backtrace runs a debugger, which can hang
     )
     if run.returncode == 0:
         return True

@@ -80,6 +80,7 @@ class LlamaCppTarget:
         self.length = 0
         self.recurrent = llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model)
         self._fed: list[int] = []  # the cached tokens, re-fed where a recurrent state cannot roll back
+        self._last_decode = 0  # tokens in llama.cpp's last decode since the last rollback
         self.cache_owner: object | None = None  # the Session that last filled its cache
         self.feature_layer_ids: list[int] = []
         self._tapping = False  # llama.cpp keeps the feature layers' rows
@@ -174,7 +175,7 @@ class LlamaCppTarget:
 
     def reset(self) -> None:
         llama_cpp.llama_memory_clear(self._memory, True)
-        self.length = 0
+        self.length = self._last_decode = 0
         self._fed.clear()
 
     def rollback(self, length: int) -> None:
@@ -183,18 +184,22 @@ class LlamaCppTarget:
         fed again from an empty state."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot roll back to {length} from {self.length}")
-        if not llama_cpp.llama_memory_seq_rm(self._memory, 0, length, -1):
+        # llama.cpp's snapshots hold the states inside its last decode only (dropping all of it would leave its end)
+        snapshot = self.length - length < self._last_decode
+        if self.recurrent and length < self.length and not snapshot:
+            self._refeed(self._fed[:length])
+        elif not llama_cpp.llama_memory_seq_rm(self._memory, 0, length, -1):
             if not self.recurrent:
                 raise DFlashError("llama.cpp could not roll its KV cache back.")
-            kept = self._fed[:length]
-            self.reset()
-            self._refeed(kept)
+            self._refeed(self._fed[:length])
         self.length = length
         del self._fed[length:]
+        self._last_decode = 0  # one rollback per decode
 
     def _refeed(self, tokens: list[int]) -> None:
-        """Feed tokens into an empty cache for their state alone (no features, the last logits row only)."""
-        self._set_tapping(False)
+        """Empty the cache and feed it tokens for their state alone (the last logits row only; the taps stay as they
+        are, since switching them makes llama.cpp re-plan its next graph)."""
+        self.reset()
         for offset in range(0, len(tokens), BATCH):
             self._decode(tokens[offset : offset + BATCH], offset, all_logits=False)
         self.length = len(tokens)
@@ -251,6 +256,7 @@ class LlamaCppTarget:
         status = llama_cpp.llama_decode(self._ctx, batch)
         if status != 0:
             raise DFlashError(f"llama.cpp failed to evaluate the batch (status {status}).")
+        self._last_decode = len(ids)
 
     def _view(self, address: int | None, rows: int, width: int) -> np.ndarray:
         """llama.cpp's float rows at address, in place (valid until its next decode). Views are kept per address:
