@@ -97,7 +97,8 @@ def _one_thread():
     torch.set_num_threads(1)
 
 
-# The files that take longest (test_architectures about 250 s of CPU; then about 150, 70, 50 and 35 s on 2 cores)
+# The files that take longest (test_architectures about 150 s of CPU, its GGUF build in the oracle included; then
+# about 150, 70, 50 and 35 s on 2 cores)
 # start first, so that none runs last, alone.
 SLOWEST_FIRST = (
     "test_architectures.py",
