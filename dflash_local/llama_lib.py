@@ -11,15 +11,28 @@ and each is left alone where the user has already set it:
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
+from .errors import DFlashError
+
+# Itanium (Linux/macOS) and MSVC manglings of llama-ext.h's layer-input taps (a staging API), then the plain C name.
+_SET_TAP_NAMES = (
+    "_Z30llama_set_embeddings_layer_inpP13llama_contextjb",
+    "?llama_set_embeddings_layer_inp@@YAXPEAUllama_context@@I_N@Z",
+    "llama_set_embeddings_layer_inp",
+)
+_GET_TAP_NAMES = (
+    "_Z30llama_get_embeddings_layer_inpP13llama_contextj",
+    "?llama_get_embeddings_layer_inp@@YAPEAMPEAUllama_context@@I@Z",
+    "llama_get_embeddings_layer_inp",
+)
 INVARIANT_LIB = Path(sys.prefix) / "lib" / "dflash-libllama"
 BUILT_FOR = "llama-cpp-python.version"  # the file in INVARIANT_LIB naming the llama-cpp-python it was built from
-TAPS_ADDED = "tapped-architectures"  # the file in INVARIANT_LIB naming the architectures it added layer taps to
-STOCK_TAPS = ("llama", "qwen3")  # architectures whose stock llama.cpp graphs set the taps, as far as dflash reads them
 
 
 def invariant_lib() -> Path | None:
@@ -44,13 +57,20 @@ def loaded_library() -> Path:
     return Path(llama_cpp.llama_cpp._lib._name)
 
 
-def tapped_architectures() -> tuple[str, ...]:
-    """GGUF architectures whose layer features the loaded libllama exposes: the stock ones, plus those that
-    tools/build_libllama.sh added taps to where that library is the one loaded."""
-    added: list[str] = []
-    if loaded_library().parent == invariant_lib():
-        try:
-            added = (INVARIANT_LIB / TAPS_ADDED).read_text().split()
-        except OSError:  # built by an older build_libllama.sh, before it added taps
-            pass
-    return (*STOCK_TAPS, *added)
+def _bind(names: tuple[str, ...], argtypes: list, restype) -> Callable:
+    for name in names:
+        func = getattr(llama_cpp.llama_cpp._lib, name, None)
+        if func is not None:
+            func.argtypes, func.restype = argtypes, restype
+            return func
+    raise DFlashError(
+        "This libllama exports no layer-input taps (llama_get_embeddings_layer_inp); install llama-cpp-python==0.3.36."
+    )
+
+
+def tap_functions() -> tuple[Callable, Callable]:
+    """(set(ctx, layer, on), get(ctx, layer) -> address of the rows) for llama.cpp's layer-input taps."""
+    ctx_type = llama_cpp.llama_context_p_ctypes
+    set_tap = _bind(_SET_TAP_NAMES, [ctx_type, ctypes.c_uint32, ctypes.c_bool], None)
+    get_tap = _bind(_GET_TAP_NAMES, [ctx_type, ctypes.c_uint32], ctypes.c_void_p)
+    return set_tap, get_tap

@@ -19,10 +19,10 @@ from dflash_local.drafters.native import NativeDrafter
 from dflash_local.drafters.torch_drafter import DFlashDrafter
 from dflash_local.errors import DFlashError
 from dflash_local.gguf.tokenizer import GGUFTokenizer
+from dflash_local.llama_lib import tap_functions
 from dflash_local.sampling import SamplingParams, probabilities
 from dflash_local.session import Session
 from dflash_local.targets import llamacpp
-from dflash_local.targets.llama_taps import tap_functions
 from dflash_local.targets.llamacpp import LlamaCppTarget
 
 ENTRY = load_catalog()["gemma3-270m"]
@@ -138,7 +138,7 @@ def test_sampling_follows_the_targets_distribution(target, drafters):
 
 def test_a_stock_libllama_refuses_drafting_in_one_sentence_and_decodes_plain(gemma, target, monkeypatch):
     """Where the loaded libllama reads no gemma3 features, drafting says what to do; plain decoding still runs."""
-    monkeypatch.setattr(llamacpp, "tapped_architectures", lambda: ("llama", "qwen3"))
+    monkeypatch.setattr(llamacpp, "reads_layer_features", lambda path, architecture: False)
     sentence = r"'gemma3' model, .* cannot draft for it; plain decoding works \(--no-draft\), .*build_libllama\.sh"
     with pytest.raises(DFlashError, match=sentence):
         target.set_feature_layers([1, 8, 15])

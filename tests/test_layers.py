@@ -10,7 +10,7 @@ REPO = Path(__file__).resolve().parent.parent
 SOURCES = {"dflash_local": REPO / "dflash_local", "dflash_local.kernels": REPO / "kernels"}
 
 LAYERS = (
-    ("errors", "atomic", "paths", "dimensions", "shapes", "llama_lib", "kernels", "gguf"),  # gguf: __init__
+    ("errors", "atomic", "paths", "dimensions", "shapes", "llama_lib", "tap_probe", "kernels", "gguf"),  # gguf: init
     ("local_models", "hub", "downloads", "catalog", "memory_estimate", "prompt_sets", "weights", "gguf.file"),  # files
     ("chat_template", "runtime", "layers", "quant", "cuda_graphs", "sampling", "gguf.shape", "gguf.tensors"),  # blocks
     ("targets", "tokenizer", "gguf.tokenizer", "grammar"),  # the target backends, their vocabularies, grammars

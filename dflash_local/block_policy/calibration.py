@@ -38,6 +38,13 @@ def median_ms(call: Callable[[], object], device: torch.device | str, repeats: i
     return statistics.median(timed(clock, call) for _ in range(repeats)) * 1000
 
 
+def _verify_step(target, block: torch.Tensor) -> None:
+    """What a step's verify costs the target: the forward of the block, then the rollback a step makes (it keeps
+    the first token at least; on a hybrid target the rollback restores recurrent state)."""
+    target.forward(block)
+    target.rollback(CALIBRATION_CONTEXT + 1)
+
+
 def time_steps(target, drafter, sizes: list[int], rounds: int, steady: int = 0) -> tuple[Samples, Samples]:
     """Seconds of the target's forward of k tokens and of the drafter's step for k-1 rows (k > 1), per k in sizes,
     on a short random context: a warm-up round, then rounds over every size (a burst of load lengthens a few rounds
@@ -62,7 +69,7 @@ def time_steps(target, drafter, sizes: list[int], rounds: int, steady: int = 0) 
         if done > rounds and (unchanged >= steady or time.perf_counter() - began > CALIBRATION_MAX_S):
             break
         for k in sizes:
-            seconds = timed(clock, partial(target.forward, ids[CALIBRATION_CONTEXT : CALIBRATION_CONTEXT + k]))
+            seconds = timed(clock, partial(_verify_step, target, ids[CALIBRATION_CONTEXT : CALIBRATION_CONTEXT + k]))
             target.rollback(CALIBRATION_CONTEXT)
             if done:
                 target_s[k].append(seconds)

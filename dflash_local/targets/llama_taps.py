@@ -1,47 +1,15 @@
-"""ctypes bindings for libllama's layer-input taps (staging API, exported only under C++-mangled names)."""
+"""ctypes bindings of libllama's output rows, and llama.cpp's logs kept quiet (its errors kept for our sentences)."""
 
 from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
 
-from ..errors import DFlashError
 from ..llama_lib import llama_cpp
-
-# Itanium (Linux/macOS) and MSVC manglings of the llama-ext.h declarations, then the plain C name.
-_SET_NAMES = (
-    "_Z30llama_set_embeddings_layer_inpP13llama_contextjb",
-    "?llama_set_embeddings_layer_inp@@YAXPEAUllama_context@@I_N@Z",
-    "llama_set_embeddings_layer_inp",
-)
-_GET_NAMES = (
-    "_Z30llama_get_embeddings_layer_inpP13llama_contextj",
-    "?llama_get_embeddings_layer_inp@@YAPEAMPEAUllama_context@@I@Z",
-    "llama_get_embeddings_layer_inp",
-)
 
 GGML_LOG_LEVEL_ERROR = 4  # ggml.h's enum ggml_log_level
 _quiet_callback = None
 _errors: list[str] = []
-
-
-def _bind(names: tuple[str, ...], argtypes: list, restype) -> Callable:
-    for name in names:
-        func = getattr(llama_cpp.llama_cpp._lib, name, None)
-        if func is not None:
-            func.argtypes, func.restype = argtypes, restype
-            return func
-    raise DFlashError(
-        "This libllama exports no layer-input taps (llama_get_embeddings_layer_inp); install llama-cpp-python==0.3.36."
-    )
-
-
-def tap_functions() -> tuple[Callable, Callable]:
-    """(set(ctx, layer, on), get(ctx, layer) -> address of the rows) for llama.cpp's layer-input taps."""
-    ctx_type = llama_cpp.llama_context_p_ctypes
-    set_tap = _bind(_SET_NAMES, [ctx_type, ctypes.c_uint32, ctypes.c_bool], None)
-    get_tap = _bind(_GET_NAMES, [ctx_type, ctypes.c_uint32], ctypes.c_void_p)
-    return set_tap, get_tap
 
 
 def output_functions() -> tuple[Callable, Callable]:

@@ -13,12 +13,15 @@ import torch
 
 from ..errors import DFlashError
 from ..gguf.file import GGUFModel, read_gguf
-from ..llama_lib import llama_cpp, tapped_architectures
+from ..llama_lib import llama_cpp, tap_functions
 from ..quant import Int8Matrix
+from ..tap_probe import reads_layer_features
 from .base import TargetOutput
-from .llama_taps import first_llama_error, output_functions, quiet_llama_logs, tap_functions
+from .llama_taps import first_llama_error, output_functions, quiet_llama_logs
 
 BATCH = 512
+STATE_SNAPSHOTS = 16  # per-token recurrent-state snapshots llama.cpp keeps for a hybrid target: the most positions
+# one rollback can drop without re-feeding (a verify of up to 17 tokens); llama.cpp keeps none for a plain target
 HEAD_CHUNK = 512  # output-head rows dequantized at a time when the head is first built (gguf-py dequantizes via
 # int and float intermediates several times the rows' fp32 size: 2048 rows of a 1B head peaked 0.3 GB above the rest)
 
@@ -75,6 +78,9 @@ class LlamaCppTarget:
         self.max_context = max_context
         self.kernels = kernels  # the mode it was loaded with (llama.cpp runs the model itself)
         self.length = 0
+        self.recurrent = llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model)
+        self._fed: list[int] = []  # the cached tokens, re-fed where a recurrent state cannot roll back
+        self._last_decode = 0  # tokens in llama.cpp's last decode since the last rollback
         self.cache_owner: object | None = None  # the Session that last filled its cache
         self.feature_layer_ids: list[int] = []
         self._tapping = False  # llama.cpp keeps the feature layers' rows
@@ -110,6 +116,8 @@ class LlamaCppTarget:
         params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = max_context, BATCH, BATCH, 1
         params.n_threads = params.n_threads_batch = threads
         params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_NONE  # per-token output embeddings (last-layer features)
+        if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
+            params.n_rs_seq = STATE_SNAPSHOTS  # llama.cpp sets 0 for architectures it cannot roll back
         ctx = llama_cpp.llama_init_from_model(model, params)
         if not ctx:
             llama_cpp.llama_model_free(model)
@@ -138,14 +146,17 @@ class LlamaCppTarget:
         """Tap llama.cpp's input of layer id + 1 (= HF output of layer id) in the forwards that want features; the
         last layer's is the final-normed hidden state, read as llama.cpp's output embeddings (which makes every
         position an output). Switching taps makes llama.cpp's next decode re-plan its graph: only forward switches."""
-        tapped = tapped_architectures()
-        arch = self.info.architecture
-        if arch not in tapped:
+        arch, name = self.info.architecture, self.info.path.name
+        if not reads_layer_features(self.info.path, arch):
             hint = ", and tools/build_libllama.sh (run by install.sh) builds a libllama that reads gemma3's"
             raise DFlashError(
-                f"{self.info.path.name} holds a '{arch}' model, whose layer features this libllama does not read "
-                f"(it reads {', '.join(tapped)} models), so DFlash cannot draft for it; plain decoding works "
-                f"(--no-draft){hint if arch == 'gemma3' else ''}."
+                f"{name} holds a '{arch}' model, whose layer features this libllama does not read, so DFlash cannot "
+                f"draft for it; plain decoding works (--no-draft){hint if arch == 'gemma3' else ''}."
+            )
+        if self.recurrent and llama_cpp.llama_n_rs_seq(self._ctx) == 0:
+            raise DFlashError(
+                f"{name} holds a '{arch}' model, whose recurrent state llama.cpp cannot roll back to the accepted "
+                "tokens, so DFlash cannot draft for it; plain decoding works (--no-draft)."
             )
         bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
         if bad:
@@ -168,15 +179,35 @@ class LlamaCppTarget:
 
     def reset(self) -> None:
         llama_cpp.llama_memory_clear(self._memory, True)
-        self.length = 0
+        self.length = self._last_decode = 0
+        self._fed.clear()
 
     def rollback(self, length: int) -> None:
-        """Forget every cached position at or after `length`."""
+        """Forget every cached position at or after `length`. A recurrent state goes back through llama.cpp's
+        per-token snapshots (the last STATE_SNAPSHOTS positions, once per decode); further back, the kept tokens are
+        fed again from an empty state."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot roll back to {length} from {self.length}")
-        if not llama_cpp.llama_memory_seq_rm(self._memory, 0, length, -1):
-            raise DFlashError("llama.cpp could not roll its KV cache back.")
+        # llama.cpp's snapshots hold the states inside its last decode only (dropping all of it would leave its end)
+        snapshot = self.length - length < self._last_decode
+        if self.recurrent and length < self.length and not snapshot:
+            self._refeed(self._fed[:length])
+        elif not llama_cpp.llama_memory_seq_rm(self._memory, 0, length, -1):
+            if not self.recurrent:
+                raise DFlashError("llama.cpp could not roll its KV cache back.")
+            self._refeed(self._fed[:length])
         self.length = length
+        del self._fed[length:]
+        self._last_decode = 0  # one rollback per decode
+
+    def _refeed(self, tokens: list[int]) -> None:
+        """Empty the cache and feed it tokens for their state alone (the last logits row only; the taps stay as they
+        are, since switching them makes llama.cpp re-plan its next graph)."""
+        self.reset()
+        for offset in range(0, len(tokens), BATCH):
+            self._decode(tokens[offset : offset + BATCH], offset, all_logits=False)
+        self.length = len(tokens)
+        self._fed[:] = tokens
 
     def _dequantize(self, tensor, rows) -> np.ndarray:
         """fp32 [n, hidden] of the given rows (an index array or a slice) of a GGUF tensor, read from the file."""
@@ -229,6 +260,7 @@ class LlamaCppTarget:
         status = llama_cpp.llama_decode(self._ctx, batch)
         if status != 0:
             raise DFlashError(f"llama.cpp failed to evaluate the batch (status {status}).")
+        self._last_decode = len(ids)
 
     def _view(self, address: int | None, rows: int, width: int) -> np.ndarray:
         """llama.cpp's float rows at address, in place (valid until its next decode). Views are kept per address:
@@ -276,6 +308,7 @@ class LlamaCppTarget:
             if features:
                 feats.append(np.concatenate([self._features(i, len(chunk)) for i in self.feature_layer_ids], axis=1))
             self.length = start + offset + len(chunk)
+            self._fed.extend(chunk)
         out = torch.from_numpy(logits[0] if len(logits) == 1 else np.concatenate(logits)).to(self.device)
         out_feats = None
         if feats:

