@@ -149,8 +149,8 @@ def plan_load(target: Path, spec: LoadSpec) -> LoadSpec:
     if not gguf and backend != "llamacpp":
         drafter = "torch"
     elif drafter == "auto":
-        # llama.cpp's native drafter on the CPU: faster on small models (`dflash bench --drafter-kind`), and at real sizes it
-        # loads in a quarter of the torch drafter's time (README); CUDA is unmeasured, so torch there
+        # llama.cpp's native drafter on the CPU: faster on small models (`dflash bench --drafter-kind`), and at real
+        # sizes it loads in a quarter of the torch drafter's time (README); CUDA is unmeasured, so torch there
         native_fits = backend == "llamacpp" and torch.device(device).type == "cpu" and spec.drafter_quantize is None
         drafter = "native" if native_fits else "torch"
     return replace(spec, runtime=replace(runtime, device=device, drafter=drafter), backend=backend)
