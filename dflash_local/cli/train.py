@@ -11,6 +11,12 @@ import typer
 from . import values
 from .app import user_errors
 
+# The options that are TrainSettings' fields under the same names.
+TRAIN_OPTIONS = (
+    "layers", "block_size", "steps", "batch_size", "anchors", "lr", "warmup", "eval_every", "seed", "gamma",
+    "soft_weight",
+)  # fmt: skip
+
 if TYPE_CHECKING:
     from ..train.pipeline import DistillProgress
     from ..train.trainer import TrainEvent
@@ -54,6 +60,7 @@ def train(
     gamma: Optional[float] = typer.Option(None, "--gamma", help="Loss decay over block offsets (default 7*B/16)."),
 ) -> None:
     """Train a DFlash drafter for a target by self-distillation."""
+    given = locals()
     with user_errors():
         from ..runtime import pick_device
         from ..train.pipeline import TrainRequest, run_training
@@ -81,19 +88,7 @@ def train(
                 seed=seed,
                 soft_top_k=soft_top_k,
             ),
-            train=TrainSettings(
-                layers=layers,
-                block_size=block_size,
-                steps=steps,
-                batch_size=batch_size,
-                anchors=anchors,
-                lr=lr,
-                warmup=warmup,
-                eval_every=eval_every,
-                seed=seed,
-                gamma=gamma,
-                soft_weight=soft_weight,
-            ),  # fmt: skip
+            train=TrainSettings(**{name: given[name] for name in TRAIN_OPTIONS}),
         )
         tau = render_training(run_training(request))
         typer.echo(f"drafter written to {out} (held-out tau estimate {tau})")

@@ -231,6 +231,44 @@ def _to(blocks, device: str):
     return blocks
 
 
+def _optimizer(model: torch.nn.Module, settings: TrainSettings) -> tuple[list[torch.nn.Parameter], torch.optim.AdamW]:
+    """The trainable parameters and AdamW over them, weight decay on the matrices only."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return params, torch.optim.AdamW(groups, lr=settings.lr, betas=(0.9, 0.95))
+
+
+def _save_checkpoint(
+    checkpoint: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, scale: torch.Tensor
+) -> None:
+    """Model, optimiser, step and feature scale, written atomically (a killed run resumes from the last one)."""
+    checkpoint.parent.mkdir(parents=True, exist_ok=True)
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "feature_scale": scale}
+    partial = checkpoint.with_name(checkpoint.name + ".partial")
+    torch.save(state, partial)
+    os.replace(partial, checkpoint)
+
+
+def _heldout_tau(
+    model: torch.nn.Module,
+    embed: torch.Tensor,
+    head: torch.Tensor,
+    data: Sequences,
+    label_map: torch.Tensor,
+    scale: torch.Tensor,
+    settings: TrainSettings,
+    device: str,
+) -> float:
+    """The drafter's tau at the training block size on the first held-out sequences (evaluate's greedy walk)."""
+    model.eval()
+    heldout = data.heldout[: settings.eval_sequences]
+    with _autocast(device):
+        found = evaluate(model, embed, head, data, heldout, label_map, scale, (settings.block_size,))
+    return found.tau.get(settings.block_size, 0.0)
+
+
 def train(
     embed: torch.Tensor,
     head: torch.Tensor,
@@ -255,14 +293,7 @@ def train(
     if d2t is not None:
         head = head[d2t]
         label_map = label_map.to(device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=settings.lr,
-        betas=(0.9, 0.95),
-    )
+    params, optimizer = _optimizer(model, settings)
     step = 0
     if resuming:
         state = torch.load(checkpoint, map_location=device, weights_only=True)
@@ -288,17 +319,10 @@ def train(
         lr = _lr(step, settings)
         for group in optimizer.param_groups:
             group["lr"] = lr
+        inputs = features.to(device).float() / scale
         with _autocast(device):
             result = block_loss(
-                model,
-                embed,
-                head,
-                features.to(device).float() / scale,
-                blocks,
-                settings.block_size,
-                True,
-                label_map,
-                settings.soft_weight,
+                model, embed, head, inputs, blocks, settings.block_size, True, label_map, settings.soft_weight
             )
         optimizer.zero_grad(set_to_none=True)
         result.loss.backward()
@@ -307,17 +331,9 @@ def train(
         step += 1
         tau = None
         if step % settings.eval_every == 0 or step == settings.steps:
-            model.eval()
-            heldout = data.heldout[: settings.eval_sequences]
-            with _autocast(device):
-                found = evaluate(model, embed, head, data, heldout, label_map, scale, (settings.block_size,))
-            tau = found.tau.get(settings.block_size, 0.0)
+            tau = _heldout_tau(model, embed, head, data, label_map, scale, settings, device)
         if step % settings.checkpoint_every == 0 or step == settings.steps:
-            work.mkdir(parents=True, exist_ok=True)
-            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
-            state["feature_scale"] = scale
-            torch.save(state, work / "checkpoint.pt.partial")
-            os.replace(work / "checkpoint.pt.partial", checkpoint)
+            _save_checkpoint(checkpoint, model, optimizer, step, scale)
             save_drafter(model, config, out, scale)
         elapsed = time.perf_counter() - began
         yield TrainEvent(step, settings.steps, float(result.loss.detach()), lr, int(lengths.sum()) / elapsed, tau)

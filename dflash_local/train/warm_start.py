@@ -12,23 +12,9 @@ import torch
 from ..drafters.config import DrafterConfig
 from ..drafters.torch_drafter import DFlashModel
 from ..errors import DFlashError
+from ..gguf.shape import LAYER_TENSORS
 from ..targets.torch_llama import LlamaModel, TargetConfig
 from ..weights import read_config, read_weights
-
-# a drafter layer's tensor -> the GGUF tensor of a target block (blk.N.<name>) holding the same weights
-GGUF_LAYER_TENSORS = {
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
 
 # target layer number -> its tensors under a drafter layer's names (those it has); -1: {"norm.weight": final norm}
 LayerReader = Callable[[int], dict[str, torch.Tensor]]
@@ -74,7 +60,7 @@ def gguf_layer_reader(tensors: dict, cfg: TargetConfig, matrix: Callable[[object
         if number < 0:
             return {"norm.weight": matrix(tensors["output_norm.weight"])}
         out = {}
-        for name, gguf_name in GGUF_LAYER_TENSORS.items():
+        for name, gguf_name in LAYER_TENSORS.items():
             found = tensors.get(f"blk.{number}.{gguf_name}")
             if found is not None:
                 out[name] = matrix(found)
