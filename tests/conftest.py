@@ -87,8 +87,10 @@ def drafter():
 @pytest.fixture(autouse=True, scope="session")
 def _state_home(tmp_path_factory):
     """dflash's own state (block-size calibrations, pull records) and the Hugging Face cache (the Gemma GGUF the
-    registry package assembles, checking its sha256) go to this test run's folders, not the user's."""
+    registry package assembles, checking its sha256) go to this test run's folders, not the user's; so does
+    matplotlib's font cache (`dflash bench --plot`), which it would write under ~/.cache."""
     os.environ["DFLASH_HOME"] = str(tmp_path_factory.mktemp("dflash-home"))
+    os.environ["MPLCONFIGDIR"] = str(tmp_path_factory.mktemp("matplotlib"))
     os.environ["HF_HOME"] = str(tmp_path_factory.mktemp("hf-home"))
     os.environ.pop("HF_HUB_CACHE", None)  # it would win over HF_HOME
 
