@@ -4,6 +4,7 @@ rebuild the bundled models (models/*/recipe/) stay out."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -36,7 +37,9 @@ def test_wheel_holds_the_source_tree(tmp_path: Path):
     for folder in set(folders.values()):
         shutil.copytree(REPO / folder, tree / folder, ignore=SKIPPED)
     build = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", "dist", "."]
-    result = subprocess.run(build, cwd=tree, capture_output=True, text=True, timeout=600)
+    # the build's child processes write rustup's settings.toml under RUSTUP_HOME (~/.rustup; seen with HOME empty)
+    env = os.environ | {"RUSTUP_HOME": str(tmp_path / "rustup")}
+    result = subprocess.run(build, cwd=tree, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr
     (wheel,) = (tree / "dist").glob("dflash_local-*.whl")
     with zipfile.ZipFile(wheel) as archive:
