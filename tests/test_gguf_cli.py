@@ -45,7 +45,9 @@ def test_generate_on_gguf_reports_tau_and_speed(q4):
     assert max(fast["acceptance_lengths"]) <= 8
 
 
-def _write_gguf(path: Path, arch: str, layers: int) -> Path:
+def write_header_gguf(path: Path, arch: str, layers: int = 2) -> Path:
+    """A small GGUF of any architecture name, with zero weights (its header is what these tests read of it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(layers)
     writer.add_embedding_length(8)
@@ -72,8 +74,8 @@ def bad(tmp_path_factory, q4) -> dict[str, Path]:
     config["dflash_config"]["target_layer_ids"] = [1, 3, 9]
     (deep / "config.json").write_text(json.dumps(config))
     return {
-        "gemma": _write_gguf(root / "gemma.gguf", "gemma", 2),
-        "incomplete": _write_gguf(root / "incomplete.gguf", "llama", 2),
+        "gemma": write_header_gguf(root / "gemma.gguf", "gemma", 2),
+        "incomplete": write_header_gguf(root / "incomplete.gguf", "llama", 2),
         "truncated": truncated,
         "header": header_only,
         "not_gguf": TINY / "heldout_prompts.jsonl",

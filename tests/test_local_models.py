@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 from hub_server import COMMIT, FakeHub, repo_of
 from in_process import invoke
+from test_gguf_cli import write_header_gguf
 
 from dflash_local.hub import human_size
 
 pytest.importorskip("llama_cpp")
-gguf = pytest.importorskip("gguf")
+pytest.importorskip("gguf")
 
 MODELS = Path(__file__).resolve().parent.parent / "models" / "tiny"
 PROMPT_IDS = "94,1209,1011,267,2155,7,1021,30,1024,14"
@@ -29,22 +30,6 @@ def q8(tmp_path_factory) -> Path:
     from dflash_local.gguf.convert import convert
 
     return convert(MODELS / "target", tmp_path_factory.mktemp("local") / "tiny-Q8_0.gguf", "q8_0", threads=1)
-
-
-def _write_gguf(path: Path, arch: str) -> Path:
-    """A small GGUF of any architecture name (its header is all these tests read of it)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(2)
-    writer.add_embedding_length(8)
-    writer.add_context_length(64)
-    writer.add_vocab_size(16)
-    writer.add_tensor("token_embd.weight", gguf.np.zeros((16, 8), dtype=gguf.np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 def _ollama_model(models: Path, name: str, tag: str, blob: Path, namespace: str = "library") -> Path:
@@ -83,17 +68,17 @@ def machine(tmp_path, monkeypatch, q8) -> dict[str, Path]:
     ollama = home / ".ollama" / "models"
     found = {
         "ollama": _ollama_model(ollama, "tiny", "latest", q8),
-        "gptoss": _ollama_model(ollama, "gpt-oss", "20b", _write_gguf(tmp_path / "gptoss.gguf", "gptoss")),
+        "gptoss": _ollama_model(ollama, "gpt-oss", "20b", write_header_gguf(tmp_path / "gptoss.gguf", "gptoss")),
     }
     lms_home = tmp_path / "lmstudio-home"
     (home / ".lmstudio-home-pointer").write_text(f"{lms_home}\n")
     lms_home.mkdir()
     (lms_home / "settings.json").write_text(json.dumps({"downloadsFolder": str(tmp_path / "lms")}))
     found["lmstudio"] = tmp_path / "lms" / "someone" / "Tiny-GGUF" / "tiny-Q8_0.gguf"
-    _write_gguf(found["lmstudio"].with_name("mmproj-tiny-f16.gguf"), "clip")  # a vision projector: not a target
+    write_header_gguf(found["lmstudio"].with_name("mmproj-tiny-f16.gguf"), "clip")  # a vision projector: not a target
     found["hf-cache"] = tmp_path / "hf" / "hub" / "models--someone--Tiny-GGUF" / "snapshots" / COMMIT / "tiny.gguf"
     found["llama.cpp"] = home / ".cache" / "llama.cpp" / "someone_Tiny-GGUF_tiny-Q8_0-00001-of-00002.gguf"
-    _write_gguf(found["llama.cpp"].with_name("someone_Tiny-GGUF_tiny-Q8_0-00002-of-00002.gguf"), "llama")
+    write_header_gguf(found["llama.cpp"].with_name("someone_Tiny-GGUF_tiny-Q8_0-00002-of-00002.gguf"), "llama")
     for store in ("lmstudio", "hf-cache", "llama.cpp"):
         found[store].parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(q8, found[store])
