@@ -213,7 +213,8 @@ class StopGeneration(Exception):
 
 
 def run_request(models: LoadedModels, request: GenerationRequest, on_text: Callable[[str], None] | None = None) -> dict:
-    """Generate to the end, streaming text to on_text; return ids, text and stats as a dict.
+    """Generate to the end, streaming text to on_text; return ids, text and stats as a dict. The text leaves the stop
+    tokens' text out (the ids keep them), so a constrained answer is exactly its JSON.
 
     The prompt's longest common prefix with what the models' caches hold is not prefilled again (`prefill_tokens`
     says how many were). on_text raising StopGeneration ends the generation there with finish_reason "stop" and the
@@ -223,7 +224,7 @@ def run_request(models: LoadedModels, request: GenerationRequest, on_text: Calla
     stats = Stats()
     output_ids: list[int] = []
     try:
-        with closing(stream(models, request)) as chunks:
+        with closing(stream(models, request, stop_text=False)) as chunks:
             for chunk in chunks:
                 output_ids.extend(chunk.step.token_ids)
                 stats = chunk.stats
@@ -236,5 +237,5 @@ def run_request(models: LoadedModels, request: GenerationRequest, on_text: Calla
         raise out_of_memory(f"A decoding step at {context} tokens of context", models.target.device.type) from None
     result = {"prompt_ids": ids, "output_ids": output_ids, **stats.to_dict()}
     if models.tokenizer:
-        result["text"] = models.tokenizer.decode(output_ids)
+        result["text"] = models.tokenizer.decode([t for t in output_ids if t not in models.stop_ids])
     return result
