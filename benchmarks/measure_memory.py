@@ -53,7 +53,7 @@ import dflash_local.drafters.native, dflash_local.gguf.tokenizer  # imports are 
 from dflash_local.generation import load_models
 from dflash_local.runtime import LoadSpec, RuntimeConfig
 drafter = Path(sys.argv[2]) if sys.argv[2] else None
-runtime = RuntimeConfig(drafter=sys.argv[4])
+runtime = RuntimeConfig("auto", drafter=sys.argv[4])  # as generate plans it
 quantize = sys.argv[5] or None
 began = time.perf_counter()
 spec = LoadSpec(runtime, max_context=int(sys.argv[3]), drafter_quantize=quantize)
