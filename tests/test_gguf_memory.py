@@ -180,7 +180,7 @@ def test_second_load_parses_no_vocabulary_in_python_and_loads_it_once(q8_gguf, m
 
 def test_the_dimensions_are_one_record_wherever_read(q8_gguf):
     """The tiny target's dimensions read from its config.json (the torch target's config, memory estimates) and from
-    its GGUF (memory estimates, the training pipeline) are the same Dimensions."""
+    its GGUF (the llama.cpp target's header, memory estimates, the training pipeline) are the same Dimensions."""
     from dflash_local.memory_estimate import target_sizes
     from dflash_local.targets.torch_llama import TargetConfig
     from dflash_local.train.pipeline import gguf_target_config
@@ -191,3 +191,32 @@ def test_the_dimensions_are_one_record_wherever_read(q8_gguf):
     assert target_sizes(TINY / "target") == dims
     assert target_sizes(q8_gguf) == dims
     assert gguf_target_config(q8_gguf).dims == dims
+    assert read_gguf(q8_gguf).dims == dims
+
+
+def test_widths_stated_per_layer_read_as_zero(tmp_path):
+    """A hybrid model states its KV heads per layer: read_gguf (what the llama.cpp target checks) reads that width
+    as 0 and passes, while a memory estimate, which needs it, says in one sentence that it cannot read the shape."""
+    from dflash_local.memory_estimate import target_sizes
+
+    path = tmp_path / "hybrid.gguf"
+    writer = gguf.GGUFWriter(str(path), "lfm2")
+    writer.add_block_count(3)
+    writer.add_embedding_length(8)
+    writer.add_feed_forward_length(16)
+    writer.add_context_length(64)
+    writer.add_vocab_size(16)
+    writer.add_head_count(2)
+    writer.add_head_count_kv([0, 1, 0])
+    writer.add_tensor("token_embd.weight", gguf.np.zeros((16, 8), dtype=gguf.np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    dims = read_gguf(path).dims
+    assert (dims.hidden, dims.intermediate, dims.layers, dims.heads, dims.kv_heads) == (8, 16, 3, 2, 0)
+    assert (dims.head_dim, dims.vocab, dims.tied) == (4, 16, True)
+    with pytest.raises(DFlashError) as caught:
+        target_sizes(path)
+    reason = "a width varies by layer or is missing"
+    assert str(caught.value) == f"{path} is not a GGUF file whose shape can be read ({reason})."

@@ -124,15 +124,15 @@ class LlamaCppTarget:
 
     @property
     def vocab_size(self) -> int:
-        return self.info.vocab_size
+        return self.info.dims.vocab
 
     @property
     def hidden_size(self) -> int:
-        return self.info.hidden_size
+        return self.info.dims.hidden
 
     @property
     def num_layers(self) -> int:
-        return self.info.num_layers
+        return self.info.dims.layers
 
     @property
     def stop_ids(self) -> frozenset[int]:
