@@ -31,6 +31,7 @@ import torch
 from dflash_local.block_policy import load_policy, measure_costs
 from dflash_local.decode import Settings, run
 from dflash_local.drafters.torch_drafter import DFlashDrafter
+from dflash_local.runtime import LoadSpec, RuntimeConfig
 from dflash_local.targets.torch_llama import TorchLlamaTarget
 from dflash_local.tokenizer import TextTokenizer
 
@@ -66,7 +67,11 @@ def heldout(count: int, case: str = "torch") -> list[list[int]]:
 def pairs(case: str, work: Path):
     """(label, target, drafter) for a case; GGUF cases give one pair per drafter kind."""
     if case == "torch":
-        yield "bundled, torch", TorchLlamaTarget.load(TINY / "target"), DFlashDrafter.load(TINY / "drafter")
+        yield (
+            "bundled, torch",
+            TorchLlamaTarget.load(TINY / "target", LoadSpec()),
+            DFlashDrafter.load(TINY / "drafter", LoadSpec()),
+        )
     elif case in GGUF_CASES:
         from dflash_local.drafters.native import NativeDrafter
         from dflash_local.gguf.convert import convert
@@ -75,32 +80,44 @@ def pairs(case: str, work: Path):
         path = work / f"tiny-{case}.gguf"
         if not path.exists():
             convert(TINY / "target", path, case, threads=1)
-        target = LlamaCppTarget.load(path, max_context=2048, threads=1)
+        target = LlamaCppTarget.load(path, LoadSpec(RuntimeConfig(threads=1), max_context=2048))
         yield (
             f"bundled {case.upper()} GGUF, torch drafter",
             target,
-            DFlashDrafter.load(TINY / "drafter", max_context=2048),
+            DFlashDrafter.load(TINY / "drafter", LoadSpec(max_context=2048)),
         )
         yield (
             f"bundled {case.upper()} GGUF, native drafter",
             target,
-            NativeDrafter.load(TINY / "drafter", target, threads=1),
+            NativeDrafter.load(TINY / "drafter", target, LoadSpec(RuntimeConfig(threads=1))),
         )
     elif case == "gemma":
         from dflash_local.drafters.native import NativeDrafter
         from dflash_local.targets.llamacpp import LlamaCppTarget
 
-        target = LlamaCppTarget.load(gemma_file(), max_context=2048, threads=1)
-        yield "Gemma 3 270M Q4_K_M, native drafter", target, NativeDrafter.load(GEMMA / "drafter", target, threads=1)
-        yield "Gemma 3 270M Q4_K_M, torch drafter", target, DFlashDrafter.load(GEMMA / "drafter", max_context=2048)
+        target = LlamaCppTarget.load(gemma_file(), LoadSpec(RuntimeConfig(threads=1), max_context=2048))
+        yield (
+            "Gemma 3 270M Q4_K_M, native drafter",
+            target,
+            NativeDrafter.load(GEMMA / "drafter", target, LoadSpec(RuntimeConfig(threads=1))),
+        )
+        yield (
+            "Gemma 3 270M Q4_K_M, torch drafter",
+            target,
+            DFlashDrafter.load(GEMMA / "drafter", LoadSpec(max_context=2048)),
+        )
     elif case == "synthetic":
         from .synthetic import write_pair
 
         folder = work / "qwen3-0.6b"
         if not (folder / "target" / "config.json").exists():
             write_pair("qwen3-0.6b", folder)
-        target = TorchLlamaTarget.load(folder / "target", max_context=1024)
-        yield "random Qwen3-0.6B shape, torch", target, DFlashDrafter.load(folder / "drafter", max_context=1024)
+        target = TorchLlamaTarget.load(folder / "target", LoadSpec(max_context=1024))
+        yield (
+            "random Qwen3-0.6B shape, torch",
+            target,
+            DFlashDrafter.load(folder / "drafter", LoadSpec(max_context=1024)),
+        )
     else:
         raise SystemExit(f"unknown case {case}")
 

@@ -35,7 +35,7 @@ from dflash_local.drafters.config import DrafterConfig, default_target_layer_ids
 from dflash_local.drafters.torch_drafter import DFlashDrafter, DFlashModel
 from dflash_local.layers import rope_inv_freq
 from dflash_local.quant import group_scale_dtype, install_4bit, install_int4, quantize_int4, quantize_linears
-from dflash_local.runtime import pick_device
+from dflash_local.runtime import LoadSpec, RuntimeConfig, pick_device
 from dflash_local.shapes import SHAPES
 from dflash_local.targets.torch_llama import LlamaModel, TargetConfig, TorchLlamaTarget
 
@@ -111,7 +111,8 @@ def random_target(
     max_context = max(DEFAULT_CACHE, shape.context + 4 * shape.block)
     if quantize == "q4_k_m":
         path = write_random_gguf(shape.dims, gguf_dir / "random-q4_k_m.gguf")
-        return TorchLlamaTarget.load(path, dtype, device, max_context)
+        runtime = RuntimeConfig(device, str(dtype).removeprefix("torch."))
+        return TorchLlamaTarget.load(path, LoadSpec(runtime, max_context=max_context))
     cfg = TargetConfig.from_dict(target_config(shape), Path("<random>"))
     with torch.device("meta"):
         model = LlamaModel(cfg)

@@ -31,6 +31,7 @@ from dflash_local.kernels.wq_matmul_triton import wq_matmul_triton
 
 from dflash_local.decode import Settings, run
 from dflash_local.drafters.torch_drafter import DFlashDrafter
+from dflash_local.runtime import LoadSpec, RuntimeConfig
 from dflash_local.targets.torch_llama import TorchLlamaTarget
 
 TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"
@@ -129,10 +130,9 @@ def generate_all(
 ):
     """Greedy ids and acceptance lengths of the target at path with the bundled drafter, loaded afresh in kernel mode
     `kernels`."""
-    target = TorchLlamaTarget.load(path, dtype, device, 512, quantize, cuda_graphs=graphs, kernels=kernels)
-    drafter = (
-        DFlashDrafter.load(TINY / "drafter", dtype, device, 512, cuda_graphs=graphs, kernels=kernels) if draft else None
-    )
+    runtime = RuntimeConfig(device, str(dtype).removeprefix("torch."), kernels, graphs)
+    target = TorchLlamaTarget.load(path, LoadSpec(runtime, max_context=512, quantize=quantize))
+    drafter = DFlashDrafter.load(TINY / "drafter", LoadSpec(runtime, max_context=512)) if draft else None
     results = []
     for prompt in PROMPTS:
         ids, stats = run(target, drafter, prompt, Settings(max_new_tokens=64, draft=draft))

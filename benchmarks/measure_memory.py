@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dflash_local.gguf.file import read_header
+from dflash_local.dimensions import Dimensions
 from dflash_local.memory_estimate import estimate_files, target_sizes
 
 GB = 1e9
@@ -53,7 +53,7 @@ import dflash_local.drafters.native, dflash_local.gguf.tokenizer  # imports are 
 from dflash_local.generation import load_models
 from dflash_local.runtime import LoadSpec, RuntimeConfig
 drafter = Path(sys.argv[2]) if sys.argv[2] else None
-runtime = RuntimeConfig(drafter=sys.argv[4])
+runtime = RuntimeConfig("auto", drafter=sys.argv[4])  # as generate plans it
 quantize = sys.argv[5] or None
 began = time.perf_counter()
 spec = LoadSpec(runtime, max_context=int(sys.argv[3]), drafter_quantize=quantize)
@@ -77,24 +77,6 @@ def run_child(command: list[str], env: dict[str, str]) -> dict:
         return {"stdout": out.read().decode(), "wall_s": wall, "peak_rss_bytes": usage.ru_maxrss * 1024}
 
 
-def kv_bytes(fields: dict, prefix: str, context: int, element: int) -> int:
-    """K and V cache bytes of a GGUF model's layers at a context length."""
-
-    def field(key: str, default: int | None = None) -> int:
-        return int(fields.get(f"{prefix}.{key}", default))
-
-    heads = field("attention.head_count")
-    head_dim = field("attention.key_length", field("embedding_length") // heads)
-    return 2 * field("block_count") * context * field("attention.head_count_kv", heads) * head_dim * element
-
-
-def drafter_kv_bytes(drafter: Path, context: int, element: int) -> int:
-    config = json.loads((drafter / "config.json").read_text())
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    return 2 * config["num_hidden_layers"] * context * config.get("num_key_value_heads", heads) * head_dim * element
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", type=Path, required=True, help="GGUF target file")
@@ -109,12 +91,11 @@ def main() -> None:
     env = os.environ | {"OMP_NUM_THREADS": str(args.threads)}
     home = tempfile.mkdtemp(prefix="dflash-measure-")  # a cold native-drafter cache for the first native load
     env["DFLASH_HOME"] = home
-    fields = read_header(args.target).fields
-    arch = fields["general.architecture"]
+    sizes = target_sizes(args.target)
     report: dict = {
         "target": str(args.target),
         "gguf_bytes": args.target.stat().st_size,
-        "kv_bytes": kv_bytes(fields, arch, args.max_context, 2),
+        "kv_bytes": sizes.kv_bytes(args.max_context),
         "max_context": args.max_context,
         "threads": args.threads,
     }
@@ -126,7 +107,8 @@ def main() -> None:
     base += ["--max-context", str(args.max_context)]
     modes = [("no-draft", ["--no-draft"], "auto", "")]
     if args.drafter is not None:
-        block = args.block_size or json.loads((args.drafter / "config.json").read_text()).get("block_size", 16)
+        drafter_config = json.loads((args.drafter / "config.json").read_text())
+        block = args.block_size or drafter_config.get("block_size", 16)
         draft = ["--drafter", str(args.drafter), "--block-size", str(block)]
         modes += [("native-first", draft, "native", ""), ("native", draft, "native", ""), ("torch", draft, "torch", "")]
         modes += [("torch-int8", draft + ["--drafter-quantize", "int8"], "torch", "int8")]
@@ -134,9 +116,8 @@ def main() -> None:
         read = run_child([python, "-c", READ_SAFETENSORS, str(args.drafter)], env)
         report["drafter"] = str(args.drafter)
         report["drafter_stored_bytes"] = stored
-        report["drafter_kv_bytes"] = drafter_kv_bytes(args.drafter, args.max_context, 2)
+        report["drafter_kv_bytes"] = Dimensions.from_config(drafter_config).kv_bytes(args.max_context)
         report["safetensors_read_s"] = float(read["stdout"])
-        sizes = target_sizes(args.target)
         report["int8_head_bytes"] = sizes.vocab * (sizes.hidden + 4)  # int8 rows and fp32 scales
     runs = {}
     for name, extra, kind, quantize in modes:

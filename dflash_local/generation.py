@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
@@ -11,13 +10,21 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .block_policy import CHECK_ROUNDS, BlockPolicy, CostTable, load_policy, measure_costs, time_steps
+from .block_policy import (
+    CHECK_ROUNDS,
+    BlockPolicy,
+    CostTable,
+    costs_file,
+    load_policy,
+    measure_costs,
+    time_steps,
+    unwritable_warning,
+)
 from .decode import Settings, Stats, Step, generate
 from .drafters import load_drafter
 from .drafters.base import Drafter
 from .errors import DFlashError
-from .paths import files_identity, identity_key, state_dir
-from .runtime import LoadSpec, pick_dtype, plan_load
+from .runtime import LoadSpec, plan_load
 from .session import Session
 from .targets import load_target
 from .targets.base import Target
@@ -29,7 +36,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class LoadedModels:
-    """A target, its optional drafter, tokenizer and end-of-sequence ids, and the session their caches belong to."""
+    """A target, its optional drafter, tokenizer and end-of-sequence ids, the session their caches belong to, and what
+    loading warns the user of (the CLI shows it)."""
 
     target: Target
     drafter: Drafter | None
@@ -37,6 +45,7 @@ class LoadedModels:
     stop_ids: frozenset[int]
     policy: BlockPolicy | None = None  # picks each step's block size (--block-size auto)
     session: Session = field(default_factory=Session)  # what the caches hold: every generation reuses it
+    warnings: tuple[str, ...] = ()  # e.g. the block costs cannot be kept (an unwritable state folder)
 
     def stops(self, ignore_eos: bool) -> frozenset[int]:
         """The stop ids of a request: the end-of-sequence ids, or none with ignore_eos."""
@@ -69,7 +78,7 @@ def load_models(
 ) -> LoadedModels:
     """Load and cross-check a target and (optionally) a drafter from local paths as `spec` says (planned here, once:
     runtime.plan_load); with auto_block, also the pair's block policy (its costs measured on first load on this
-    machine, then cached and checked by a few timings at each load)."""
+    machine, then cached and checked by a few timings at each load; an unwritable cache folder is a warning)."""
     if spec.max_context < 1:
         raise DFlashError(f"The context (--max-context) must be at least 1 token, got {spec.max_context}.")
     path = Path(target_path)
@@ -87,9 +96,12 @@ def load_models(
         with memory_guard(f"The drafter {drafter_path} with a {target.max_context}-token cache", device):
             drafter = load_drafter(drafter_path, target, spec)
         drafter.check_target(target)
-    policy = None
+    policy, warnings = None, ()
     if drafter is not None and auto_block:
-        policy = _block_policy(target, drafter, _costs_file(path, Path(drafter_path), target, drafter, spec), spec)
+        costs = costs_file(path, Path(drafter_path), target, drafter, spec)
+        warning = unwritable_warning(costs)
+        warnings = () if warning is None else (warning,)
+        policy = _block_policy(target, drafter, costs, spec)
     if path.suffix == ".gguf":
         from .gguf.tokenizer import GGUFTokenizer
         from .targets.torch_llama import TorchLlamaTarget
@@ -97,35 +109,12 @@ def load_models(
         # llama.cpp's vocabulary: loaded alone for the torch target, else the one loaded with the weights
         alone = isinstance(target, TorchLlamaTarget)
         tokenizer = GGUFTokenizer.load(path) if alone else GGUFTokenizer.of_target(target)
-        return LoadedModels(target, drafter, tokenizer, target.stop_ids, policy)
-    return LoadedModels(target, drafter, TextTokenizer.load(path), stop_token_ids(path), policy)
-
-
-def _costs_file(target_path: Path, drafter_path: Path, target: Target, drafter: Drafter, spec: LoadSpec) -> Path:
-    """Where the pair's measured costs per block size are kept: keyed by both models' files, the backend and drafter
-    kind, the device, dtype and threads (any change there times the sizes afresh)."""
-    identity = {
-        "target": files_identity(target_path),
-        "drafter": files_identity(drafter_path),
-        "backend": type(target).__name__,
-        "drafter_kind": type(drafter).__name__,
-        "device": spec.runtime.device,
-        "dtype": str(pick_dtype(spec.runtime.dtype, spec.runtime.device)),
-        "threads": torch.get_num_threads(),
-    }
-    return state_dir() / "block-costs" / f"{identity_key(identity)}.json"
+        return LoadedModels(target, drafter, tokenizer, target.stop_ids, policy, warnings=warnings)
+    return LoadedModels(target, drafter, TextTokenizer.load(path), stop_token_ids(path), policy, warnings=warnings)
 
 
 def _block_policy(target: Target, drafter: Drafter, costs: Path, spec: LoadSpec) -> BlockPolicy:
     """The pair's block policy from its cached costs, measured first where none are cached (or they are found off)."""
-    from .atomic import unwritable_reason
-
-    if (reason := unwritable_reason(costs.parent)) is not None:
-        print(
-            f"warning: {costs.parent} is not writable ({reason}): block sizes are timed afresh at every load; "
-            "set DFLASH_HOME to a writable folder to keep them.",
-            file=sys.stderr,
-        )
 
     def calibrate() -> CostTable:
         spec.progress("calibrating: timing each block size on this machine (a first load, or a cached table found off)")

@@ -152,33 +152,17 @@ def target_sizes(path: Path) -> Dimensions:
 
 
 def _gguf_sizes(path: Path) -> Dimensions:
-    """The dimensions in a GGUF file's metadata (the keys `dflash convert` and llama.cpp's converter write)."""
-    from .gguf.file import read_header
+    """The dimensions in a GGUF file's metadata (gguf.file.gguf_dimensions), every width stated once for all layers."""
+    from .gguf.file import gguf_dimensions, read_header
 
     try:
         header = read_header(path)
-        arch = header.fields["general.architecture"]
-
-        def field(key: str, default: int | None = None) -> int:
-            found = header.fields.get(f"{arch}.{key}", default)
-            if found is None:
-                raise KeyError(f"{arch}.{key}")
-            return int(found)
-
-        tokens = header.fields.get("tokenizer.ggml.tokens", ())
-        hidden, heads = field("embedding_length"), field("attention.head_count")
-        return Dimensions(
-            hidden=hidden,
-            intermediate=field("feed_forward_length"),
-            layers=field("block_count"),
-            heads=heads,
-            kv_heads=field("attention.head_count_kv", heads),
-            head_dim=field("attention.key_length", hidden // heads),
-            vocab=field("vocab_size", len(tokens)),
-            tied="output.weight" not in header.tensors,
-        )
-    except (ValueError, IndexError, KeyError, OSError, TypeError, AttributeError) as exc:
+    except (ValueError, KeyError, OSError) as exc:
         raise DFlashError(f"{path} is not a GGUF file whose shape can be read ({exc}).") from None
+    dims = gguf_dimensions(path, header)
+    if 0 in (dims.intermediate, dims.heads, dims.kv_heads, dims.head_dim):
+        raise DFlashError(f"{path} is not a GGUF file whose shape can be read (a width varies by layer or is missing).")
+    return dims
 
 
 def estimate_files(

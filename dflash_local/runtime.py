@@ -90,9 +90,9 @@ DRAFTER_KINDS = ("auto", "torch", "native")
 class RuntimeConfig:
     """How models run here: device, dtype, kernels, CUDA graphs, drafter kind and threads. The CLI builds one (its
     flags, with DFLASH_KERNELS / DFLASH_CUDA_GRAPHS / DFLASH_DRAFTER / DFLASH_THREADS as their defaults) and
-    passes it down; nothing below reads the environment."""
+    passes it down; nothing below reads the environment. The defaults are a plain CPU run (tests, scripts)."""
 
-    device: str = "auto"
+    device: str = "cpu"  # auto, cpu or cuda (auto: planned, runtime.plan_load)
     dtype: str = "auto"
     kernels: str = "auto"  # auto: Triton for CUDA tensors, the torch reference elsewhere; the models loaded hold it
     cuda_graphs: bool = True  # replay fixed-shape steps on CUDA
@@ -129,6 +129,7 @@ class LoadSpec:
     quantize: str | None = None  # torch targets: None, "int4" or "nf4"
     drafter_quantize: str | None = None  # torch drafters: None, "int8" or "nf4"
     backend: str = "auto"  # auto, torch or llamacpp
+    int8_head: bool = False  # planned: a llama.cpp target keeps its head as int8 rows for a torch drafter on the CPU
     progress: Callable[[str], None] = field(default=_silent, compare=False)  # e.g. "loading the target"
 
     def reporting_to(self, progress: Callable[[str], None]) -> LoadSpec:
@@ -137,8 +138,8 @@ class LoadSpec:
 
 
 def plan_load(target: Path, spec: LoadSpec) -> LoadSpec:
-    """The one place device, backend and drafter kind are decided, from the target's file and the spec; what
-    the loaders take."""
+    """The one place device, backend, drafter kind and the target's int8 head are decided, from the target's file
+    and the spec; what the loaders take."""
     runtime = spec.runtime
     device = pick_device(runtime.device)
     gguf = target.suffix == ".gguf"
@@ -153,4 +154,6 @@ def plan_load(target: Path, spec: LoadSpec) -> LoadSpec:
         # sizes it loads in a quarter of the torch drafter's time (README); CUDA is unmeasured, so torch there
         native_fits = backend == "llamacpp" and torch.device(device).type == "cpu" and spec.drafter_quantize is None
         drafter = "native" if native_fits else "torch"
-    return replace(spec, runtime=replace(runtime, device=device, drafter=drafter), backend=backend)
+    int8_head = backend == "llamacpp" and drafter == "torch" and device == "cpu"  # the head a torch drafter borrows
+    runtime = replace(runtime, device=device, drafter=drafter)
+    return replace(spec, runtime=runtime, backend=backend, int8_head=int8_head)

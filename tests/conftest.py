@@ -80,8 +80,11 @@ def heldout() -> list[list[int]]:
 def drafter():
     """The bundled DFlash drafter, 2048-token context cache (the GGUF tests)."""
     from dflash_local.drafters.torch_drafter import DFlashDrafter
+    from dflash_local.runtime import LoadSpec
 
-    return DFlashDrafter.load(Path(__file__).resolve().parent.parent / "models" / "tiny" / "drafter", max_context=2048)
+    return DFlashDrafter.load(
+        Path(__file__).resolve().parent.parent / "models" / "tiny" / "drafter", LoadSpec(max_context=2048)
+    )
 
 
 @pytest.fixture(autouse=True, scope="session")

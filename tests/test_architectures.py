@@ -23,6 +23,7 @@ from dflash_local.drafters.native import NativeDrafter
 from dflash_local.drafters.torch_drafter import DFlashDrafter
 from dflash_local.errors import DFlashError
 from dflash_local.llama_lib import loaded_library
+from dflash_local.runtime import LoadSpec, RuntimeConfig
 from dflash_local.targets.llamacpp import STATE_SNAPSHOTS, LlamaCppTarget
 from dflash_local.train.pipeline import TrainRequest, run_training
 from dflash_local.train.selfdistill import DistillSettings
@@ -83,7 +84,7 @@ def test_features_equal_transformers_hidden_states_and_plain_decoding_equals_lla
     """Every layer's tapped input (HF hidden_states[id + 1]; the last layer's final-normed output) matches the
     transformers model's within float error, its argmax too; plain decoding is llama.cpp's own greedy run."""
     logits, hidden = reference_forward(models[arch] / "hf", PROMPT)
-    target = LlamaCppTarget.load(models[arch] / "model.gguf", max_context=256, threads=1)
+    target = LlamaCppTarget.load(models[arch] / "model.gguf", LoadSpec(RuntimeConfig(threads=1), max_context=256))
     layers = list(range(target.num_layers))
     target.set_feature_layers(layers)
     out = target.forward(torch.tensor(PROMPT))
@@ -99,9 +100,12 @@ def test_features_equal_transformers_hidden_states_and_plain_decoding_equals_lla
 @pytest.mark.parametrize("arch", ARCHS)
 def test_dflash_equals_plain_decoding_torch_and_native_drafters(arch, models, drafters):
     """T=0: both drafters, at blocks 4 and 16 and with the auto policy, give plain decoding's ids."""
-    target = LlamaCppTarget.load(models[arch] / "model.gguf", max_context=256, threads=1)
+    target = LlamaCppTarget.load(models[arch] / "model.gguf", LoadSpec(RuntimeConfig(threads=1), max_context=256))
     plain, _ = run(target, None, PROMPT, Settings(max_new_tokens=NEW_TOKENS, draft=False))
-    for drafter in (DFlashDrafter.load(drafters[arch], max_context=256), NativeDrafter.load(drafters[arch], target)):
+    for drafter in (
+        DFlashDrafter.load(drafters[arch], LoadSpec(max_context=256)),
+        NativeDrafter.load(drafters[arch], target, LoadSpec()),
+    ):
         for block in (4, 16):
             ids, _ = run(target, drafter, PROMPT, Settings(max_new_tokens=NEW_TOKENS, block_size=block))
             assert ids == plain, (arch, type(drafter).__name__, block)
@@ -113,7 +117,7 @@ def test_a_hybrid_target_rolls_back_to_exactly_the_kept_tokens(models):
     """qwen35: after a verify of 8 tokens, keeping m of them leaves the next logits those of a target fed only the
     kept tokens, for every m; a rollback past llama.cpp's snapshots feeds the kept tokens again."""
     path = models["qwen35"] / "model.gguf"
-    target, fresh = (LlamaCppTarget.load(path, max_context=256, threads=1) for _ in range(2))
+    target, fresh = (LlamaCppTarget.load(path, LoadSpec(RuntimeConfig(threads=1), max_context=256)) for _ in range(2))
     assert target.recurrent
     block, after = [9, 31, 77, 2, 64, 13, 101, 45], 23
     for kept in range(len(block) + 1):

@@ -370,7 +370,7 @@ def test_killed_convert_leaves_nothing_after_the_next_run(tmp_path):
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.gguf"]
     model = read_gguf(out)  # complete: every tensor lies inside the file
-    assert (model.architecture, model.num_layers, model.vocab_size) == ("llama", 8, 4096)
+    assert (model.architecture, model.dims.layers, model.dims.vocab) == ("llama", 8, 4096)
 
 
 # --- running out of memory (simulated) ------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from dflash_local.block_policy import (
 from dflash_local.block_policy.policy import PROBE_SHARE, RECHECK
 from dflash_local.decode import Settings, generate, run
 from dflash_local.drafters.torch_drafter import DFlashDrafter
+from dflash_local.runtime import LoadSpec, RuntimeConfig
 from dflash_local.targets.torch_llama import TorchLlamaTarget
 
 TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"
@@ -160,8 +161,8 @@ def test_policy_is_cached_per_pair(tmp_path):
 
 
 def test_measured_costs_cover_every_size_and_leave_models_reset():
-    target = TorchLlamaTarget.load(TINY / "target", max_context=256)
-    drafter = DFlashDrafter.load(TINY / "drafter", max_context=256)
+    target = TorchLlamaTarget.load(TINY / "target", LoadSpec(max_context=256))
+    drafter = DFlashDrafter.load(TINY / "drafter", LoadSpec(max_context=256))
     costs = measure_costs(target, drafter, repeats=1)
     assert sorted(costs.target_s) == list(range(1, 17)) and sorted(costs.draft_s) == list(range(2, 17))
     assert all(v > 0 for v in [*costs.target_s.values(), *costs.draft_s.values()])
@@ -170,7 +171,7 @@ def test_measured_costs_cover_every_size_and_leave_models_reset():
 
 @pytest.fixture(scope="module")
 def target(llama_target) -> TorchLlamaTarget:
-    return TorchLlamaTarget.load(llama_target)
+    return TorchLlamaTarget.load(llama_target, LoadSpec())
 
 
 @pytest.mark.parametrize("error_rate", [0.15, 0.95])
@@ -219,8 +220,8 @@ def test_plain_steps_between_drafts_keep_the_drafter_context():
     """The bundled pair with verify sizes scripted as 1, 1, 16, 4, 1, 16, ...: the drafter receives the features of
     the plain steps' positions too (no run of plain steps is under way), drafts as well as with full blocks, and ids
     stay AR's."""
-    target = TorchLlamaTarget.load(TINY / "target", max_context=512)
-    drafter = DFlashDrafter.load(TINY / "drafter", max_context=512)
+    target = TorchLlamaTarget.load(TINY / "target", LoadSpec(max_context=512))
+    drafter = DFlashDrafter.load(TINY / "drafter", LoadSpec(max_context=512))
     prompt = json.loads((TINY / "heldout_prompts.jsonl").read_text().splitlines()[2])["prompt"]
     from dflash_local.tokenizer import TextTokenizer
 
@@ -241,14 +242,16 @@ def test_probes_after_plain_runs_stay_lossless(backend, request):
     probed every 60 steps or so: every forward makes the drafter's features, probes draft with the whole context
     (they accept, and drafting resumes), and ids stay those of plain decoding."""
     if backend == "torch":
-        target = TorchLlamaTarget.load(TINY / "target", max_context=512)
-        drafter = DFlashDrafter.load(TINY / "drafter", max_context=512)
+        target = TorchLlamaTarget.load(TINY / "target", LoadSpec(max_context=512))
+        drafter = DFlashDrafter.load(TINY / "drafter", LoadSpec(max_context=512))
     else:
         from dflash_local.drafters.native import NativeDrafter
         from dflash_local.targets.llamacpp import LlamaCppTarget
 
-        target = LlamaCppTarget.load(request.getfixturevalue("tiny_gguf")["q8_0"], max_context=512, threads=1)
-        drafter = NativeDrafter.load(TINY / "drafter", target, threads=1)
+        target = LlamaCppTarget.load(
+            request.getfixturevalue("tiny_gguf")["q8_0"], LoadSpec(RuntimeConfig(threads=1), max_context=512)
+        )
+        drafter = NativeDrafter.load(TINY / "drafter", target, LoadSpec(RuntimeConfig(threads=1)))
     prompt = json.loads((TINY / "heldout_prompts.jsonl").read_text().splitlines()[4])["prompt"]
     from dflash_local.tokenizer import TextTokenizer
 
@@ -275,8 +278,8 @@ def test_an_abandoned_turn_leaves_no_stale_features():
     from dflash_local.session import Session
     from dflash_local.tokenizer import TextTokenizer
 
-    target = TorchLlamaTarget.load(TINY / "target", max_context=512)
-    drafter = DFlashDrafter.load(TINY / "drafter", max_context=512)
+    target = TorchLlamaTarget.load(TINY / "target", LoadSpec(max_context=512))
+    drafter = DFlashDrafter.load(TINY / "drafter", LoadSpec(max_context=512))
     prompt = json.loads((TINY / "heldout_prompts.jsonl").read_text().splitlines()[4])["prompt"]
     first = TextTokenizer.load(TINY / "target").encode(prompt)
     session = Session()

@@ -10,6 +10,7 @@ from reference import reference_generate
 
 from dflash_local.decode import Settings, run
 from dflash_local.drafters.torch_drafter import DFlashDrafter
+from dflash_local.runtime import LoadSpec
 from dflash_local.targets.torch_llama import TorchLlamaTarget
 from dflash_local.tokenizer import TextTokenizer, stop_token_ids
 
@@ -18,7 +19,7 @@ TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"
 
 @pytest.fixture(scope="module")
 def pair():
-    return TorchLlamaTarget.load(TINY / "target"), DFlashDrafter.load(TINY / "drafter")
+    return TorchLlamaTarget.load(TINY / "target", LoadSpec()), DFlashDrafter.load(TINY / "drafter", LoadSpec())
 
 
 @pytest.fixture(scope="module")

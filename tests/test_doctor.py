@@ -14,6 +14,7 @@ import torch
 
 from dflash_local import doctor, memory_estimate
 from dflash_local.errors import DFlashError
+from dflash_local.runtime import LoadSpec, RuntimeConfig
 
 
 def child_env() -> dict[str, str]:
@@ -172,7 +173,9 @@ def test_the_quantize_on_load_entry_is_int4_counted_as_loaded(monkeypatch, tmp_p
     assert bf16 - int4.parts["target weights"] == linears * 2 - linears * 68 // 128  # every Qwen3-8B linear is int4
 
     assert memory_estimate.INT4_GROUP == INT4_GROUP
-    target = TorchLlamaTarget.load(TINY / "target", torch.bfloat16, max_context=64, quantize="int4")
+    target = TorchLlamaTarget.load(
+        TINY / "target", LoadSpec(RuntimeConfig(dtype="bfloat16"), max_context=64, quantize="int4")
+    )
     quantized = [m for m in target.model.model.layers.modules() if isinstance(m, GroupQuantLinear)]
     held = sum(b.numel() * b.element_size() for m in quantized for b in m.buffers())
     tiny = memory_estimate.target_sizes(TINY / "target")

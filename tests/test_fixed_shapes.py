@@ -15,6 +15,7 @@ from dflash_local import cuda_graphs
 from dflash_local.cuda_graphs import StepGraphs, cache_span
 from dflash_local.decode import Settings, run
 from dflash_local.drafters.torch_drafter import DFlashDrafter
+from dflash_local.runtime import LoadSpec, RuntimeConfig
 from dflash_local.targets.torch_llama import TorchLlamaTarget
 from dflash_local.tokenizer import TextTokenizer
 
@@ -31,7 +32,7 @@ def test_cache_span_is_a_power_of_two_within_capacity() -> None:
 def test_target_step_over_a_padded_span_matches_eager(kind: str, span: int, llama_target, qwen3_target) -> None:
     """`step` over a longer span than the used cache (what a graph captures) gives the eager forward's logits (all,
     or the last row only) and features, and leaves the cache as the eager forward does."""
-    target = TorchLlamaTarget.load(llama_target if kind == "llama" else qwen3_target, max_context=64)
+    target = TorchLlamaTarget.load(llama_target if kind == "llama" else qwen3_target, LoadSpec(max_context=64))
     target.set_feature_layers([0, 2])
     prompt, block, after = torch.arange(3, 13), torch.tensor([7, 1, 30, 2, 9]), torch.tensor([4])
     target.forward(prompt)
@@ -50,7 +51,7 @@ def test_target_step_over_a_padded_span_matches_eager(kind: str, span: int, llam
 
 def test_prefill_runs_the_head_on_the_last_row_only(monkeypatch, llama_target) -> None:
     """A forward without all_logits computes the LM head on one row, not on every prompt position."""
-    target = TorchLlamaTarget.load(llama_target, max_context=64)
+    target = TorchLlamaTarget.load(llama_target, LoadSpec(max_context=64))
     want = target.forward(torch.arange(3, 43)).logits[-1:]
     target.reset()
     head_rows = []
@@ -82,9 +83,11 @@ def test_drafter_step_over_a_padded_span_matches_eager(
 ) -> None:
     """`step` with padded features, a padded span and a context length (what a graph captures) gives the eager
     propose's logits (all rows, or the first few) and cache."""
-    target = TorchLlamaTarget.load(llama_target, max_context=64, kernels=kernels)
+    target = TorchLlamaTarget.load(llama_target, LoadSpec(RuntimeConfig(kernels=kernels), max_context=64))
     folder = drafters["llama", 2] if which == "full" else sliding_drafter
-    eager, fixed = (DFlashDrafter.load(folder, max_context=64, kernels=kernels) for _ in range(2))
+    eager, fixed = (
+        DFlashDrafter.load(folder, LoadSpec(RuntimeConfig(kernels=kernels), max_context=64)) for _ in range(2)
+    )
     assert eager.model.layers[0].self_attn.sliding_window == (4 if which == "sliding" else None)
     target.set_feature_layers(eager.target_layer_ids)
     tokens = [5, 9, 11, 2, 7, 30, 8, 1, 4, 6, 3]
@@ -137,8 +140,8 @@ def test_graph_routing_replays_to_the_eager_ids(monkeypatch, block_size: int) ->
     settings = Settings(max_new_tokens=48, block_size=block_size)
     results = []
     for graphed in (False, True):
-        target = TorchLlamaTarget.load(TINY / "target", max_context=512)
-        drafter = DFlashDrafter.load(TINY / "drafter", max_context=512)
+        target = TorchLlamaTarget.load(TINY / "target", LoadSpec(max_context=512))
+        drafter = DFlashDrafter.load(TINY / "drafter", LoadSpec(max_context=512))
         if graphed:
             target.graphs, drafter.graphs = StepGraphs(), StepGraphs()
         results.append(run(target, drafter, prompt, settings))
@@ -154,8 +157,8 @@ def test_graph_routing_replays_to_the_eager_ids(monkeypatch, block_size: int) ->
 def test_replayed_draft_at_the_end_of_the_cache(monkeypatch, drafters, llama_target) -> None:
     """A replayed drafter step whose padding rows would run past the end of the cache drafts as the eager one."""
     monkeypatch.setattr(cuda_graphs, "CapturedStep", CpuReplay)
-    target = TorchLlamaTarget.load(llama_target, max_context=24)
-    eager, graphed = (DFlashDrafter.load(drafters["llama", 2], max_context=24) for _ in range(2))
+    target = TorchLlamaTarget.load(llama_target, LoadSpec(max_context=24))
+    eager, graphed = (DFlashDrafter.load(drafters["llama", 2], LoadSpec(max_context=24)) for _ in range(2))
     graphed.graphs = StepGraphs()
     target.set_feature_layers(eager.target_layer_ids)
     tokens = list(range(3, 25))

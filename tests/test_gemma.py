@@ -20,6 +20,7 @@ from dflash_local.drafters.torch_drafter import DFlashDrafter
 from dflash_local.errors import DFlashError
 from dflash_local.gguf.tokenizer import GGUFTokenizer
 from dflash_local.llama_lib import tap_functions
+from dflash_local.runtime import LoadSpec, RuntimeConfig
 from dflash_local.sampling import SamplingParams, probabilities
 from dflash_local.session import Session
 from dflash_local.targets import llamacpp
@@ -39,12 +40,14 @@ def gemma() -> Path:
 
 @pytest.fixture(scope="module")
 def target(gemma) -> LlamaCppTarget:
-    return LlamaCppTarget.load(gemma, max_context=1024, threads=1)
+    return LlamaCppTarget.load(gemma, LoadSpec(RuntimeConfig(threads=1), max_context=1024))
 
 
 @pytest.fixture(scope="module")
 def drafters(target) -> tuple[DFlashDrafter, NativeDrafter]:
-    return DFlashDrafter.load(ENTRY.drafter, max_context=1024), NativeDrafter.load(ENTRY.drafter, target, threads=1)
+    return DFlashDrafter.load(ENTRY.drafter, LoadSpec(max_context=1024)), NativeDrafter.load(
+        ENTRY.drafter, target, LoadSpec(RuntimeConfig(threads=1))
+    )
 
 
 @pytest.fixture(scope="module")

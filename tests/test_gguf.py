@@ -17,7 +17,7 @@ from dflash_local.drafters.torch_drafter import DFlashDrafter  # noqa: E402
 from dflash_local.errors import DFlashError  # noqa: E402
 from dflash_local.gguf.convert import convert  # noqa: E402
 from dflash_local.quant import Int8Matrix  # noqa: E402
-from dflash_local.runtime import LoadSpec, RuntimeConfig, plan_load  # noqa: E402
+from dflash_local.runtime import LoadSpec, RuntimeConfig, plan_load
 from dflash_local.targets.llamacpp import LlamaCppTarget  # noqa: E402
 from dflash_local.targets.torch_llama import TorchLlamaTarget  # noqa: E402
 
@@ -30,8 +30,8 @@ def test_both_drafters_accept_alike_and_propose_the_same_drafts(kind, tiny_gguf,
     """At block 16 on 10 held-out prompts the torch and llama.cpp-native drafters give the same ids, the trained pair
     accepts (mean tau > 2.0) and their taus agree within 5%; they propose the same drafts (99%) step by step.
     (Their ids against llama.cpp's own greedy run, at blocks 4, 16 and auto: test_gguf_lossless.)"""
-    target = LlamaCppTarget.load(tiny_gguf[kind], max_context=2048, threads=1)
-    native = NativeDrafter.load(TINY / "drafter", target, threads=1)
+    target = LlamaCppTarget.load(tiny_gguf[kind], LoadSpec(RuntimeConfig(threads=1), max_context=2048))
+    native = NativeDrafter.load(TINY / "drafter", target, LoadSpec(RuntimeConfig(threads=1)))
     taus, native_taus = [], []
     for index, prompt in enumerate(heldout):
         settings = Settings(max_new_tokens=NEW_TOKENS, block_size=16)
@@ -57,8 +57,8 @@ def test_tapped_features_and_logits_match_torch(tiny_gguf, heldout):
     """F16 weights and F16 KV cache against the fp32 torch backend: features within 0.2% (relative L2 per row).
 
     Layer 7 is the last: its feature is the final-normed hidden state (llama.cpp's output embeddings)."""
-    gguf_target = LlamaCppTarget.load(tiny_gguf["f16"], max_context=2048, threads=1)
-    torch_target = TorchLlamaTarget.load(TINY / "target", max_context=2048)
+    gguf_target = LlamaCppTarget.load(tiny_gguf["f16"], LoadSpec(RuntimeConfig(threads=1), max_context=2048))
+    torch_target = TorchLlamaTarget.load(TINY / "target", LoadSpec(max_context=2048))
     long_prompt = torch.randint(5, 4096, (700,), generator=torch.Generator().manual_seed(0)).tolist()
     for layer_ids in ([1, 3, 5], [2, 7]):
         for target in (gguf_target, torch_target):
@@ -80,7 +80,7 @@ def test_tapped_features_and_logits_match_torch(tiny_gguf, heldout):
 
 
 def test_rollback_leaves_the_state_of_a_fresh_run(tiny_gguf, heldout):
-    target = LlamaCppTarget.load(tiny_gguf["f16"], max_context=2048, threads=1)
+    target = LlamaCppTarget.load(tiny_gguf["f16"], LoadSpec(RuntimeConfig(threads=1), max_context=2048))
     target.set_feature_layers([1, 3, 5])
     prompt, block, tail = torch.tensor(heldout[0]), torch.tensor(heldout[1][:16]), torch.tensor(heldout[2][:6])
     keep = len(prompt) + 5
@@ -127,11 +127,13 @@ def test_converted_families_match_torch_and_stay_lossless(kind, request, tmp_pat
 
     folder = tmp_path / kind
     shutil.copytree(request.getfixturevalue(f"{kind}_target"), folder)
-    torch_target = TorchLlamaTarget.load(folder)
+    torch_target = TorchLlamaTarget.load(folder, LoadSpec())
     _add_byte_bpe_tokenizer(folder, torch_target.vocab_size)
-    gguf_target = LlamaCppTarget.load(convert(folder, tmp_path / f"{kind}.gguf", "f16", threads=1), threads=1)
+    gguf_target = LlamaCppTarget.load(
+        convert(folder, tmp_path / f"{kind}.gguf", "f16", threads=1), LoadSpec(RuntimeConfig(threads=1))
+    )
     drafter_folder = drafters[kind, {"llama": 3, "qwen3": 2}[kind]]  # llama's reads layers [0, 1, 3]: 3 is the last
-    drafter = DFlashDrafter.load(drafter_folder, max_context=gguf_target.max_context)
+    drafter = DFlashDrafter.load(drafter_folder, LoadSpec(max_context=gguf_target.max_context))
     prompt = torch.randint(0, torch_target.vocab_size, (20,), generator=torch.Generator().manual_seed(3))
     for target in (gguf_target, torch_target):
         target.set_feature_layers(drafter.target_layer_ids)
@@ -140,7 +142,7 @@ def test_converted_families_match_torch_and_stay_lossless(kind, request, tmp_pat
     assert ((got.features - want.features).norm(dim=-1) / want.features.norm(dim=-1)).max() < 5e-3
     expected, _ = run(gguf_target, None, prompt.tolist(), Settings(max_new_tokens=24, draft=False))
     ids, stats = run(gguf_target, drafter, prompt.tolist(), Settings(max_new_tokens=24, block_size=8))
-    native = NativeDrafter.load(drafter_folder, gguf_target, threads=1)
+    native = NativeDrafter.load(drafter_folder, gguf_target, LoadSpec(RuntimeConfig(threads=1)))
     native_ids, native_stats = run(gguf_target, native, prompt.tolist(), Settings(max_new_tokens=24, block_size=8))
     assert ids == native_ids == expected
     # Random weights accept nothing, so compare what the two drafters propose for the same context, step by step.
@@ -167,7 +169,7 @@ def proposals(target, drafter, prompt: list[int], continuation: list[int], size:
 def test_a_forward_without_features_skips_the_taps_for_its_positions_only(tiny_gguf, heldout):
     """features=False: no features for those positions; the next forward taps again (layer inputs and the last
     layer's output embeddings), its features and logits those of a run that tapped throughout."""
-    target = LlamaCppTarget.load(tiny_gguf["q8_0"], max_context=512, threads=1)
+    target = LlamaCppTarget.load(tiny_gguf["q8_0"], LoadSpec(RuntimeConfig(threads=1), max_context=512))
     target.set_feature_layers([1, 3, 7])
     prompt = torch.tensor(heldout[0])
     full = target.forward(prompt)
@@ -181,7 +183,7 @@ def test_a_forward_without_features_skips_the_taps_for_its_positions_only(tiny_g
 def test_taps_switch_only_in_forwards_that_change_them(tiny_gguf, heldout):
     """Choosing feature layers switches no llama.cpp tap (each switch re-plans its next decode): forwards switch
     them as they want features, and choosing the same layers again leaves them as they are."""
-    target = LlamaCppTarget.load(tiny_gguf["q8_0"], max_context=512, threads=1)
+    target = LlamaCppTarget.load(tiny_gguf["q8_0"], LoadSpec(RuntimeConfig(threads=1), max_context=512))
     switches, set_tap = [], target._set_tap
     target._set_tap = lambda ctx, layer, on: (switches.append((layer, on)), set_tap(ctx, layer, on))[1]
     prompt = torch.tensor(heldout[0])
@@ -200,8 +202,8 @@ def test_taps_switch_only_in_forwards_that_change_them(tiny_gguf, heldout):
 
 def test_drafter_choice(tiny_gguf):
     """auto: the native drafter beside a GGUF target on CPU (measured faster), torch otherwise; clear errors."""
-    gguf_target = LlamaCppTarget.load(tiny_gguf["f16"], max_context=2048, threads=1)
-    torch_target = TorchLlamaTarget.load(TINY / "target", max_context=2048)
+    gguf_target = LlamaCppTarget.load(tiny_gguf["f16"], LoadSpec(RuntimeConfig(threads=1), max_context=2048))
+    torch_target = TorchLlamaTarget.load(TINY / "target", LoadSpec(max_context=2048))
 
     def planned(path: Path, kind: str = "auto") -> LoadSpec:
         return plan_load(path, LoadSpec(RuntimeConfig(device="cpu", drafter=kind)))
@@ -212,7 +214,7 @@ def test_drafter_choice(tiny_gguf):
     with pytest.raises(DFlashError, match="needs a GGUF target"):
         load_drafter(TINY / "drafter", torch_target, LoadSpec(RuntimeConfig(device="cpu", drafter="native")))
     native = load_drafter(TINY / "drafter", gguf_target, planned(tiny_gguf["f16"]))
-    other = LlamaCppTarget.load(tiny_gguf["q8_0"], max_context=2048, threads=1)
+    other = LlamaCppTarget.load(tiny_gguf["q8_0"], LoadSpec(RuntimeConfig(threads=1), max_context=2048))
     with pytest.raises(DFlashError, match="only the GGUF target it was loaded with"):
         native.check_target(other)
 
@@ -241,8 +243,8 @@ def test_the_native_drafter_takes_features_past_the_range_of_f16(tiny_gguf, held
     """Gemma's tapped features reach 1e5, past F16's 65504: the native drafter's fc takes them whole (it drafted NaN
     when its fc weight was F16, whose activations llama.cpp rounds to F16). fc is followed by an RMS norm, so
     features scaled by 1e5 draft as the unscaled ones do, in both drafters."""
-    target = LlamaCppTarget.load(tiny_gguf["f16"], max_context=512, threads=1)
-    native = NativeDrafter.load(TINY / "drafter", target, threads=1)
+    target = LlamaCppTarget.load(tiny_gguf["f16"], LoadSpec(RuntimeConfig(threads=1), max_context=512))
+    native = NativeDrafter.load(TINY / "drafter", target, LoadSpec(RuntimeConfig(threads=1)))
     prompt = heldout[0]
     for model in (drafter, native):
         model.check_target(target)

@@ -15,6 +15,7 @@ from dflash_local.decode import Settings, run  # noqa: E402
 from dflash_local.drafters.native import NativeDrafter  # noqa: E402
 from dflash_local.gguf.convert import convert  # noqa: E402
 from dflash_local.llama_lib import loaded_library  # noqa: E402
+from dflash_local.runtime import LoadSpec, RuntimeConfig
 from dflash_local.targets.llamacpp import LlamaCppTarget, model_params  # noqa: E402
 
 TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"
@@ -65,8 +66,8 @@ def test_dflash_equals_llamacpp_one_token_greedy(kind, gguf_types, heldout, draf
     llama_decode. The torch and native drafters take turns by prompt (each meets every block on 5 prompts); the
     trained drafter's mean tau at block 16 is above 1.8 on every type."""
     expected = llamacpp_greedy(gguf_types[kind], heldout, monkeypatch)
-    target = LlamaCppTarget.load(gguf_types[kind], max_context=1024, threads=1)
-    drafters = (drafter, NativeDrafter.load(TINY / "drafter", target, threads=1))
+    target = LlamaCppTarget.load(gguf_types[kind], LoadSpec(RuntimeConfig(threads=1), max_context=1024))
+    drafters = (drafter, NativeDrafter.load(TINY / "drafter", target, LoadSpec(RuntimeConfig(threads=1))))
     taus = []
     for index, prompt in enumerate(heldout):
         for block, policy in ((4, None), (16, None), (None, auto_policy(drafter.block_size))):
@@ -82,7 +83,7 @@ def test_dflash_equals_llamacpp_one_token_greedy(kind, gguf_types, heldout, draf
 def test_a_verify_batch_has_the_logits_of_one_token_decodes(kind, gguf_types):
     """A 16-token forward's logits equal, in every bit, those of 16 one-token forwards after the same prefix (F16
     needs the libllama without tinyBLAS that install.sh builds; K-quants dflash's unrepacked, untiled matmuls)."""
-    target = LlamaCppTarget.load(gguf_types[kind], max_context=256, threads=1)
+    target = LlamaCppTarget.load(gguf_types[kind], LoadSpec(RuntimeConfig(threads=1), max_context=256))
     ids = torch.randint(5, target.vocab_size, (56,), generator=torch.Generator().manual_seed(0))
     target.forward(ids[:40], all_logits=False, features=False)
     together = target.forward(ids[40:], features=False).logits

@@ -54,13 +54,13 @@ def cached_ggufs() -> list[Path]:
 def test_embeddings_and_head_are_read_from_the_file_only_when_the_torch_drafter_asks(q8_gguf, prompt):
     """Native drafter: no vocab x hidden tensor in the target. Torch drafter: one head copy in its dtype, values equal
     to the whole dequantized tensor, and the same greedy ids."""
-    target = LlamaCppTarget.load(q8_gguf, max_context=512, threads=1)
-    native = NativeDrafter.load(TINY / "drafter", target, threads=1)
+    target = LlamaCppTarget.load(q8_gguf, LoadSpec(RuntimeConfig(threads=1), max_context=512))
+    native = NativeDrafter.load(TINY / "drafter", target, LoadSpec(RuntimeConfig(threads=1)))
     settings = Settings(max_new_tokens=12, block_size=8)
     expected, _ = run(target, None, prompt, Settings(max_new_tokens=12, draft=False))
     assert run(target, native, prompt, settings)[0] == expected
     assert vocab_matrices(target) == []
-    drafter = DFlashDrafter.load(TINY / "drafter", max_context=512)
+    drafter = DFlashDrafter.load(TINY / "drafter", LoadSpec(max_context=512))
     assert run(target, drafter, prompt, settings)[0] == expected
     (head,) = vocab_matrices(target)
     assert head.dtype == target.dtype == torch.float32
@@ -69,7 +69,9 @@ def test_embeddings_and_head_are_read_from_the_file_only_when_the_torch_drafter_
     assert torch.equal(head, full)
     ids = torch.tensor([[0, 5], [4095, 17]])
     assert torch.equal(target.embed(ids), full[ids])
-    assert torch.equal(LlamaCppTarget.load(q8_gguf, max_context=16, threads=1).embed(ids), full[ids])  # from the file
+    assert torch.equal(
+        LlamaCppTarget.load(q8_gguf, LoadSpec(RuntimeConfig(threads=1), max_context=16)).embed(ids), full[ids]
+    )  # from the file
     hidden = torch.randn(3, target.hidden_size, generator=torch.Generator().manual_seed(0))
     assert torch.equal(target.lm_head(hidden), hidden @ full.T)
 
@@ -78,33 +80,33 @@ def test_native_drafter_gguf_is_written_once_and_rebuilt_when_broken(q8_gguf, tm
     folder = tmp_path / "drafter"
     shutil.copytree(TINY / "drafter", folder)
     before = set(cached_ggufs())
-    target = LlamaCppTarget.load(q8_gguf, max_context=512, threads=1)
-    NativeDrafter.load(folder, target, threads=1)
+    target = LlamaCppTarget.load(q8_gguf, LoadSpec(RuntimeConfig(threads=1), max_context=512))
+    NativeDrafter.load(folder, target, LoadSpec(RuntimeConfig(threads=1)))
     (path,) = set(cached_ggufs()) - before
     first = path.stat()
     types = {t.name: t.tensor_type for t in gguf.GGUFReader(str(path)).tensors}
     assert types["blk.0.attn_q.weight"] == types["blk.0.ffn_down.weight"] == gguf.GGMLQuantizationType.F16
     assert types["fc.weight"] == types["output_norm.weight"] == gguf.GGMLQuantizationType.F32  # fc: raw features
-    NativeDrafter.load(folder, target, threads=1)
+    NativeDrafter.load(folder, target, LoadSpec(RuntimeConfig(threads=1)))
     again = path.stat()
     assert (again.st_ino, again.st_mtime_ns) == (first.st_ino, first.st_mtime_ns)
     for broken in (path.read_bytes()[: first.st_size // 2], b"not a gguf"):
         path.write_bytes(broken)
-        NativeDrafter.load(folder, target, threads=1)
+        NativeDrafter.load(folder, target, LoadSpec(RuntimeConfig(threads=1)))
         assert path.stat().st_size == first.st_size
     assert set(cached_ggufs()) - before == {path}  # no .partial file left behind
     rebuilt = path.stat()
     weights = folder / "model.safetensors"
     os.utime(weights, ns=(first.st_mtime_ns, first.st_mtime_ns + 10**9))  # the drafter changed: written anew, in place
-    NativeDrafter.load(folder, target, threads=1)
+    NativeDrafter.load(folder, target, LoadSpec(RuntimeConfig(threads=1)))
     assert path.stat().st_ino != rebuilt.st_ino and set(cached_ggufs()) - before == {path}
 
 
 def test_greedy_forward_returns_argmax_ids_and_native_drafter_rows_line_up(q8_gguf, prompt):
     """A greedy forward gives the logits' argmax and the same features; the native drafter's rows are the torch
     drafter's, and asking for fewer returns a prefix."""
-    target = LlamaCppTarget.load(q8_gguf, max_context=512, threads=1)
-    native = NativeDrafter.load(TINY / "drafter", target, threads=1)
+    target = LlamaCppTarget.load(q8_gguf, LoadSpec(RuntimeConfig(threads=1), max_context=512))
+    native = NativeDrafter.load(TINY / "drafter", target, LoadSpec(RuntimeConfig(threads=1)))
     target.set_feature_layers(native.target_layer_ids)
     block = torch.tensor(prompt[-12:])
     outs = []
@@ -117,7 +119,11 @@ def test_greedy_forward_returns_argmax_ids_and_native_drafter_rows_line_up(q8_gg
     assert torch.equal(ids.features, full.features)
     tokens = prompt + prompt[-12:]
     drafts = []
-    for drafter, rows in ((DFlashDrafter.load(TINY / "drafter", max_context=512), None), (native, None), (native, 3)):
+    for drafter, rows in (
+        (DFlashDrafter.load(TINY / "drafter", LoadSpec(max_context=512)), None),
+        (native, None),
+        (native, 3),
+    ):
         drafter.reset()
         target.reset()
         context = target.forward(torch.tensor(tokens[:-1]), all_logits=False).features
@@ -174,7 +180,7 @@ def test_second_load_parses_no_vocabulary_in_python_and_loads_it_once(q8_gguf, m
 
 def test_the_dimensions_are_one_record_wherever_read(q8_gguf):
     """The tiny target's dimensions read from its config.json (the torch target's config, memory estimates) and from
-    its GGUF (memory estimates, the training pipeline) are the same Dimensions."""
+    its GGUF (the llama.cpp target's header, memory estimates, the training pipeline) are the same Dimensions."""
     from dflash_local.memory_estimate import target_sizes
     from dflash_local.targets.torch_llama import TargetConfig
     from dflash_local.train.pipeline import gguf_target_config
@@ -185,3 +191,32 @@ def test_the_dimensions_are_one_record_wherever_read(q8_gguf):
     assert target_sizes(TINY / "target") == dims
     assert target_sizes(q8_gguf) == dims
     assert gguf_target_config(q8_gguf).dims == dims
+    assert read_gguf(q8_gguf).dims == dims
+
+
+def test_widths_stated_per_layer_read_as_zero(tmp_path):
+    """A hybrid model states its KV heads per layer: read_gguf (what the llama.cpp target checks) reads that width
+    as 0 and passes, while a memory estimate, which needs it, says in one sentence that it cannot read the shape."""
+    from dflash_local.memory_estimate import target_sizes
+
+    path = tmp_path / "hybrid.gguf"
+    writer = gguf.GGUFWriter(str(path), "lfm2")
+    writer.add_block_count(3)
+    writer.add_embedding_length(8)
+    writer.add_feed_forward_length(16)
+    writer.add_context_length(64)
+    writer.add_vocab_size(16)
+    writer.add_head_count(2)
+    writer.add_head_count_kv([0, 1, 0])
+    writer.add_tensor("token_embd.weight", gguf.np.zeros((16, 8), dtype=gguf.np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    dims = read_gguf(path).dims
+    assert (dims.hidden, dims.intermediate, dims.layers, dims.heads, dims.kv_heads) == (8, 16, 3, 2, 0)
+    assert (dims.head_dim, dims.vocab, dims.tied) == (4, 16, True)
+    with pytest.raises(DFlashError) as caught:
+        target_sizes(path)
+    reason = "a width varies by layer or is missing"
+    assert str(caught.value) == f"{path} is not a GGUF file whose shape can be read ({reason})."

@@ -19,6 +19,7 @@ from dflash_local.decode import Settings, run  # noqa: E402
 from dflash_local.gguf.file import read_gguf, read_header  # noqa: E402
 from dflash_local.gguf.tensors import HF_NAMES, QUANT_TYPES, decode_blocks, rope_rows  # noqa: E402
 from dflash_local.quant import GroupQuantEmbedding, GroupQuantLinear  # noqa: E402
+from dflash_local.runtime import LoadSpec, RuntimeConfig  # noqa: E402
 from dflash_local.targets.torch_llama import TorchLlamaTarget  # noqa: E402
 
 TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"
@@ -91,8 +92,8 @@ def dequantized_reference(target: TorchLlamaTarget, path: Path) -> TorchLlamaTar
 def test_f16_gguf_equals_the_safetensors_target(tiny_types) -> None:
     """Names, the llama q/k row order, RoPE and the tied head: an F16 GGUF of the bf16 checkpoint has its logits."""
     ids = torch.tensor([7, 300, 41, 12, 9, 77, 1000, 8, 5])
-    from_gguf = TorchLlamaTarget.load(tiny_types["f16"], max_context=64).forward(ids).logits
-    from_folder = TorchLlamaTarget.load(TINY / "target", max_context=64).forward(ids).logits
+    from_gguf = TorchLlamaTarget.load(tiny_types["f16"], LoadSpec(max_context=64)).forward(ids).logits
+    from_folder = TorchLlamaTarget.load(TINY / "target", LoadSpec(max_context=64)).forward(ids).logits
     torch.testing.assert_close(from_gguf, from_folder, rtol=1e-5, atol=1e-5)
 
 
@@ -100,11 +101,13 @@ def test_f16_gguf_equals_the_safetensors_target(tiny_types) -> None:
 def test_quantized_gguf_has_its_dequantized_logits(kind, tiny_types, heldout) -> None:
     """Every matrix loads quantized (the embedding and head too); logits within 1e-3 of the dequantized fp32 model's
     (relative to their largest magnitude) on 10 held-out prompts, and the same 16 greedy ids after the first 5."""
-    target = TorchLlamaTarget.load(tiny_types[kind], max_context=256)
+    target = TorchLlamaTarget.load(tiny_types[kind], LoadSpec(max_context=256))
     model = target.model
     assert isinstance(model.model.embed_tokens, GroupQuantEmbedding) and isinstance(model.lm_head, GroupQuantLinear)
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
-    reference = dequantized_reference(TorchLlamaTarget.load(tiny_types[kind], max_context=256), tiny_types[kind])
+    reference = dequantized_reference(
+        TorchLlamaTarget.load(tiny_types[kind], LoadSpec(max_context=256)), tiny_types[kind]
+    )
     for index, prompt in enumerate(heldout):
         got, want = target.forward(torch.tensor(prompt)).logits, reference.forward(torch.tensor(prompt)).logits
         target.reset(), reference.reset()
@@ -125,7 +128,7 @@ def auto_policy(block: int) -> BlockPolicy:
 def test_dflash_on_a_gguf_torch_target_equals_its_greedy_output(kind, tiny_types, heldout, drafter) -> None:
     """Blocks 4, 16 and auto on 2 held-out prompts, 40 tokens: the ids of plain greedy decoding on the same target;
     the trained drafter's mean tau at block 16 is above 1.8."""
-    target = TorchLlamaTarget.load(tiny_types[kind], max_context=512)
+    target = TorchLlamaTarget.load(tiny_types[kind], LoadSpec(max_context=512))
     taus = []
     for prompt in heldout[:2]:
         expected, _ = run(target, None, prompt, Settings(max_new_tokens=40, draft=False))
@@ -143,7 +146,7 @@ def test_a_gguf_file_through_load_models_on_the_torch_backend(tiny_types) -> Non
     from dataclasses import replace
 
     from dflash_local.generation import GenerationRequest, load_models, run_request
-    from dflash_local.runtime import LoadSpec, RuntimeConfig, plan_load
+    from dflash_local.runtime import LoadSpec, plan_load
     from dflash_local.targets import load_target
 
     path = tiny_types["q8_0"]

@@ -23,7 +23,7 @@ from dflash_local.decode import Settings, run
 from dflash_local.drafters.torch_drafter import DFlashDrafter
 from dflash_local.errors import DFlashError
 from dflash_local.layers import RMSNorm, set_kernels
-from dflash_local.runtime import RuntimeConfig
+from dflash_local.runtime import LoadSpec, RuntimeConfig
 from dflash_local.targets.torch_llama import TorchLlamaTarget
 
 BUNDLED = Path(__file__).parent.parent / "models" / "tiny"
@@ -117,10 +117,10 @@ def test_bad_kernel_settings_fail_in_one_sentence(monkeypatch) -> None:
     with pytest.raises(DFlashError, match="Unknown kernels 'cuda' \\(use auto, triton, torch\\)"):
         RuntimeConfig(kernels="cuda")
     with pytest.raises(DFlashError, match="Unknown kernels 'cuda' \\(use auto, triton, torch\\)"):
-        TorchLlamaTarget.load(BUNDLED / "target", kernels="cuda")
+        TorchLlamaTarget.load(BUNDLED / "target", LoadSpec(RuntimeConfig(kernels="cuda")))
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(DFlashError, match="off CUDA need TRITON_INTERPRET=1"):
-        DFlashDrafter.load(BUNDLED / "drafter", kernels="triton")
+        DFlashDrafter.load(BUNDLED / "drafter", LoadSpec(RuntimeConfig(kernels="triton")))
 
 
 TRITON_CALLS = (
@@ -139,8 +139,8 @@ def test_each_loaded_pair_keeps_its_own_kernel_mode(monkeypatch) -> None:
         monkeypatch.setattr(module, name, lambda *a, kernel=kernel, name=name: calls.update([name]) or kernel(*a))
     pairs = {
         mode: (
-            TorchLlamaTarget.load(BUNDLED / "target", max_context=64, kernels=mode),
-            DFlashDrafter.load(BUNDLED / "drafter", max_context=64, kernels=mode),
+            TorchLlamaTarget.load(BUNDLED / "target", LoadSpec(RuntimeConfig(kernels=mode), max_context=64)),
+            DFlashDrafter.load(BUNDLED / "drafter", LoadSpec(RuntimeConfig(kernels=mode), max_context=64)),
         )
         for mode in ("triton", "torch")
     }
@@ -161,8 +161,8 @@ def _same_with_both_backends(
     """The pair loaded once per kernel mode gives the same greedy ids and acceptance lengths; returns the lengths."""
     results = {}
     for mode in ("torch", "triton"):
-        loaded = TorchLlamaTarget.load(target, max_context=context, kernels=mode)
-        draft = DFlashDrafter.load(drafter, max_context=context, kernels=mode)
+        loaded = TorchLlamaTarget.load(target, LoadSpec(RuntimeConfig(kernels=mode), max_context=context))
+        draft = DFlashDrafter.load(drafter, LoadSpec(RuntimeConfig(kernels=mode), max_context=context))
         results[mode] = [_greedy(loaded, draft, prompt, tokens) for prompt in prompts]
     assert results["triton"] == results["torch"]
     return [length for _, lengths in results["torch"] for length in lengths]

@@ -11,13 +11,14 @@ import torch
 from reference import reference_layer_ids, reference_save_sharded
 
 from dflash_local.drafters.config import default_target_layer_ids
+from dflash_local.runtime import LoadSpec, RuntimeConfig
 from dflash_local.targets.torch_llama import TorchLlamaTarget
 
 IDS = torch.tensor([4, 8, 15, 16, 23, 42, 7, 1])
 
 
 def _logits(folder) -> torch.Tensor:
-    return TorchLlamaTarget.load(folder).forward(IDS, features=False).logits
+    return TorchLlamaTarget.load(folder, LoadSpec()).forward(IDS, features=False).logits
 
 
 def test_sharded_checkpoint(tmp_path, llama_target):
@@ -42,7 +43,7 @@ def test_transformers4_rope_config(tmp_path, llama_target):
 
 
 def test_tied_head_shares_embeddings(qwen3_target):
-    target = TorchLlamaTarget.load(qwen3_target)
+    target = TorchLlamaTarget.load(qwen3_target, LoadSpec())
     assert target.model.lm_head.weight.data_ptr() == target.model.model.embed_tokens.weight.data_ptr()
 
 
@@ -53,7 +54,7 @@ def test_default_layer_ids_match_reference():
 
 
 def test_rollback_recomputes_identically(llama_target):
-    target = TorchLlamaTarget.load(llama_target)
+    target = TorchLlamaTarget.load(llama_target, LoadSpec())
     whole = target.forward(IDS).logits
     target.rollback(3)
     again = target.forward(IDS[3:]).logits
@@ -68,8 +69,9 @@ def test_loading_the_bundled_pair_never_imports_torch_dynamo() -> None:
 
     code = (
         "import sys; from pathlib import Path; from dflash_local.drafters.torch_drafter import DFlashDrafter;"
-        "from dflash_local.targets.torch_llama import TorchLlamaTarget;"
-        "TorchLlamaTarget.load(Path(sys.argv[1]) / 'target'); DFlashDrafter.load(Path(sys.argv[1]) / 'drafter');"
+        "from dflash_local.targets.torch_llama import TorchLlamaTarget; from dflash_local.runtime import LoadSpec;"
+        "TorchLlamaTarget.load(Path(sys.argv[1]) / 'target', LoadSpec());"
+        "DFlashDrafter.load(Path(sys.argv[1]) / 'drafter', LoadSpec());"
         "print('torch._dynamo' in sys.modules)"
     )
     bundled = Path(__file__).resolve().parent.parent / "models" / "tiny"
@@ -84,7 +86,7 @@ def test_the_plan_decides_device_backend_and_drafter_kind_once() -> None:
     """runtime.plan_load: a folder runs on torch with the torch drafter (whatever --drafter-kind says); a GGUF file
     on the CPU runs on llama.cpp with the native drafter unless the drafter is quantized or torch is asked for; an
     explicit --backend torch on a GGUF keeps the torch drafter; a planned spec plans to itself."""
-    from dflash_local.runtime import LoadSpec, RuntimeConfig, plan_load
+    from dflash_local.runtime import LoadSpec, plan_load
 
     def planned(path: str, backend: str = "auto", kind: str = "auto", quantize: str | None = None) -> tuple:
         spec = plan_load(
@@ -109,7 +111,7 @@ def test_loading_reports_its_phases_to_the_spec_and_leaves_the_target_as_planned
     from dflash_local.drafters import load_drafter
     from dflash_local.generation import load_models
     from dflash_local.gguf.convert import convert
-    from dflash_local.runtime import LoadSpec, RuntimeConfig, plan_load
+    from dflash_local.runtime import LoadSpec, plan_load
     from dflash_local.targets import load_target
     from dflash_local.targets.llamacpp import LlamaCppTarget
 
@@ -121,7 +123,7 @@ def test_loading_reports_its_phases_to_the_spec_and_leaves_the_target_as_planned
     for kind, int8_head in (("torch", True), ("native", False)):
         spec = plan_load(gguf, LoadSpec(RuntimeConfig("cpu", drafter=kind), max_context=64))
         assert load_target(gguf, spec).int8_head is int8_head
-    target = LlamaCppTarget.load(gguf, max_context=64, threads=1)  # the head as floats
+    target = LlamaCppTarget.load(gguf, LoadSpec(RuntimeConfig(threads=1), max_context=64))  # the head as floats
     before = dict(vars(target))
     load_drafter(TINY / "drafter", target, plan_load(gguf, LoadSpec(RuntimeConfig("cpu", drafter="torch"))))
     assert vars(target).keys() == before.keys() and all(vars(target)[k] is v for k, v in before.items())

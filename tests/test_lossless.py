@@ -10,6 +10,7 @@ import torch
 from dflash_local.decode import Settings, run
 from dflash_local.drafters.torch_drafter import DFlashDrafter
 from dflash_local.errors import DFlashError
+from dflash_local.runtime import LoadSpec
 from dflash_local.targets.torch_llama import TorchLlamaTarget
 
 PROMPTS = [[random.Random(seed).randrange(60) for _ in range(1 + seed % 13)] for seed in range(20)]
@@ -51,7 +52,7 @@ class OracleDrafter:
 
 @pytest.fixture(scope="module")
 def target(llama_target) -> TorchLlamaTarget:
-    return TorchLlamaTarget.load(llama_target)
+    return TorchLlamaTarget.load(llama_target, LoadSpec())
 
 
 def _autoregressive(target, prompt, max_new_tokens, stop_ids=frozenset()):
@@ -96,8 +97,8 @@ def test_real_drafters_are_lossless(llama_target, qwen3_target, drafters, block_
     1% of steps accept one: the accept and rollback paths run, the oracle drafter above covers every length)."""
     steps = accepted = 0
     for (kind, depth), drafter_dir in drafters.items():
-        target = TorchLlamaTarget.load(llama_target if kind == "llama" else qwen3_target)
-        drafter = DFlashDrafter.load(drafter_dir)
+        target = TorchLlamaTarget.load(llama_target if kind == "llama" else qwen3_target, LoadSpec())
+        drafter = DFlashDrafter.load(drafter_dir, LoadSpec())
         for prompt in PROMPTS[depth::4]:
             prompt = [t % target.vocab_size for t in prompt]
             expected = _autoregressive(target, prompt, 33)
@@ -116,7 +117,7 @@ def test_first_token_can_stop(target):
 
 
 def test_context_limit_ends_generation(llama_target):
-    target = TorchLlamaTarget.load(llama_target, max_context=24)
+    target = TorchLlamaTarget.load(llama_target, LoadSpec(max_context=24))
     prompt = PROMPTS[5]
     expected = _autoregressive(target, prompt, 100)
     assert len(prompt) + len(expected) == 24

@@ -15,6 +15,7 @@ from dflash_local.decode import Settings, run
 from dflash_local.drafters.torch_drafter import DFlashDrafter
 from dflash_local.errors import DFlashError
 from dflash_local.quant import Int8Linear
+from dflash_local.runtime import LoadSpec
 from dflash_local.targets.torch_llama import TorchLlamaTarget
 
 BUNDLED = Path(__file__).parent.parent / "models" / "tiny"
@@ -48,13 +49,13 @@ def _linears(target: TorchLlamaTarget) -> dict[str, torch.nn.Module]:
 
 @pytest.fixture(scope="module")
 def bundled_nf4() -> TorchLlamaTarget:
-    return TorchLlamaTarget.load(BUNDLED / "target", max_context=256, quantize="nf4")
+    return TorchLlamaTarget.load(BUNDLED / "target", LoadSpec(max_context=256, quantize="nf4"))
 
 
 @pytest.mark.parametrize("source", ["fp32", "bf16"])
 def test_quantize_on_load(source: str, llama_target: Path) -> None:
     folder = llama_target if source == "fp32" else BUNDLED / "target"
-    plain, nf4 = TorchLlamaTarget.load(folder), TorchLlamaTarget.load(folder, quantize="nf4")
+    plain, nf4 = TorchLlamaTarget.load(folder, LoadSpec()), TorchLlamaTarget.load(folder, LoadSpec(quantize="nf4"))
     plain_linears = _linears(plain)
     for name, layer in _linears(nf4).items():
         assert isinstance(layer, bnb.nn.Linear4bit) and layer.weight.quant_state.quant_type == "nf4"
@@ -67,15 +68,15 @@ def test_quantize_on_load(source: str, llama_target: Path) -> None:
 
 
 def test_prequantized_round_trip(tmp_path: Path, llama_target: Path) -> None:
-    nf4 = TorchLlamaTarget.load(llama_target, quantize="nf4")
-    loaded = TorchLlamaTarget.load(save_prequantized(nf4, llama_target, tmp_path / "bnb4"))
+    nf4 = TorchLlamaTarget.load(llama_target, LoadSpec(quantize="nf4"))
+    loaded = TorchLlamaTarget.load(save_prequantized(nf4, llama_target, tmp_path / "bnb4"), LoadSpec())
     assert all(isinstance(layer, bnb.nn.Linear4bit) for layer in _linears(loaded).values())
     ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
     assert torch.equal(loaded.forward(ids).logits, nf4.forward(ids).logits)
 
 
 def test_nf4_dflash_is_lossless(bundled_nf4: TorchLlamaTarget) -> None:
-    drafter = DFlashDrafter.load(BUNDLED / "drafter", max_context=256)
+    drafter = DFlashDrafter.load(BUNDLED / "drafter", LoadSpec(max_context=256))
     lengths = []
     for prompt in PROMPTS:
         autoregressive, _ = run(bundled_nf4, None, prompt, Settings(max_new_tokens=40, draft=False))
@@ -87,9 +88,9 @@ def test_nf4_dflash_is_lossless(bundled_nf4: TorchLlamaTarget) -> None:
 
 def test_prequantized_dflash_is_lossless(tmp_path: Path, bundled_nf4: TorchLlamaTarget) -> None:
     target = TorchLlamaTarget.load(
-        save_prequantized(bundled_nf4, BUNDLED / "target", tmp_path / "bnb4"), max_context=256
+        save_prequantized(bundled_nf4, BUNDLED / "target", tmp_path / "bnb4"), LoadSpec(max_context=256)
     )
-    drafter = DFlashDrafter.load(BUNDLED / "drafter", max_context=256)
+    drafter = DFlashDrafter.load(BUNDLED / "drafter", LoadSpec(max_context=256))
     autoregressive, _ = run(bundled_nf4, None, PROMPTS[0], Settings(max_new_tokens=40, draft=False))
     drafted, _ = run(target, drafter, PROMPTS[0], Settings(max_new_tokens=40))
     assert drafted == autoregressive
@@ -97,7 +98,7 @@ def test_prequantized_dflash_is_lossless(tmp_path: Path, bundled_nf4: TorchLlama
 
 def test_unknown_quantization_is_refused(llama_target: Path) -> None:
     with pytest.raises(DFlashError, match="Unknown quantization 'int3'"):
-        TorchLlamaTarget.load(llama_target, quantize="int3")
+        TorchLlamaTarget.load(llama_target, LoadSpec(quantize="int3"))
 
 
 def test_other_quantized_checkpoints_are_refused(tmp_path: Path, llama_target: Path) -> None:
@@ -107,25 +108,27 @@ def test_other_quantized_checkpoints_are_refused(tmp_path: Path, llama_target: P
     config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(DFlashError, match="'gptq' are not supported"):
-        TorchLlamaTarget.load(folder)
+        TorchLlamaTarget.load(folder, LoadSpec())
 
 
 def test_malformed_quant_state_is_one_clear_error(tmp_path: Path, llama_target: Path) -> None:
-    folder = save_prequantized(TorchLlamaTarget.load(llama_target, quantize="nf4"), llama_target, tmp_path / "bnb4")
+    folder = save_prequantized(
+        TorchLlamaTarget.load(llama_target, LoadSpec(quantize="nf4")), llama_target, tmp_path / "bnb4"
+    )
     from safetensors.torch import load_file
 
     tensors = load_file(str(folder / "model.safetensors"))
     del tensors["model.layers.1.mlp.up_proj.weight.quant_state.bitsandbytes__nf4"]
     save_file(tensors, str(folder / "model.safetensors"))
     with pytest.raises(DFlashError, match=r"model\.layers\.1\.mlp\.up_proj\.weight cannot be loaded"):
-        TorchLlamaTarget.load(folder)
+        TorchLlamaTarget.load(folder, LoadSpec())
 
 
 @pytest.mark.parametrize("kind,layer_type", [("int8", Int8Linear), ("nf4", bnb.nn.Linear4bit)])
 def test_quantized_drafter_keeps_output_lossless(kind: str, layer_type: type) -> None:
     """On the CPU int8 is torch's weight-only kernel, NF4 bitsandbytes'; either way the output stays the target's."""
-    target = TorchLlamaTarget.load(BUNDLED / "target", max_context=256)
-    drafter = DFlashDrafter.load(BUNDLED / "drafter", max_context=256, quantize=kind)
+    target = TorchLlamaTarget.load(BUNDLED / "target", LoadSpec(max_context=256))
+    drafter = DFlashDrafter.load(BUNDLED / "drafter", LoadSpec(max_context=256, drafter_quantize=kind))
     linears = [m for name, m in drafter.model.layers.named_modules() if name.endswith("_proj")]
     assert len(linears) == 7 * drafter.cfg.dims.layers and all(isinstance(m, layer_type) for m in linears)
     lengths = []
@@ -139,7 +142,7 @@ def test_quantized_drafter_keeps_output_lossless(kind: str, layer_type: type) ->
 
 def test_unknown_drafter_quantization_is_refused() -> None:
     with pytest.raises(DFlashError, match="Unknown quantization 'fp8' \\(supported: int8, nf4\\)"):
-        DFlashDrafter.load(BUNDLED / "drafter", quantize="fp8")
+        DFlashDrafter.load(BUNDLED / "drafter", LoadSpec(drafter_quantize="fp8"))
 
 
 def unpacked(packed) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,7 +196,7 @@ def test_int8_drafter_quantizes_each_linear_from_its_stored_weights(monkeypatch:
             super().__init__(layer)
 
     monkeypatch.setattr(quant, "Int8Linear", Recording)
-    drafter = DFlashDrafter.load(BUNDLED / "drafter", max_context=256, quantize="int8")
+    drafter = DFlashDrafter.load(BUNDLED / "drafter", LoadSpec(max_context=256, drafter_quantize="int8"))
     stored = load_file(BUNDLED / "drafter" / "model.safetensors")
     assert seen == [torch.bfloat16] * 7 * drafter.cfg.dims.layers
     down = drafter.model.layers[0].mlp.down_proj
@@ -218,11 +221,11 @@ def test_a_missing_or_misshapen_drafter_tensor_is_one_clear_error(tmp_path: Path
     shape = tuple(tensors.pop(name).shape)
     save_file(tensors, folder / "model.safetensors")
     with pytest.raises(DFlashError, match=rf"^{folder} lacks the drafter tensor {name}\.$"):
-        DFlashDrafter.load(folder, quantize=quantize)
+        DFlashDrafter.load(folder, LoadSpec(drafter_quantize=quantize))
     save_file(tensors | {name: torch.zeros(3, 4, dtype=torch.bfloat16)}, folder / "model.safetensors")
     message = rf"^{folder}: drafter tensor {name} has shape \(3, 4\), the config implies \({shape[0]}, {shape[1]}\)\.$"
     with pytest.raises(DFlashError, match=message):
-        DFlashDrafter.load(folder, quantize=quantize)
+        DFlashDrafter.load(folder, LoadSpec(drafter_quantize=quantize))
 
 
 def test_cpu_fp32_drafter_runs_its_16bit_linears_through_fp16_gemm(tmp_path: Path) -> None:
@@ -232,7 +235,7 @@ def test_cpu_fp32_drafter_runs_its_16bit_linears_through_fp16_gemm(tmp_path: Pat
 
     from dflash_local.quant import Fp16Linear
 
-    drafter = DFlashDrafter.load(BUNDLED / "drafter", max_context=256)
+    drafter = DFlashDrafter.load(BUNDLED / "drafter", LoadSpec(max_context=256))
     linears = [m for name, m in drafter.model.layers.named_modules() if name.endswith("_proj")]
     assert len(linears) == 7 * drafter.cfg.dims.layers and all(isinstance(m, Fp16Linear) for m in linears)
     stored = load_file(BUNDLED / "drafter" / "model.safetensors")
@@ -246,6 +249,6 @@ def test_cpu_fp32_drafter_runs_its_16bit_linears_through_fp16_gemm(tmp_path: Pat
     wide["layers.0.mlp.up_proj.weight"] = stored["layers.0.mlp.up_proj.weight"]
     wide["layers.0.mlp.up_proj.weight"][0, 0] = 1e5  # bf16 holds it, fp16 does not
     save_file(wide, folder / "model.safetensors")
-    plain = DFlashDrafter.load(folder, max_context=256)
+    plain = DFlashDrafter.load(folder, LoadSpec(max_context=256))
     assert not any(isinstance(m, Fp16Linear) for m in plain.model.layers.modules())
     assert plain.model.layers[0].mlp.up_proj.weight.dtype == torch.float32

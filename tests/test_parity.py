@@ -8,6 +8,7 @@ from reference import reference_draft_logits, reference_forward, reference_gener
 
 from dflash_local.decode import Settings, run
 from dflash_local.drafters.torch_drafter import DFlashDrafter
+from dflash_local.runtime import LoadSpec
 from dflash_local.targets.torch_llama import TorchLlamaTarget
 
 PROMPTS = ([5], [3, 9, 27, 14, 2], [7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9, 0, 4, 5, 2, 3], list(range(10, 40)))
@@ -16,7 +17,7 @@ PROMPTS = ([5], [3, 9, 27, 14, 2], [7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9, 0, 4, 5,
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_target_logits_and_features_match_transformers(kind, llama_target, qwen3_target):
     folder = llama_target if kind == "llama" else qwen3_target
-    ours = TorchLlamaTarget.load(folder)
+    ours = TorchLlamaTarget.load(folder, LoadSpec())
     ours.set_feature_layers([0, 2, 3])
     ids = torch.arange(1, 26) % 40
     expected_logits, hidden = reference_forward(folder, ids.tolist())
@@ -32,7 +33,7 @@ def test_target_logits_and_features_match_transformers(kind, llama_target, qwen3
 def test_generation_matches_reference(kind, depth, llama_target, qwen3_target, drafters):
     target_dir = llama_target if kind == "llama" else qwen3_target
     drafter_dir = drafters[kind, depth]
-    target, drafter = TorchLlamaTarget.load(target_dir), DFlashDrafter.load(drafter_dir)
+    target, drafter = TorchLlamaTarget.load(target_dir, LoadSpec()), DFlashDrafter.load(drafter_dir, LoadSpec())
     accepted_beyond_one = 0
     for prompt in PROMPTS[: 2 + depth % 2 * 2]:
         for block_size in (2, 5, 16):
@@ -46,7 +47,7 @@ def test_generation_matches_reference(kind, depth, llama_target, qwen3_target, d
 
 def test_draft_step_logits_match_reference(qwen3_target, drafters):
     drafter_dir = drafters["qwen3", 2]
-    target, drafter = TorchLlamaTarget.load(qwen3_target), DFlashDrafter.load(drafter_dir)
+    target, drafter = TorchLlamaTarget.load(qwen3_target, LoadSpec()), DFlashDrafter.load(drafter_dir, LoadSpec())
     target.set_feature_layers(drafter.target_layer_ids)
     ids = torch.tensor([3, 9, 27, 14, 2, 8, 8, 30, 1, 5])
     # Two steps: 6 context positions then 4 more, so the second step reads the drafter's cache.

@@ -39,6 +39,7 @@ from tiny_models import make_drafter, make_target
 from dflash_local.block_policy import AcceptanceEstimate, BlockPolicy, CostTable
 from dflash_local.decode import Settings, run
 from dflash_local.drafters.torch_drafter import DFlashDrafter
+from dflash_local.runtime import LoadSpec, RuntimeConfig
 from dflash_local.sampling import SamplingParams
 from dflash_local.targets.llamacpp import LlamaCppTarget, model_params
 from dflash_local.targets.torch_llama import TorchLlamaTarget
@@ -154,9 +155,9 @@ def kinds(folders, tmp_path_factory) -> Callable[[str], Kind]:
     def build(name: str) -> Kind:
         reference = functools.partial(reference_next_logits, folders["target"])
         if name == "torch":
-            return Kind(TorchLlamaTarget.load(folders["target"], max_context=64), reference)
+            return Kind(TorchLlamaTarget.load(folders["target"], LoadSpec(max_context=64)), reference)
         if name == "int4":
-            target = TorchLlamaTarget.load(folders["target"], max_context=64, quantize="int4")
+            target = TorchLlamaTarget.load(folders["target"], LoadSpec(max_context=64, quantize="int4"))
             plain = dequantized_folder(target, folders["target"], tmp_path_factory.mktemp("int4") / "dequantized")
             return Kind(target, functools.partial(reference_next_logits, plain))
         if name == "gguf-torch":
@@ -164,10 +165,11 @@ def kinds(folders, tmp_path_factory) -> Callable[[str], Kind]:
                 folders["gguf"], folders["target"], tmp_path_factory.mktemp("gguf") / "plain"
             )
             return Kind(
-                TorchLlamaTarget.load(folders["gguf"], max_context=64), functools.partial(reference_next_logits, plain)
+                TorchLlamaTarget.load(folders["gguf"], LoadSpec(max_context=64)),
+                functools.partial(reference_next_logits, plain),
             )
         own = llamacpp_next_logits(folders["gguf"])
-        return Kind(LlamaCppTarget.load(folders["gguf"], max_context=64, threads=1), own)
+        return Kind(LlamaCppTarget.load(folders["gguf"], LoadSpec(RuntimeConfig(threads=1), max_context=64)), own)
 
     return build
 
@@ -197,7 +199,7 @@ def test_sampled_continuations_follow_the_independent_distribution(name, params,
     kind = kinds(name)
     exact = continuations(kind.next_logits, PROMPT, NEW_TOKENS, params.temperature, params.top_k, params.top_p)
     samples = samples_for_power(EFFECT_FLOOR, exact)
-    drafter = DFlashDrafter.load(folders["drafter"], max_context=64)
+    drafter = DFlashDrafter.load(folders["drafter"], LoadSpec(max_context=64))
     policy, used = short_block_policy(drafter.block_size), []
     choose = policy.choose
     policy.choose = lambda limit: used.append(choose(limit)) or used[-1]

@@ -15,6 +15,7 @@ from dflash_local.block_policy import AcceptanceEstimate, BlockPolicy, CostTable
 from dflash_local.decode import Settings, run
 from dflash_local.drafters.torch_drafter import DFlashDrafter
 from dflash_local.errors import DFlashError
+from dflash_local.runtime import LoadSpec
 from dflash_local.sampling import SamplingParams, probabilities
 from dflash_local.targets.torch_llama import TorchLlamaTarget
 
@@ -27,7 +28,7 @@ def pair(tmp_path_factory):
     folder = tmp_path_factory.mktemp("small_vocab")
     target_dir = make_target(folder / "target", vocab_size=VOCAB, hidden_size=32, seed=5, std=0.5)
     drafter_dir = make_drafter(folder / "drafter", target_dir, num_layers=1, target_layer_ids=[1], seed=6, std=0.5)
-    return TorchLlamaTarget.load(target_dir), DFlashDrafter.load(drafter_dir)
+    return TorchLlamaTarget.load(target_dir, LoadSpec()), DFlashDrafter.load(drafter_dir, LoadSpec())
 
 
 def _exact_distribution(target, params: SamplingParams) -> dict[tuple[int, ...], float]:

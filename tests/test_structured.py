@@ -15,6 +15,7 @@ from dflash_local.decode import Settings, run
 from dflash_local.drafters.torch_drafter import DFlashDrafter
 from dflash_local.errors import DFlashError
 from dflash_local.grammar import Grammar, compile_grammar, json_schema_grammar, load_schema
+from dflash_local.runtime import LoadSpec, RuntimeConfig
 from dflash_local.sampling import SamplingParams, mask_scores, probabilities
 from dflash_local.targets.torch_llama import TorchLlamaTarget
 from dflash_local.tokenizer import TextTokenizer, stop_token_ids
@@ -61,7 +62,10 @@ def conforms(value, schema: dict) -> bool:
 
 @pytest.fixture(scope="module")
 def tiny():
-    target, drafter = TorchLlamaTarget.load(TINY / "target"), DFlashDrafter.load(TINY / "drafter")
+    target, drafter = (
+        TorchLlamaTarget.load(TINY / "target", LoadSpec()),
+        DFlashDrafter.load(TINY / "drafter", LoadSpec()),
+    )
     tokenizer, stops = TextTokenizer.load(TINY / "target"), stop_token_ids(TINY / "target")
     grammar = compile_grammar(json_schema_grammar(RECORD), tokenizer, target.vocab_size, stops)
     return target, drafter, tokenizer, grammar
@@ -210,7 +214,7 @@ def test_gguf_target_equals_plain_decoding(tiny_gguf, heldout, drafter):
     from dflash_local.gguf.tokenizer import GGUFTokenizer
     from dflash_local.targets.llamacpp import LlamaCppTarget
 
-    target = LlamaCppTarget.load(tiny_gguf["f16"], max_context=512, threads=1)
+    target = LlamaCppTarget.load(tiny_gguf["f16"], LoadSpec(RuntimeConfig(threads=1), max_context=512))
     tokenizer = GGUFTokenizer.of_target(target)
     grammar = compile_grammar(json_schema_grammar(RECORD), tokenizer, target.vocab_size, target.stop_ids)
     for prompt in heldout[:3]:

@@ -13,6 +13,7 @@ from dflash_local.block_policy import expected_tokens
 from dflash_local.decode import Settings, run
 from dflash_local.dimensions import Dimensions
 from dflash_local.drafters.torch_drafter import DFlashDrafter
+from dflash_local.runtime import LoadSpec
 from dflash_local.targets.torch_llama import TorchLlamaTarget
 
 
@@ -25,8 +26,8 @@ def test_small_shapes_load_and_decode(monkeypatch, tmp_path):
     for name, shape in shapes.items():
         target_dir, drafter_dir = write_pair(name, tmp_path / name)
         assert json.loads((target_dir / "config.json").read_text())["model_type"] == shape.family
-        target = TorchLlamaTarget.load(target_dir, max_context=64)
-        drafter = DFlashDrafter.load(drafter_dir, max_context=64)
+        target = TorchLlamaTarget.load(target_dir, LoadSpec(max_context=64))
+        drafter = DFlashDrafter.load(drafter_dir, LoadSpec(max_context=64))
         assert (target.vocab_size, target.num_layers, drafter.block_size) == (300, 4, 8)
         assert drafter.target_layer_ids == list(shape.target_layer_ids)
         prompt = [5, 7, 11, 13]
@@ -46,7 +47,7 @@ def test_large_models_are_written_in_shards(monkeypatch, tmp_path):
     files = set(index["weight_map"].values())
     assert len(files) > 3 and all((target_dir / f).is_file() for f in files)
     assert not (target_dir / "model.safetensors").exists()
-    target = TorchLlamaTarget.load(target_dir, max_context=32)
+    target = TorchLlamaTarget.load(target_dir, LoadSpec(max_context=32))
     assert target.num_layers == 6
 
 

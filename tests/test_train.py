@@ -13,6 +13,7 @@ from tiny_models import add_char_tokenizer, make_target
 
 from dflash_local.decode import Settings, run
 from dflash_local.drafters.torch_drafter import DFlashDrafter
+from dflash_local.runtime import LoadSpec, RuntimeConfig
 from dflash_local.targets.torch_llama import TorchLlamaTarget
 from dflash_local.train.pipeline import DistillProgress, TrainRequest, run_training
 from dflash_local.train.selfdistill import DistillSettings
@@ -80,8 +81,8 @@ def test_training_learns_and_exports(setup, tmp_path):
     assert len(losses) == 60
     assert sum(losses[-10:]) / 10 < 0.8 * sum(losses[:10]) / 10
 
-    target = TorchLlamaTarget.load(target_dir)
-    drafter = DFlashDrafter.load(tmp_path / "drafter")
+    target = TorchLlamaTarget.load(target_dir, LoadSpec())
+    drafter = DFlashDrafter.load(tmp_path / "drafter", LoadSpec())
     assert drafter.block_size == 4 and drafter.cfg.mask_token_id == 95
     prompt = [10, 20, 30, 40]
     expected, _ = run(target, None, prompt, Settings(max_new_tokens=30, draft=False))
@@ -168,8 +169,8 @@ def test_a_gguf_target_trains_a_reduced_vocabulary_drafter_both_drafters_run(tin
     )
     events = [e for e in run_training(request) if not isinstance(e, DistillProgress)]
     assert [e.step for e in events] == list(range(1, 13))
-    target = LlamaCppTarget.load(tiny_gguf["q8_0"], max_context=512, threads=1)
-    drafter = DFlashDrafter.load(tmp_path / "drafter", max_context=512)
+    target = LlamaCppTarget.load(tiny_gguf["q8_0"], LoadSpec(RuntimeConfig(threads=1), max_context=512))
+    drafter = DFlashDrafter.load(tmp_path / "drafter", LoadSpec(max_context=512))
     assert drafter.model.d2t.shape == (300,) and len(set(drafter.model.d2t.tolist())) == 300
     shard = load_shards(tmp_path / "drafter.work" / "data")[0]
     ids, length = shard["tokens"][0].tolist(), int(shard["lengths"][0])
@@ -189,7 +190,7 @@ def test_a_gguf_target_trains_a_reduced_vocabulary_drafter_both_drafters_run(tin
     assert torch.allclose(shard["soft_logits"][0, first:length].float(), values, atol=5e-2)
     prompt = ids[:10]
     plain, _ = run(target, None, prompt, Settings(max_new_tokens=24, draft=False))
-    for each in (drafter, NativeDrafter.load(tmp_path / "drafter", target, threads=1)):
+    for each in (drafter, NativeDrafter.load(tmp_path / "drafter", target, LoadSpec(RuntimeConfig(threads=1)))):
         assert run(target, each, prompt, Settings(max_new_tokens=24, block_size=4))[0] == plain
     resumed = replace(request, resume=True, train=replace(request.train, steps=18))
     assert [e.step for e in run_training(resumed) if not isinstance(e, DistillProgress)] == list(range(13, 19))
@@ -216,7 +217,7 @@ def test_the_exported_fc_takes_raw_features(tmp_path):
     scale = torch.logspace(-2, 4, 128)  # channels 10^6 apart, as Gemma's layers and outliers are
     raw = torch.randn(5, 128) * scale
     save_drafter(model, config, tmp_path / "d", scale)
-    loaded = DFlashDrafter.load(tmp_path / "d")
+    loaded = DFlashDrafter.load(tmp_path / "d", LoadSpec())
     expected = model.project_context(raw / scale)
     assert torch.allclose(loaded.model.project_context(raw), expected, rtol=2e-2, atol=2e-2)
     assert not torch.allclose(model.project_context(raw), expected, rtol=2e-2, atol=2e-2)

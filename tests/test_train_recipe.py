@@ -18,6 +18,7 @@ from tiny_models import add_char_tokenizer, make_drafter, make_target
 
 from dflash_local.errors import DFlashError
 from dflash_local.layers import rope_cos_sin
+from dflash_local.runtime import LoadSpec
 from dflash_local.targets.torch_llama import TorchLlamaTarget
 from dflash_local.train.evaluate import summarise, walk
 from dflash_local.train.pipeline import DistillProgress, TrainRequest, run_training
@@ -74,7 +75,7 @@ def test_distilled_soft_labels_are_the_targets_top_logits(setup, tmp_path):
     target_dir, corpus = setup
     list(run_training(_request(target_dir, corpus, tmp_path / "d", steps=0)))
     shard = load_shards(tmp_path / "d.work" / "data")[0]
-    model = TorchLlamaTarget.load(target_dir).model
+    model = TorchLlamaTarget.load(target_dir, LoadSpec()).model
     for row in range(len(shard["lengths"])):
         length, first = int(shard["lengths"][row]), int(shard["prompt_lengths"][row])
         ids = shard["tokens"][row, :length].long()[None]
@@ -107,7 +108,7 @@ def test_init_target_first_forward_equals_the_target_layers(setup):
     """Drafter layers 0, 1 are target layers 4, 5; with fc the identity on layer 3's output and hidden_norm layer 4's
     input norm, the first drafter layer over layer 3's output (the context) gives layer 4's output."""
     target_dir, _ = setup
-    target = TorchLlamaTarget.load(target_dir)
+    target = TorchLlamaTarget.load(target_dir, LoadSpec())
     model = target.model
     config = drafter_config(target.cfg, 2, 4, [1, 2, 3], 95)
     initial, started = from_target(torch_layer_reader(model), config)

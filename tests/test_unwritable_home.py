@@ -20,3 +20,23 @@ def test_an_unwritable_dflash_home_is_one_warning_and_the_answer_still_comes(tmp
         f"warning: {home / 'block-costs'} is not writable (Not a directory): block sizes are timed afresh at every "
         "load; set DFLASH_HOME to a writable folder to keep them."
     ]
+
+
+def test_loading_returns_the_warning_and_prints_nothing(tmp_path: Path, monkeypatch, capfd):
+    """Below the CLI the warning is data: load_models hands it back in LoadedModels.warnings (once) and writes
+    nothing to stdout or stderr; a writable folder warns of nothing."""
+    from dflash_local.generation import load_models
+    from dflash_local.runtime import LoadSpec
+
+    tiny = Path(__file__).resolve().parent.parent / "models" / "tiny"
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("DFLASH_HOME", str(blocker / "dflash"))
+    models = load_models(tiny / "target", tiny / "drafter", LoadSpec(max_context=512))
+    assert models.warnings == (
+        f"warning: {blocker / 'dflash' / 'block-costs'} is not writable (Not a directory): block sizes are timed "
+        "afresh at every load; set DFLASH_HOME to a writable folder to keep them.",
+    )
+    assert capfd.readouterr() == ("", "")
+    monkeypatch.setenv("DFLASH_HOME", str(tmp_path / "writable"))
+    assert load_models(tiny / "target", tiny / "drafter", LoadSpec(max_context=512)).warnings == ()

@@ -19,6 +19,7 @@ from torch import nn
 from dflash_local.decode import Settings, run
 from dflash_local.drafters.torch_drafter import DFlashDrafter
 from dflash_local.quant import GroupQuantEmbedding, GroupQuantLinear, quantize_int4
+from dflash_local.runtime import LoadSpec, RuntimeConfig
 from dflash_local.targets.torch_llama import TorchLlamaTarget
 
 BUNDLED = Path(__file__).parent.parent / "models" / "tiny"
@@ -107,7 +108,8 @@ def test_quantized_target_through_the_kernel(source, q4_k_m) -> None:
     through the reference; DFlash on the int4 target equals its plain greedy output."""
     path, quantize = (q4_k_m, None) if source == "q4_k_m" else (BUNDLED / "target", "int4")
     target, triton = (
-        TorchLlamaTarget.load(path, max_context=64, quantize=quantize, kernels=mode) for mode in ("torch", "triton")
+        TorchLlamaTarget.load(path, LoadSpec(RuntimeConfig(kernels=mode), max_context=64, quantize=quantize))
+        for mode in ("torch", "triton")
     )
     assert sum(isinstance(m, GroupQuantLinear) for m in target.model.modules()) >= 56
     ids = torch.tensor([7, 300, 41, 12, 9, 77, 1000, 8, 5])
@@ -115,7 +117,7 @@ def test_quantized_target_through_the_kernel(source, q4_k_m) -> None:
     if source == "int4":
         prompt = ids.tolist()
         expected, _ = run(target, None, prompt, Settings(max_new_tokens=24, draft=False))
-        drafter = DFlashDrafter.load(BUNDLED / "drafter", max_context=64)
+        drafter = DFlashDrafter.load(BUNDLED / "drafter", LoadSpec(max_context=64))
         assert run(target, drafter, prompt, Settings(max_new_tokens=24, block_size=16))[0] == expected
 
 

@@ -1,4 +1,5 @@
-"""The policy's cache file: a pair's costs and its drafter's history on this machine, kept between loads."""
+"""The policy's cache file: a pair's costs and its drafter's history on this machine, kept between loads, where it
+lives (its identity) and whether it can be kept."""
 
 from __future__ import annotations
 
@@ -6,9 +7,42 @@ import contextlib
 import json
 from pathlib import Path
 
-from ..atomic import write_text_atomic
+import torch
+
+from ..atomic import unwritable_reason, write_text_atomic
+from ..drafters.base import Drafter
+from ..paths import files_identity, identity_key, state_dir
+from ..runtime import LoadSpec, pick_dtype
+from ..targets.base import Target
 from .acceptance import HISTORY_DECAY, AcceptanceEstimate
 from .costs import CostTable
+
+
+def costs_file(target_path: Path, drafter_path: Path, target: Target, drafter: Drafter, spec: LoadSpec) -> Path:
+    """Where the pair's measured costs per block size are kept: keyed by both models' files, the backend and drafter
+    kind, the device, dtype and threads (any change there times the sizes afresh)."""
+    identity = {
+        "target": files_identity(target_path),
+        "drafter": files_identity(drafter_path),
+        "backend": type(target).__name__,
+        "drafter_kind": type(drafter).__name__,
+        "device": spec.runtime.device,
+        "dtype": str(pick_dtype(spec.runtime.dtype, spec.runtime.device)),
+        "threads": torch.get_num_threads(),
+    }
+    return state_dir() / "block-costs" / f"{identity_key(identity)}.json"
+
+
+def unwritable_warning(path: Path) -> str | None:
+    """The user's warning where the cache file's folder cannot be written (the sizes are then timed at every load);
+    None where it can."""
+    reason = unwritable_reason(path.parent)
+    if reason is None:
+        return None
+    return (
+        f"warning: {path.parent} is not writable ({reason}): block sizes are timed afresh at every load; "
+        "set DFLASH_HOME to a writable folder to keep them."
+    )
 
 
 def read_policy(path: Path, block_size: int) -> tuple[CostTable, AcceptanceEstimate] | None:

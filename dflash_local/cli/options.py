@@ -64,7 +64,7 @@ class ModelOptions:
 
     def load(self, resolved: ResolvedModel, drafter: Path | None, backend: str, auto_block: bool) -> LoadedModels:
         """Load the resolved target and `drafter` (None: none) with `backend`, running as these options say; loading
-        reports its phases to `progress`."""
+        reports its phases to `progress`, and what it warns of goes to stderr."""
         from ..generation import load_models
         from ..runtime import LoadSpec, RuntimeConfig
 
@@ -80,7 +80,10 @@ class ModelOptions:
         )
         if self.progress is not None:
             spec = spec.reporting_to(self.progress)
-        return load_models(resolved.target, drafter, spec, auto_block=auto_block)
+        models = load_models(resolved.target, drafter, spec, auto_block=auto_block)
+        for warning in models.warnings:
+            typer.echo(warning, err=True)
+        return models
 
 
 @dataclass(frozen=True)

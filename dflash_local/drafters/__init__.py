@@ -3,11 +3,12 @@ torch one (torch_drafter) or llama.cpp's native one (native), as the load spec's
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import DFlashError
-from ..runtime import LoadSpec, pick_dtype
+from ..runtime import LoadSpec
 from ..targets.base import Target
 from .torch_drafter import DFlashDrafter
 
@@ -24,16 +25,7 @@ def load_drafter(folder: str | Path, target: Target, spec: LoadSpec) -> DFlashDr
     if runtime.drafter == "native":
         from .native import NativeDrafter
 
-        return NativeDrafter.load(folder, target)
+        return NativeDrafter.load(folder, target, spec)
     if runtime.drafter == "torch":
-        dtype = pick_dtype(runtime.dtype, runtime.device)
-        return DFlashDrafter.load(
-            folder,
-            dtype,
-            runtime.device,
-            target.max_context,
-            spec.drafter_quantize,
-            runtime.cuda_graphs,
-            runtime.kernels,
-        )
+        return DFlashDrafter.load(folder, replace(spec, max_context=target.max_context))
     raise DFlashError(f"Unknown drafter kind '{runtime.drafter}' (use torch or native, or auto before planning).")

@@ -23,6 +23,7 @@ from ..gguf.file import read_header
 from ..gguf.shape import LAYER_TENSORS, add_shape, rope_factors
 from ..llama_lib import llama_cpp
 from ..paths import files_identity, identity_key, state_dir
+from ..runtime import LoadSpec
 from ..targets.llama_taps import first_llama_error, quiet_llama_logs
 from ..targets.llamacpp import BATCH, LlamaCppTarget
 from ..weights import load_weights, read_config
@@ -145,8 +146,8 @@ class NativeDrafter:
         self.cache_owner: object | None = None  # the Session that last filled its cache
 
     @classmethod
-    def load(cls, folder: str | Path, target: LlamaCppTarget, threads: int | None = None) -> NativeDrafter:
-        """Load the drafter folder's cached GGUF (written on first use) beside `target`."""
+    def load(cls, folder: str | Path, target: LlamaCppTarget, spec: LoadSpec) -> NativeDrafter:
+        """Load the drafter folder's cached GGUF (written on first use) beside `target`, on spec's CPU threads."""
         folder = Path(folder)
         cfg = DrafterConfig.from_dict(read_config(folder), folder)
         if not isinstance(target, LlamaCppTarget):
@@ -161,7 +162,7 @@ class NativeDrafter:
             raise DFlashError(f"llama.cpp could not load the drafter {folder} ({first_llama_error() or 'no reason'}).")
         params = llama_cpp.llama_context_default_params()
         params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = target.max_context, BATCH, BATCH, 1
-        params.n_threads = params.n_threads_batch = threads or torch.get_num_threads()
+        params.n_threads = params.n_threads_batch = spec.runtime.threads or torch.get_num_threads()
         params.ctx_other = target._ctx
         ctx = llama_cpp.llama_init_from_model(model, params)
         if not ctx:

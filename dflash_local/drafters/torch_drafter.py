@@ -13,7 +13,7 @@ from ..errors import DFlashError
 from ..kernels import block_attention, visibility_mask
 from ..layers import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq, set_kernels
 from ..quant import DRAFTER_QUANT_TYPES, check_quantize, quantized_linear
-from ..runtime import check_kernels
+from ..runtime import LoadSpec, check_kernels, pick_dtype
 from ..targets.base import Target
 from ..weights import read_config, read_weights
 from .config import DrafterConfig, check_fits
@@ -138,23 +138,18 @@ class DFlashDrafter:
         self._draft_head: tuple[int, torch.Tensor] | None = None  # (id of its target, the head's d2t rows)
 
     @classmethod
-    def load(
-        cls,
-        folder: str | Path,
-        dtype: torch.dtype = torch.float32,
-        device: str = "cpu",
-        max_context: int = 4096,
-        quantize: str | None = None,
-        cuda_graphs: bool = True,
-        kernels: str = "auto",
-    ) -> DFlashDrafter:
-        """Build the drafter from a published-layout folder (config.json + model.safetensors).
+    def load(cls, folder: str | Path, spec: LoadSpec) -> DFlashDrafter:
+        """Build the drafter from a published-layout folder (config.json + model.safetensors) as `spec` says, its
+        cache spec.max_context long.
 
-        quantize="int8" or "nf4" makes its layers' linears 8- or 4-bit (see quant.py); drafts may change, output not.
-        Unquantized in fp32 on the CPU, 16-bit stored linears run as quant.Fp16Linear (the same weights, faster).
-        kernels: the mode its layers run kernels in (kernels.MODES).
+        spec.drafter_quantize="int8" or "nf4" makes its layers' linears 8- or 4-bit (see quant.py); drafts may change,
+        output not. Unquantized in fp32 on the CPU, 16-bit stored linears run as quant.Fp16Linear (the same weights,
+        faster). Its layers run kernels in spec.runtime.kernels' mode.
         """
         folder = Path(folder)
+        runtime, max_context, quantize = spec.runtime, spec.max_context, spec.drafter_quantize
+        device, cuda_graphs, kernels = runtime.device, runtime.cuda_graphs, runtime.kernels
+        dtype = pick_dtype(runtime.dtype, device)
         check_kernels(kernels, device)
         check_quantize(quantize, DRAFTER_QUANT_TYPES)
         cfg = DrafterConfig.from_dict(read_config(folder), folder)

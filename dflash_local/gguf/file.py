@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 
+from ..dimensions import Dimensions
 from ..errors import DFlashError
 
 _SCALARS = {
@@ -168,13 +169,11 @@ def read_header(path: Path, strings: Collection[str] = ()) -> GGUFHeader:
 
 @dataclass
 class GGUFModel:
-    """A validated GGUF target: its hyperparameters and tensor table."""
+    """A validated GGUF target: its architecture, dimensions, trained context, end-of-sequence ids and tensor table."""
 
     path: Path
     architecture: str
-    num_layers: int
-    hidden_size: int
-    vocab_size: int
+    dims: Dimensions
     context_length: int
     eos_ids: frozenset[int]
     tensors: dict[str, GGUFTensor]
@@ -184,6 +183,37 @@ def _field(fields: dict[str, object], key: str, path: Path, required: bool = Tru
     if key not in fields and required:
         raise DFlashError(f"{path} lacks the GGUF metadata key {key}.")
     return fields.get(key)
+
+
+def gguf_dimensions(path: Path, header: GGUFHeader) -> Dimensions:
+    """The decoder's dimensions in a GGUF file's metadata (the keys llama.cpp's converter and `dflash convert` write).
+    A width the file states per layer (hybrid models) or not at all reads 0; no depth, width or vocabulary raises
+    DFlashError."""
+    fields = header.fields
+    arch = _field(fields, "general.architecture", path)
+
+    def stated(key: str, default: int = 0) -> int:
+        value = fields.get(f"{arch}.{key}", default)
+        return value if isinstance(value, int) else 0  # a list: one value per layer
+
+    for key in ("block_count", "embedding_length"):
+        if stated(key) < 1:
+            raise DFlashError(f"{path} lacks the GGUF metadata key {arch}.{key}.")
+    tokens = fields.get("tokenizer.ggml.tokens")
+    vocab = stated("vocab_size") or (len(tokens) if tokens else 0)
+    if not vocab:
+        raise DFlashError(f"{path} states no vocabulary size.")
+    hidden, heads = stated("embedding_length"), stated("attention.head_count")
+    return Dimensions(
+        hidden=hidden,
+        intermediate=stated("feed_forward_length"),
+        layers=stated("block_count"),
+        heads=heads,
+        kv_heads=stated("attention.head_count_kv", heads),
+        head_dim=stated("attention.key_length", hidden // heads if heads else 0),
+        vocab=vocab,
+        tied="output.weight" not in header.tensors,
+    )
 
 
 def read_gguf(path: Path) -> GGUFModel:
@@ -197,18 +227,13 @@ def read_gguf(path: Path) -> GGUFModel:
     except (ValueError, KeyError, OSError) as exc:
         raise DFlashError(f"{path} is not a complete, readable GGUF file ({exc}).") from None
     fields = header.fields
-    arch = _field(fields, "general.architecture", path)
-    tokens = _field(fields, "tokenizer.ggml.tokens", path, required=False)
-    vocab = _field(fields, f"{arch}.vocab_size", path, required=False) or (len(tokens) if tokens else None)
-    if vocab is None:
-        raise DFlashError(f"{path} states no vocabulary size.")
+    dims = gguf_dimensions(path, header)
+    arch = fields["general.architecture"]
     eos = _field(fields, "tokenizer.ggml.eos_token_id", path, required=False)
     return GGUFModel(
         path=path,
         architecture=arch,
-        num_layers=int(_field(fields, f"{arch}.block_count", path)),
-        hidden_size=int(_field(fields, f"{arch}.embedding_length", path)),
-        vocab_size=int(vocab),
+        dims=dims,
         context_length=int(_field(fields, f"{arch}.context_length", path)),
         eos_ids=frozenset() if eos is None else frozenset([int(eos)]),
         tensors=header.tensors,

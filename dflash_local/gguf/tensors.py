@@ -24,7 +24,7 @@ from torch import nn
 
 from ..errors import DFlashError
 from ..quant import GroupQuantLinear, group_scale_dtype
-from .file import GGUFHeader, GGUFTensor
+from .file import GGUFHeader, GGUFTensor, gguf_dimensions
 from .shape import LAYER_TENSORS
 
 ARCHITECTURES = ("llama", "qwen3")
@@ -174,16 +174,16 @@ def gguf_config(path: Path, fields: dict, tensors: dict[str, GGUFTensor]) -> dic
 
     if "token_embd.weight" not in tensors:
         raise DFlashError(f"{path} lacks the tensor token_embd.weight.")
-    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+    dims = gguf_dimensions(path, GGUFHeader(fields, tensors))
     config = {
         "model_type": arch,
         "vocab_size": int(tensors["token_embd.weight"].shape[1]),
-        "hidden_size": hidden,
-        "intermediate_size": int(key("feed_forward_length")),
-        "num_hidden_layers": int(key("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
-        "head_dim": int(key("attention.key_length", hidden // heads)),
+        "hidden_size": dims.hidden,
+        "intermediate_size": dims.intermediate,
+        "num_hidden_layers": dims.layers,
+        "num_attention_heads": dims.heads,
+        "num_key_value_heads": dims.kv_heads,
+        "head_dim": dims.head_dim,
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
         "rope_theta": float(key("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(key("context_length")),

@@ -15,6 +15,7 @@ from ..errors import DFlashError
 from ..gguf.file import GGUFModel, read_gguf
 from ..llama_lib import llama_cpp, tap_functions
 from ..quant import Int8Matrix
+from ..runtime import LoadSpec, pick_dtype
 from ..tap_probe import reads_layer_features
 from .base import TargetOutput
 from .llama_taps import first_llama_error, output_functions, quiet_llama_logs
@@ -88,19 +89,14 @@ class LlamaCppTarget:
         self.int8_head = False  # materialize the head as packed int8 rows (for a torch drafter on the CPU)
 
     @classmethod
-    def load(
-        cls,
-        path: str | Path,
-        dtype: torch.dtype = torch.float32,
-        device: str = "cpu",
-        max_context: int = 4096,
-        threads: int | None = None,
-        kernels: str = "auto",
-        int8_head: bool = False,
-    ) -> LlamaCppTarget:
-        """Validate the GGUF file's header, then load it into llama.cpp (all layers on the GPU for cuda); kernels: the
-        mode recorded for the decode loop (greedy acceptance reads llama.cpp's argmax, so no kernel runs); int8_head:
-        the head a torch drafter borrows as packed int8 rows (on the CPU faster than fp32, a quarter of the size)."""
+    def load(cls, path: str | Path, spec: LoadSpec) -> LlamaCppTarget:
+        """Validate the GGUF file's header, then load it into llama.cpp as `spec` says (all layers on the GPU for cuda);
+        its kernel mode is recorded for the decode loop (greedy acceptance reads llama.cpp's argmax, so no kernel
+        runs); spec.int8_head (planned): the head a torch drafter borrows as packed int8 rows (on the CPU faster than
+        fp32, a quarter of the size)."""
+        runtime, max_context = spec.runtime, spec.max_context
+        device, kernels = runtime.device, runtime.kernels
+        dtype = pick_dtype(runtime.dtype, device)
         info = read_gguf(Path(path))
         tensors = {name: t for name, t in info.tensors.items() if name in ("token_embd.weight", "output.weight")}
         if "token_embd.weight" not in tensors:
@@ -111,7 +107,7 @@ class LlamaCppTarget:
         if not model:
             raise DFlashError(f"llama.cpp could not load {path} ({first_llama_error() or 'no reason given'}).")
         max_context = min(max_context, info.context_length)
-        threads = threads or torch.get_num_threads()
+        threads = runtime.threads or torch.get_num_threads()
         params = llama_cpp.llama_context_default_params()
         params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = max_context, BATCH, BATCH, 1
         params.n_threads = params.n_threads_batch = threads
@@ -123,20 +119,20 @@ class LlamaCppTarget:
             llama_cpp.llama_model_free(model)
             raise DFlashError(f"llama.cpp could not create a {max_context}-token context for {path}.")
         target = cls(info, tensors, model, ctx, max_context, dtype, device, kernels)
-        target.int8_head = int8_head
+        target.int8_head = spec.int8_head
         return target
 
     @property
     def vocab_size(self) -> int:
-        return self.info.vocab_size
+        return self.info.dims.vocab
 
     @property
     def hidden_size(self) -> int:
-        return self.info.hidden_size
+        return self.info.dims.hidden
 
     @property
     def num_layers(self) -> int:
-        return self.info.num_layers
+        return self.info.dims.layers
 
     @property
     def stop_ids(self) -> frozenset[int]:

@@ -15,7 +15,7 @@ from ..dimensions import Dimensions
 from ..errors import DFlashError
 from ..layers import MLP, RMSNorm, apply_rope, check_rope, rope_cos_sin, rope_inv_freq, set_kernels
 from ..quant import GroupQuantEmbedding, GroupQuantLinear, check_quantize, install_4bit, install_int4, prequantized
-from ..runtime import check_kernels
+from ..runtime import LoadSpec, check_kernels, pick_dtype
 from ..weights import check_attention_shape, check_int, check_optional, load_weights, need, read_config
 from .base import TargetOutput
 
@@ -277,23 +277,17 @@ class TorchLlamaTarget:
         self.graphs = StepGraphs() if cuda_graphs and self.device.type == "cuda" else None
 
     @classmethod
-    def load(
-        cls,
-        folder: str | Path,
-        dtype: torch.dtype = torch.float32,
-        device: str = "cpu",
-        max_context: int = 4096,
-        quantize: str | None = None,
-        cuda_graphs: bool = True,
-        kernels: str = "auto",
-    ) -> TorchLlamaTarget:
+    def load(cls, folder: str | Path, spec: LoadSpec) -> TorchLlamaTarget:
         """Build the model from an HF-layout folder (config.json + safetensors) or a GGUF file (load_gguf_model: its
-        quantized blocks as int4/int8 group linears).
+        quantized blocks as int4/int8 group linears), as `spec` says (its device planned: runtime.plan_load).
 
-        quantize="int4" makes the decoder layers' linears int4 groups (kernels.wq_matmul), "nf4" NF4 (bitsandbytes);
-        a bnb-4bit checkpoint loads as NF4. kernels: the mode its layers run kernels in (kernels.MODES).
+        spec.quantize="int4" makes the decoder layers' linears int4 groups (kernels.wq_matmul), "nf4" NF4
+        (bitsandbytes); a bnb-4bit checkpoint loads as NF4. Its layers run kernels in spec.runtime.kernels' mode.
         """
         folder = Path(folder)
+        runtime, max_context, quantize = spec.runtime, spec.max_context, spec.quantize
+        device, cuda_graphs, kernels = runtime.device, runtime.cuda_graphs, runtime.kernels
+        dtype = pick_dtype(runtime.dtype, device)
         check_kernels(kernels, device)
         check_quantize(quantize)
         if folder.suffix == ".gguf":

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ..drafters.torch_drafter import DFlashDrafter, DFlashModel
+from ..runtime import LoadSpec
 from .objective import IGNORE, block_loss, make_blocks
 
 
@@ -128,7 +129,7 @@ def evaluate_folder(
     blocks: tuple[int, ...] = (4, 8, 16),
 ) -> Evaluation:
     """Evaluate a saved drafter (fp32 on the CPU) on rows of data; embed and head: the target's full matrices."""
-    model = DFlashDrafter.load(folder).model
+    model = DFlashDrafter.load(folder, LoadSpec()).model
     d2t = getattr(model, "d2t", None)
     label_map = label_map_of(d2t, len(embed))
     return evaluate(model, embed, head if d2t is None else head[d2t], data, indices, label_map, None, blocks)

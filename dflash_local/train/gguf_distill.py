@@ -37,8 +37,8 @@ class ParallelTarget:
                 f"{path.name} holds a '{self.info.architecture}' model, whose layer features this libllama does not "
                 "read, so no drafter can be trained for it."
             )
-        if any(not 0 <= i < self.info.num_layers - 1 for i in layer_ids):
-            raise DFlashError(f"Target layer ids {layer_ids} must lie in 0..{self.info.num_layers - 2} for a GGUF.")
+        if any(not 0 <= i < self.info.dims.layers - 1 for i in layer_ids):
+            raise DFlashError(f"Target layer ids {layer_ids} must lie in 0..{self.info.dims.layers - 2} for a GGUF.")
         quiet_llama_logs()
         llama_cpp.llama_backend_init()
         model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params("cpu"))
@@ -81,12 +81,12 @@ class ParallelTarget:
         status = llama_cpp.llama_decode(self._ctx, batch)
         if status != 0:
             raise DFlashError(f"llama.cpp failed to evaluate the batch (status {status}).")
-        width = self.info.hidden_size
+        width = self.info.dims.hidden
         features = np.concatenate(
             [self._rows(self._get_tap(self._ctx, i + 1), len(rows), width) for i in self.layer_ids], axis=1
         )
         wanted = sum(1 for row in rows if row[3])
-        logits = torch.from_numpy(self._rows(self._logits_at(self._ctx), wanted, self.info.vocab_size))
+        logits = torch.from_numpy(self._rows(self._logits_at(self._ctx), wanted, self.info.dims.vocab))
         return logits, features
 
 

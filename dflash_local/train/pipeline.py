@@ -18,6 +18,7 @@ from ..drafters.config import DrafterConfig
 from ..errors import DFlashError
 from ..gguf.file import GGUFTensor, read_gguf, read_header
 from ..memory_estimate import target_sizes
+from ..runtime import LoadSpec, RuntimeConfig
 from ..targets.torch_llama import TargetConfig, TorchLlamaTarget
 from ..tokenizer import TextTokenizer, stop_token_ids
 from ..weights import read_config
@@ -159,7 +160,7 @@ class _Prepared:
 
 
 def _prepare_torch(request: TrainRequest, layer_ids_of: Callable[[TargetConfig], list[int]]) -> _Prepared:
-    target = TorchLlamaTarget.load(request.target, dtype=torch.float32, device=request.device)
+    target = TorchLlamaTarget.load(request.target, LoadSpec(RuntimeConfig(request.device, "float32")))
     layer_ids = layer_ids_of(target.cfg)
     stops = stop_token_ids(request.target)
     return _Prepared(
