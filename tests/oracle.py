@@ -19,7 +19,6 @@ from safetensors.torch import save_file
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
-    DynamicCache,
     LlamaConfig,
     LlamaForCausalLM,
     Qwen3Config,
@@ -166,7 +165,7 @@ def draft_logits(target_folder: str, drafter_folder: str, ids: list[int], steps:
     with torch.no_grad():
         states = target(torch.tensor([ids]), output_hidden_states=True).hidden_states
         hidden = extract_context_feature(states, drafter.target_layer_ids)
-    cache = DynamicCache(config=drafter.config)
+    cache = dflash.model._make_cache(drafter.config)  # as dflash_generate's: sliding layers keep what a crop needs
     logits = {}
     for index, step in enumerate(steps):
         begin, end, length = step["begin"], step["end"], step["length"]
@@ -180,7 +179,7 @@ def draft_logits(target_folder: str, drafter_folder: str, ids: list[int], steps:
                 use_cache=True,
             )[:, 1:]
             logits[f"step.{index}"] = drafter.compute_logits(states, target.lm_head)[0].contiguous()
-        cache.crop(end)
+        dflash.model._crop_to(cache, end)
     save_file(logits, out)
 
 
