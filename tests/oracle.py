@@ -166,6 +166,7 @@ def draft_logits(target_folder: str, drafter_folder: str, ids: list[int], steps:
         states = target(torch.tensor([ids]), output_hidden_states=True).hidden_states
         hidden = extract_context_feature(states, drafter.target_layer_ids)
     cache = dflash.model._make_cache(drafter.config)  # as dflash_generate's: sliding layers keep what a crop needs
+    scale = float(dflash.model._draft_value(drafter.config, "input_embedding_scale", 1.0))  # as dflash_generate
     logits = {}
     for index, step in enumerate(steps):
         begin, end, length = step["begin"], step["end"], step["length"]
@@ -173,7 +174,7 @@ def draft_logits(target_folder: str, drafter_folder: str, ids: list[int], steps:
         with torch.no_grad():
             states = drafter(
                 target_hidden=hidden[:, begin:end],
-                noise_embedding=target.model.embed_tokens(block),
+                noise_embedding=dflash.model._raw_input_embeddings(target, block, scale),
                 position_ids=torch.arange(begin, end + length)[None],
                 past_key_values=cache,
                 use_cache=True,
