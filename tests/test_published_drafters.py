@@ -5,12 +5,15 @@ DFlash2 drafter and a mismatched pair end in one sentence."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from reference import reference_draft_logits, reference_generate
+from reference import oracle_python, reference_draft_logits, reference_generate
+from test_architectures import llama_cpp_source
 from tiny_models import make_drafter
 
 from dflash_local.decode import Settings, run
@@ -233,3 +236,50 @@ def test_a_mismatched_pair_is_one_sentence_naming_both(gguf_target, tiny_gguf, k
     message = str(caught.value)
     assert message.startswith(f"The drafter {TINY_DRAFTER} does not fit the target {tiny_gguf['f16']}: ")
     assert words in message and ". " not in message and message.endswith(".")
+
+
+@pytest.fixture(scope="module")
+def converted_drafter(tiny_gguf, tmp_path_factory) -> Path:
+    """The bundled drafter folder as llama.cpp's own converter writes it (tests/convert_drafter.py, oracle env)."""
+    out = tmp_path_factory.mktemp("converted") / "dflash-tiny.gguf"
+    script = Path(__file__).parent / "convert_drafter.py"
+    command = [oracle_python(), script, llama_cpp_source(), TINY_DRAFTER, tiny_gguf["f16"], out]
+    built = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert built.returncode == 0, built.stderr[-3000:]
+    return out
+
+
+def test_a_drafter_gguf_from_llamacpps_converter_drafts_natively(converted_drafter, gguf_target, heldout):
+    from dflash_local.drafters.native import NativeDrafter
+    from dflash_local.weights import read_config
+
+    native = NativeDrafter.load(converted_drafter, gguf_target, threads=1)
+    published = DrafterConfig.from_dict(read_config(TINY_DRAFTER), TINY_DRAFTER)
+    read = native.cfg
+    assert (read.dims, read.block_size, read.target_layer_ids) == (published.dims, 16, published.target_layer_ids)
+    assert (read.mask_token_id, read.layer_types) == (published.mask_token_id, published.layer_types)
+    assert read.source == converted_drafter
+    from_folder = NativeDrafter.load(TINY_DRAFTER, gguf_target, threads=1)
+    taus, folder_taus = [], []
+    for prompt in heldout[:3]:
+        plain, _ = run(gguf_target, None, prompt, Settings(max_new_tokens=40, draft=False))
+        for block_size in (4, 16):
+            settings = Settings(max_new_tokens=40, block_size=block_size)
+            ids, stats = run(gguf_target, native, prompt, settings)
+            assert ids == plain
+            taus.append(stats.tau)
+            folder_taus.append(run(gguf_target, from_folder, prompt, settings)[1].tau)
+    assert sum(taus) / len(taus) > 2.0, taus  # the trained pair accepts: the file's drafts are the drafter's
+    assert abs(sum(taus) - sum(folder_taus)) / sum(folder_taus) < 0.05, (taus, folder_taus)
+
+
+def test_a_drafter_gguf_is_refused_by_the_torch_drafter_and_a_target_gguf_as_drafter(converted_drafter, tiny_gguf):
+    from dflash_local.drafters import load_drafter
+    from dflash_local.drafters.gguf_drafter import gguf_drafter_config
+    from dflash_local.runtime import LoadSpec, RuntimeConfig
+
+    spec = LoadSpec(runtime=RuntimeConfig(drafter="torch"))
+    with pytest.raises(DFlashError, match=r"is a llama.cpp drafter GGUF, which runs only as llama.cpp.s native"):
+        load_drafter(converted_drafter, None, spec)
+    with pytest.raises(DFlashError, match=r"is a llama model, not a DFlash drafter \(GGUF architecture dflash\)\.$"):
+        gguf_drafter_config(tiny_gguf["f16"])

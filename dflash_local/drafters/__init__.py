@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from ..errors import DFlashError
 from ..runtime import LoadSpec, pick_dtype
 from ..targets.base import Target
+from .gguf_drafter import is_drafter_gguf
 from .torch_drafter import DFlashDrafter
 
 if TYPE_CHECKING:
@@ -26,6 +27,11 @@ def load_drafter(folder: str | Path, target: Target, spec: LoadSpec) -> DFlashDr
 
         return NativeDrafter.load(folder, target)
     if runtime.drafter == "torch":
+        if is_drafter_gguf(Path(folder)):
+            raise DFlashError(
+                f"{folder} is a llama.cpp drafter GGUF, which runs only as llama.cpp's native drafter beside a GGUF "
+                "target (--drafter-kind native); the torch drafter reads a drafter folder."
+            )
         dtype = pick_dtype(runtime.dtype, runtime.device)
         return DFlashDrafter.load(
             folder,
