@@ -238,15 +238,19 @@ def test_a_mismatched_pair_is_one_sentence_naming_both(gguf_target, tiny_gguf, k
     assert words in message and ". " not in message and message.endswith(".")
 
 
-@pytest.fixture(scope="module")
-def converted_drafter(tiny_gguf, tmp_path_factory) -> Path:
-    """The bundled drafter folder as llama.cpp's own converter writes it (tests/convert_drafter.py, oracle env)."""
-    out = tmp_path_factory.mktemp("converted") / "dflash-tiny.gguf"
+def _converted(folder: Path, target_gguf: Path, out: Path) -> Path:
+    """A drafter folder as llama.cpp's own converter writes it (tests/convert_drafter.py, in the oracle env)."""
     script = Path(__file__).parent / "convert_drafter.py"
-    command = [oracle_python(), script, llama_cpp_source(), TINY_DRAFTER, tiny_gguf["f16"], out]
+    command = [oracle_python(), script, llama_cpp_source(), folder, target_gguf, out]
     built = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert built.returncode == 0, built.stderr[-3000:]
     return out
+
+
+@pytest.fixture(scope="module")
+def converted_drafter(tiny_gguf, tmp_path_factory) -> Path:
+    """The bundled drafter as a llama.cpp drafter GGUF."""
+    return _converted(TINY_DRAFTER, tiny_gguf["f16"], tmp_path_factory.mktemp("converted") / "dflash-tiny.gguf")
 
 
 def test_a_drafter_gguf_from_llamacpps_converter_drafts_natively(converted_drafter, gguf_target, heldout):
@@ -283,3 +287,50 @@ def test_a_drafter_gguf_is_refused_by_the_torch_drafter_and_a_target_gguf_as_dra
         load_drafter(converted_drafter, None, spec)
     with pytest.raises(DFlashError, match=r"is a llama model, not a DFlash drafter \(GGUF architecture dflash\)\.$"):
         gguf_drafter_config(tiny_gguf["f16"])
+
+
+@pytest.fixture(scope="module")
+def tiny_swa_drafter(tiny_dir) -> Path:
+    """A random non-causal 5-layer sliding drafter for the bundled tiny target, its window a block (16)."""
+    target = TINY_DRAFTER.parent / "target"
+    return make_drafter(
+        tiny_dir / "tiny-swa",
+        target,
+        num_layers=5,
+        target_layer_ids=[1, 3, 5],
+        seed=5,
+        std=0.05,
+        layer_types=QWEN36_LAYERS,
+        use_sliding_window=True,
+        sliding_window=16,
+        is_causal=False,
+    )
+
+
+def test_native_sliding_drafters_draft_as_the_torch_one(gguf_target, tiny_swa_drafter, tiny_gguf, tmp_path):
+    """Written by dflash or by llama.cpp's converter, a non-causal sliding drafter runs in llama.cpp as the torch
+    drafter (the reference's rules) runs it, over contexts longer than the window. (A causal one differs by 2-5.)"""
+    from dflash_local.drafters.native import NativeDrafter
+
+    converted = _converted(tiny_swa_drafter, tiny_gguf["f16"], tmp_path / "dflash-swa.gguf")
+    natives = [NativeDrafter.load(path, gguf_target, threads=1) for path in (tiny_swa_drafter, converted)]
+    assert [d.cfg.layer_types for d in natives] == [QWEN36_LAYERS] * 2 and natives[1].cfg.sliding_window == 16
+    reference = DFlashDrafter.load(tiny_swa_drafter, max_context=256)
+    gguf_target.reset()
+    gguf_target.set_feature_layers([1, 3, 5])
+    ids = torch.randint(5, 4000, (90,), generator=torch.Generator().manual_seed(0))
+    features = gguf_target.forward(ids, features=True).features
+    for begin, end in ((0, 40), (40, 45), (45, 61), (61, 80)):
+        want = reference.propose(gguf_target, features[begin:end], ids.tolist(), end, 16)
+        for native in natives:
+            got = native.propose(gguf_target, features[begin:end], ids.tolist(), end, 16)
+            torch.testing.assert_close(got, want, atol=0.05, rtol=0.01)  # llama.cpp's F16 KV cache
+
+
+def test_the_native_drafter_refuses_causal_sliding_layers_in_one_sentence(gguf_target, tiny_swa_drafter, tmp_path):
+    from dflash_local.drafters.native import NativeDrafter
+
+    causal = _edit_config(_copy(tiny_swa_drafter, tmp_path / "causal"), lambda c: c.pop("is_causal"))
+    refusal = r"native drafter handles only non-causal drafters .*; use --drafter-kind torch\.$"
+    with pytest.raises(DFlashError, match=refusal):
+        NativeDrafter.load(causal, gguf_target, threads=1)

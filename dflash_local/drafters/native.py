@@ -63,19 +63,25 @@ def _copy_tokenizer(writer: gguf.GGUFWriter, target: LlamaCppTarget) -> None:
 
 
 def write_drafter_gguf(folder: Path, cfg: DrafterConfig, target: LlamaCppTarget, out: Path, key: str) -> None:
-    """A published-layout drafter as a `dflash` GGUF whose target_layers are llama.cpp tap ids (id + 1), stamped
-    with its cache key: matrices F16 but fc, which takes the target's raw features, F32 (llama.cpp's CPU matmul
-    rounds an F16 weight's activations to F16, and Gemma's features exceed its range: seen 1.0e5), norms F32."""
-    if any(kind != "full_attention" for kind in cfg.layer_types) or cfg.is_causal:
+    """A published-layout drafter as a `dflash` GGUF whose target_layers are llama.cpp tap ids (id + 1), its sliding
+    layers' window and pattern as llama.cpp's converter writes them, stamped with its cache key: matrices F16 but fc,
+    which takes the target's raw features, F32 (llama.cpp's CPU matmul rounds an F16 weight's activations to F16,
+    and Gemma's features exceed its range: seen 1.0e5), norms F32."""
+    sliding = [kind == "sliding_attention" for kind in cfg.layer_types]
+    causal = cfg.is_causal if cfg.is_causal is not None else any(sliding)  # sliding layers: causal by default
+    if causal or (any(sliding) and cfg.sliding_window < cfg.block_size):
         raise DFlashError(
-            f"{folder}: the native drafter handles only non-causal, full-attention drafters; "
-            "use --drafter-kind torch for its sliding or causal layers."
+            f"{folder}: the native drafter handles only non-causal drafters whose sliding window (if any) covers a "
+            "block (llama.cpp's window limits earlier keys only); use --drafter-kind torch."
         )
     weights = load_weights(folder, None, "cpu")
     writer = gguf.GGUFWriter(str(out), "dflash")
     writer.add_string(CACHE_KEY_FIELD, key)
     add_shape(writer, cfg, int(cfg.raw.get("max_position_embeddings", 4096)))
     writer.add_uint32("dflash.block_size", cfg.block_size)
+    if any(sliding):
+        writer.add_sliding_window(cfg.sliding_window)
+        writer.add_sliding_window_pattern(sliding)
     writer.add_array("dflash.target_layers", [i + 1 for i in cfg.target_layer_ids])
     if cfg.input_embedding_scale != 1.0:
         writer.add_float32("dflash.embedding_scale", cfg.input_embedding_scale)
