@@ -125,7 +125,9 @@ class DrafterConfig:
 
     @classmethod
     def from_dict(cls, config: dict[str, Any], source: Path) -> DrafterConfig:
-        check_drafter_config(config, Path(source) / "config.json")
+        source = Path(source)
+        where = source if source.suffix == ".gguf" else source / "config.json"  # a GGUF's metadata (gguf_drafter)
+        check_drafter_config(config, where)
         dflash = config.get("dflash_config") or {}
 
         def field(name: str, default: Any = None) -> Any:
@@ -157,10 +159,10 @@ class DrafterConfig:
                 sliding_window=window,
                 is_causal=config.get("is_causal"),
                 raw=config,
-                source=Path(source),
+                source=source,
             )
         except KeyError as exc:
-            raise DFlashError(f"{source}/config.json is not a DFlash drafter config: it lacks {exc.args[0]}.") from None
+            raise DFlashError(f"{where} is not a DFlash drafter config: it lacks {exc.args[0]}.") from None
 
 
 def _target_name(target: Target) -> str:
