@@ -334,3 +334,19 @@ def test_the_native_drafter_refuses_causal_sliding_layers_in_one_sentence(gguf_t
     refusal = r"native drafter handles only non-causal drafters .*; use --drafter-kind torch\.$"
     with pytest.raises(DFlashError, match=refusal):
         NativeDrafter.load(causal, gguf_target, threads=1)
+
+
+def test_generate_takes_a_drafter_gguf_from_the_command_line(converted_drafter, tiny_gguf, heldout):
+    from in_process import invoke
+
+    prompt = ",".join(map(str, heldout[0]))
+    common = ["generate", "--target", tiny_gguf["f16"], "--prompt-ids", prompt, "--max-new-tokens", "24", "--json"]
+    drafted = invoke(*common, "--drafter", converted_drafter, "--block-size", "16")
+    plain = invoke(*common, "--no-draft")
+    assert drafted.exit_code == 0 and plain.exit_code == 0, drafted.stderr + plain.stderr
+    drafted_json, plain_json = json.loads(drafted.stdout), json.loads(plain.stdout)
+    assert drafted_json["output_ids"] == plain_json["output_ids"]
+    assert drafted_json["tau"] > 1.5  # the trained pair accepts: the file's drafts are the drafter's
+    torch_kind = invoke(*common, "--drafter", converted_drafter, "--drafter-kind", "torch")
+    lines = torch_kind.stderr.strip().splitlines()
+    assert torch_kind.exit_code == 1 and len(lines) == 1 and "is a llama.cpp drafter GGUF" in lines[0]
