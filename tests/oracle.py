@@ -19,7 +19,6 @@ from safetensors.torch import save_file
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
-    DynamicCache,
     LlamaConfig,
     LlamaForCausalLM,
     Qwen3Config,
@@ -166,7 +165,8 @@ def draft_logits(target_folder: str, drafter_folder: str, ids: list[int], steps:
     with torch.no_grad():
         states = target(torch.tensor([ids]), output_hidden_states=True).hidden_states
         hidden = extract_context_feature(states, drafter.target_layer_ids)
-    cache = DynamicCache(config=drafter.config)
+    cache = dflash.model._make_cache(drafter.config)  # as dflash_generate's: sliding layers keep what a crop needs
+    scale = float(dflash.model._draft_value(drafter.config, "input_embedding_scale", 1.0))  # as dflash_generate
     logits = {}
     for index, step in enumerate(steps):
         begin, end, length = step["begin"], step["end"], step["length"]
@@ -174,13 +174,13 @@ def draft_logits(target_folder: str, drafter_folder: str, ids: list[int], steps:
         with torch.no_grad():
             states = drafter(
                 target_hidden=hidden[:, begin:end],
-                noise_embedding=target.model.embed_tokens(block),
+                noise_embedding=dflash.model._raw_input_embeddings(target, block, scale),
                 position_ids=torch.arange(begin, end + length)[None],
                 past_key_values=cache,
                 use_cache=True,
             )[:, 1:]
             logits[f"step.{index}"] = drafter.compute_logits(states, target.lm_head)[0].contiguous()
-        cache.crop(end)
+        dflash.model._crop_to(cache, end)
     save_file(logits, out)
 
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from ..errors import DFlashError
 from ..runtime import LoadSpec
 from ..targets.base import Target
+from .gguf_drafter import is_drafter_gguf
 from .torch_drafter import DFlashDrafter
 
 if TYPE_CHECKING:
@@ -27,5 +28,10 @@ def load_drafter(folder: str | Path, target: Target, spec: LoadSpec) -> DFlashDr
 
         return NativeDrafter.load(folder, target, spec)
     if runtime.drafter == "torch":
+        if is_drafter_gguf(Path(folder)):
+            raise DFlashError(
+                f"{folder} is a llama.cpp drafter GGUF, which runs only as llama.cpp's native drafter beside a GGUF "
+                "target (--drafter-kind native); the torch drafter reads a drafter folder."
+            )
         return DFlashDrafter.load(folder, replace(spec, max_context=target.max_context))
     raise DFlashError(f"Unknown drafter kind '{runtime.drafter}' (use torch or native, or auto before planning).")

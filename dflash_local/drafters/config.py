@@ -23,9 +23,21 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+QWEN3_WINDOW = 4096  # transformers' Qwen3Config: sliding_window when use_sliding_window is set and the key is absent
+QWEN3_MAX_WINDOW_LAYERS = 28  # Qwen3Config: layers from this index slide when layer_types is absent
+
+
 def check_drafter_config(config: dict[str, Any], path: Path) -> None:
     """Raise one sentence naming the file and field for any value of the wrong type or range in a drafter config."""
     dflash = config.get("dflash_config")
+    if "DFlash2DraftModel" in (config.get("architectures") or []) or any(
+        key in (dflash if isinstance(dflash, dict) else {}) or key in config for key in DFLASH2_FIELDS
+    ):
+        raise DFlashError(
+            f"{path} is a DFlash2 drafter (local convolutions and a candidate selector), which dflash cannot run yet; "
+            "use a DFlash drafter."
+        )
     if dflash is not None and not isinstance(dflash, dict):
         raise DFlashError(f"{path}: dflash_config must be an object, got {json.dumps(dflash)}.")
     dflash = dflash or {}
@@ -66,8 +78,29 @@ def check_drafter_config(config: dict[str, Any], path: Path) -> None:
     ):
         raise DFlashError(f"{path}: layer_types must list one attention type per layer ({layers}).")
     check_optional(config, "sliding_window", path, int)
+    check_optional(config, "use_sliding_window", path, bool)
+    check_optional(config, "max_window_layers", path, int)
     check_optional(config, "is_causal", path, bool)
+    window, kinds = sliding_layers(config, layers)
+    if window is None and "sliding_attention" in kinds:
+        raise DFlashError(
+            f"{path}: layer_types has sliding layers but no window (transformers reads sliding_window only with "
+            "use_sliding_window true)."
+        )
     check_rope(config, path)
+
+
+def sliding_layers(config: dict[str, Any], layers: int) -> tuple[int | None, list[str]]:
+    """The sliding window and each layer's attention type as transformers' Qwen3Config reads them (the reference
+    drafter's config class): the window counts only with use_sliding_window; without layer_types, layers from
+    max_window_layers on slide when it does."""
+    window = config.get("sliding_window", QWEN3_WINDOW) if config.get("use_sliding_window") else None
+    layer_types = config.get("layer_types")
+    if layer_types is None:
+        first = config.get("max_window_layers", QWEN3_MAX_WINDOW_LAYERS)
+        slides = [window is not None and i >= first for i in range(layers)]
+        layer_types = ["sliding_attention" if slide else "full_attention" for slide in slides]
+    return window, list(layer_types[:layers])
 
 
 @dataclass(frozen=True)
@@ -85,13 +118,16 @@ class DrafterConfig:
     output_multiplier: float
     final_logit_softcapping: float | None
     layer_types: list[str]
-    sliding_window: int | None
+    sliding_window: int | None  # the window of sliding layers; None: they see all keys (causal unless is_causal says)
     is_causal: bool | None
     raw: dict[str, Any]
+    source: Path  # the drafter's folder (or file), named in errors
 
     @classmethod
     def from_dict(cls, config: dict[str, Any], source: Path) -> DrafterConfig:
-        check_drafter_config(config, Path(source) / "config.json")
+        source = Path(source)
+        where = source if source.suffix == ".gguf" else source / "config.json"  # a GGUF's metadata (gguf_drafter)
+        check_drafter_config(config, where)
         dflash = config.get("dflash_config") or {}
 
         def field(name: str, default: Any = None) -> Any:
@@ -107,6 +143,7 @@ class DrafterConfig:
             if mask_token_id is None:
                 raise KeyError("dflash_config.mask_token_id")
             softcap = field("final_logit_softcapping")
+            window, layer_types = sliding_layers(config, layers)
             return cls(
                 dims=dims,
                 rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
@@ -118,29 +155,42 @@ class DrafterConfig:
                 input_embedding_scale=float(field("input_embedding_scale", 1.0)),
                 output_multiplier=float(field("output_multiplier", 1.0)),
                 final_logit_softcapping=float(softcap) if softcap else None,
-                layer_types=list(config.get("layer_types") or ["full_attention"] * layers),
-                sliding_window=config.get("sliding_window"),
+                layer_types=layer_types,
+                sliding_window=window,
                 is_causal=config.get("is_causal"),
                 raw=config,
+                source=source,
             )
         except KeyError as exc:
-            raise DFlashError(f"{source}/config.json is not a DFlash drafter config: it lacks {exc.args[0]}.") from None
+            raise DFlashError(f"{where} is not a DFlash drafter config: it lacks {exc.args[0]}.") from None
+
+
+def _target_name(target: Target) -> str:
+    """The target's file or folder where the target records it, for error messages."""
+    info = getattr(target, "info", None)  # a llama.cpp target's GGUF record
+    source = getattr(target, "source", None) or getattr(info, "path", None)
+    return f"the target {source}" if source is not None else "the target"
 
 
 def check_fits(cfg: DrafterConfig, target: Target) -> None:
-    """Raise a DFlashError unless a drafter of this config can read the target's features and vocabulary."""
+    """Raise one sentence naming both models unless a drafter of this config can read the target's features and
+    vocabulary."""
+    pair = f"The drafter {cfg.source} does not fit {_target_name(target)}"
     if cfg.dims.hidden != target.hidden_size:
         raise DFlashError(
-            f"The drafter's hidden size {cfg.dims.hidden} does not match the target's {target.hidden_size}."
+            f"{pair}: its hidden size {cfg.dims.hidden} does not match the target's {target.hidden_size}."
         )
     if any(not 0 <= i < target.num_layers for i in cfg.target_layer_ids):
         raise DFlashError(
-            f"The drafter reads target layers {cfg.target_layer_ids}, "
+            f"{pair}: it reads target layers {cfg.target_layer_ids}, "
             f"but the target has only {target.num_layers} layers."
         )
     if cfg.dims.vocab and cfg.dims.vocab != target.vocab_size:
         raise DFlashError(
-            f"The drafter's vocabulary ({cfg.dims.vocab} tokens) does not match the target's ({target.vocab_size})."
+            f"{pair}: its vocabulary ({cfg.dims.vocab} tokens) does not match the target's ({target.vocab_size})."
         )
     if not 0 <= cfg.mask_token_id < target.vocab_size:
-        raise DFlashError(f"The drafter's mask token id {cfg.mask_token_id} is outside the target's vocabulary.")
+        raise DFlashError(
+            f"{pair}: its mask token id {cfg.mask_token_id} is outside the target's vocabulary "
+            f"({target.vocab_size} tokens)."
+        )

@@ -28,6 +28,7 @@ from ..targets.llama_taps import first_llama_error, quiet_llama_logs
 from ..targets.llamacpp import BATCH, LlamaCppTarget
 from ..weights import load_weights, read_config
 from .config import DrafterConfig, check_fits
+from .gguf_drafter import gguf_drafter_config, is_drafter_gguf
 
 CACHE_FORMAT = 2  # part of the cache key: bump when write_drafter_gguf writes something different
 CACHE_KEY_FIELD = "dflash_local.cache_key"
@@ -63,16 +64,25 @@ def _copy_tokenizer(writer: gguf.GGUFWriter, target: LlamaCppTarget) -> None:
 
 
 def write_drafter_gguf(folder: Path, cfg: DrafterConfig, target: LlamaCppTarget, out: Path, key: str) -> None:
-    """A published-layout drafter as a `dflash` GGUF whose target_layers are llama.cpp tap ids (id + 1), stamped
-    with its cache key: matrices F16 but fc, which takes the target's raw features, F32 (llama.cpp's CPU matmul
-    rounds an F16 weight's activations to F16, and Gemma's features exceed its range: seen 1.0e5), norms F32."""
-    if any(kind != "full_attention" for kind in cfg.layer_types) or cfg.is_causal:
-        raise DFlashError(f"{folder}: the native drafter handles only non-causal, full-attention drafters.")
+    """A published-layout drafter as a `dflash` GGUF whose target_layers are llama.cpp tap ids (id + 1), its sliding
+    layers' window and pattern as llama.cpp's converter writes them, stamped with its cache key: matrices F16 but fc,
+    which takes the target's raw features, F32 (llama.cpp's CPU matmul rounds an F16 weight's activations to F16,
+    and Gemma's features exceed its range: seen 1.0e5), norms F32."""
+    sliding = [kind == "sliding_attention" for kind in cfg.layer_types]
+    causal = cfg.is_causal if cfg.is_causal is not None else any(sliding)  # sliding layers: causal by default
+    if causal or (any(sliding) and cfg.sliding_window < cfg.block_size):
+        raise DFlashError(
+            f"{folder}: the native drafter handles only non-causal drafters whose sliding window (if any) covers a "
+            "block (llama.cpp's window limits earlier keys only); use --drafter-kind torch."
+        )
     weights = load_weights(folder, None, "cpu")
     writer = gguf.GGUFWriter(str(out), "dflash")
     writer.add_string(CACHE_KEY_FIELD, key)
     add_shape(writer, cfg, int(cfg.raw.get("max_position_embeddings", 4096)))
     writer.add_uint32("dflash.block_size", cfg.block_size)
+    if any(sliding):
+        writer.add_sliding_window(cfg.sliding_window)
+        writer.add_sliding_window_pattern(sliding)
     writer.add_array("dflash.target_layers", [i + 1 for i in cfg.target_layer_ids])
     if cfg.input_embedding_scale != 1.0:
         writer.add_float32("dflash.embedding_scale", cfg.input_embedding_scale)
@@ -147,16 +157,18 @@ class NativeDrafter:
 
     @classmethod
     def load(cls, folder: str | Path, target: LlamaCppTarget, spec: LoadSpec) -> NativeDrafter:
-        """Load the drafter folder's cached GGUF (written on first use) beside `target`, on spec's CPU threads."""
+        """Load beside `target`, on spec's CPU threads, a drafter GGUF as llama.cpp's converter writes it, as it is,
+        or a drafter folder's cached GGUF (written on first use)."""
         folder = Path(folder)
-        cfg = DrafterConfig.from_dict(read_config(folder), folder)
+        made = is_drafter_gguf(folder)
+        cfg = gguf_drafter_config(folder) if made else DrafterConfig.from_dict(read_config(folder), folder)
         if not isinstance(target, LlamaCppTarget):
             raise DFlashError("The native llama.cpp drafter needs a GGUF target (the llamacpp backend).")
         check_fits(cfg, target)
         quiet_llama_logs()
         model_params = llama_cpp.llama_model_default_params()
         model_params.n_gpu_layers = -1 if target.device.type == "cuda" else 0
-        path = cached_drafter_gguf(folder, cfg, target)
+        path = folder if made else cached_drafter_gguf(folder, cfg, target)
         model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
         if not model:
             raise DFlashError(f"llama.cpp could not load the drafter {folder} ({first_llama_error() or 'no reason'}).")
@@ -168,7 +180,7 @@ class NativeDrafter:
         if not ctx:
             llama_cpp.llama_model_free(model)
             raise DFlashError(f"llama.cpp could not create the drafter context ({first_llama_error() or 'no reason'}).")
-        llama_cpp.llama_set_causal_attn(ctx, False)
+        llama_cpp.llama_set_causal_attn(ctx, bool(cfg.is_causal))  # a GGUF may say causal; drafters are not
         return cls(cfg, model, ctx, target)
 
     @property
