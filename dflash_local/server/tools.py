@@ -80,15 +80,10 @@ def tool_names(tools: list[dict]) -> set[str]:
     return {tool["function"]["name"] for tool in tools}
 
 
-def _call(text: str, names: set[str]) -> dict | None:
-    """One OpenAI tool call from a JSON object {name, arguments | parameters} naming a declared tool, else None."""
-    try:
-        found = json.loads(text)
-    except json.JSONDecodeError:
+def make_call(name: object, arguments: object, names: set[str]) -> dict | None:
+    """One OpenAI tool call of a declared function with arguments (an object, or JSON text of one), else None."""
+    if not isinstance(name, str) or name not in names:
         return None
-    if not isinstance(found, dict) or found.get("name") not in names:
-        return None
-    arguments = found.get("arguments", found.get("parameters", {}))
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
@@ -96,8 +91,19 @@ def _call(text: str, names: set[str]) -> dict | None:
             return None
     if not isinstance(arguments, dict):
         return None
-    function = {"name": found["name"], "arguments": json.dumps(arguments)}
+    function = {"name": name, "arguments": json.dumps(arguments)}
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": function}
+
+
+def _call(text: str, names: set[str]) -> dict | None:
+    """One OpenAI tool call from a JSON object {name, arguments | parameters} naming a declared tool, else None."""
+    try:
+        found = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(found, dict):
+        return None
+    return make_call(found.get("name"), found.get("arguments", found.get("parameters", {})), names)
 
 
 def parse_calls(text: str, names: set[str]) -> tuple[str, list[dict]]:
