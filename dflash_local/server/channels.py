@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..chat_template import template_source
-from .tools import ToolText, make_call, tool_names
+from .tools import ToolText, held, make_call, tool_names
 
 HARMONY, GEMMA4, PLAIN = "harmony", "gemma4", "plain"
 
@@ -41,11 +41,6 @@ class Parts:
         return self
 
 
-def _held(text: str, markers: tuple[str, ...]) -> int:
-    """How many characters at the end of text may begin one of markers (held back until the next text)."""
-    return max((n for m in markers for n in range(1, len(m)) if text.endswith(m[:n])), default=0)
-
-
 class Harmony:
     """gpt-oss's harmony messages: `[<|start|>assistant]<|channel|>C [to=functions.NAME] [<|constrain|>json]
     <|message|>BODY`, each ended by <|end|>, <|call|>, <|return|> or the next <|start|>. Channel analysis is
@@ -59,7 +54,7 @@ class Harmony:
     def __init__(self, names: set[str]) -> None:
         self.names, self.text, self.at = names, "", 0
         self.mode = "start"  # start, header, body or plain
-        self.header, self.recipient, self.body = "", None, ""
+        self.header, self.recipient, self.body, self.reasoning = "", None, "", False
 
     def add(self, delta: str, last: bool = False) -> Parts:
         """Read delta; return what is known now (last: the reply ended, nothing is held back)."""
@@ -93,7 +88,7 @@ class Harmony:
                     self.at += at + len(marker)
                     self.mode = "header"
                     continue
-                keep = 0 if last else _held(rest, self.MARKERS)
+                keep = 0 if last else held(rest, self.MARKERS)
                 out += self._body(rest[: len(rest) - keep], done=last)
                 self.at += len(rest) - keep
                 return out
@@ -143,7 +138,7 @@ class Gemma4:
             if not self.inside:
                 found = [(at, m) for m in (*self.CLOSES, *self.STRAY) if (at := rest.find(m)) >= 0]
                 if not found:
-                    keep = 0 if last else _held(rest, self.MARKERS)
+                    keep = 0 if last else held(rest, self.MARKERS)
                     out.content += rest[: len(rest) - keep]
                     self.at += len(rest) - keep
                     return out
@@ -161,7 +156,7 @@ class Gemma4:
                 self.label = False
                 continue
             if self.inside == "<|channel>":
-                end = at if at >= 0 else len(rest) - (0 if last else _held(rest, (close,)))
+                end = at if at >= 0 else len(rest) - (0 if last else held(rest, (close,)))
                 out.reasoning += rest[:end]
                 self.at += end + (len(close) if at >= 0 else 0)
                 if at < 0:

@@ -136,7 +136,7 @@ class ToolText:
         if self.sent == 0 and (not lead or lead.startswith("{") or PYTHON_TAG.startswith(lead[: len(PYTHON_TAG)])):
             return ""
         at = self.text.find(OPEN, self.sent)
-        end = at if at >= 0 else len(self.text) - _held(self.text[self.sent :])
+        end = at if at >= 0 else len(self.text) - held(self.text[self.sent :], (OPEN,))
         end = max(end, self.sent)
         out, self.sent = self.text[self.sent : end], end
         return out
@@ -146,6 +146,6 @@ class ToolText:
         return parse_calls(self.text[self.sent :], self.names)
 
 
-def _held(tail: str) -> int:
-    """How many characters at the end of tail may begin `<tool_call>`."""
-    return max((n for n in range(1, len(OPEN)) if tail.endswith(OPEN[:n])), default=0)
+def held(text: str, markers: tuple[str, ...]) -> int:
+    """How many characters at the end of text may begin one of markers (held back until more text comes)."""
+    return max((n for m in markers for n in range(1, len(m)) if text.endswith(m[:n])), default=0)
