@@ -271,3 +271,22 @@ def test_ollama_reply_shape_carries_thinking():
     reply = ollama_api.Reply(True, "m", None, HARMONY).whole(HARMONY_ANSWER, ENDING)
     parsed = ollama.ChatResponse.model_validate(reply)
     assert (parsed.message.thinking, parsed.message.content) == ("It is sunny, say so.", "18 C and sunny in Paris.")
+
+
+def test_the_reasoning_a_client_sends_back_renders_before_the_call_it_led_to():
+    turn = HISTORY[1] | {"reasoning_content": "I should call get_weather."}  # as the reply above gave it
+    text = rendered("openai-gpt-oss-120b.jinja", [HISTORY[0], turn, HISTORY[2]], [WEATHER])
+    assert (
+        "<|start|>assistant<|channel|>analysis<|message|>I should call get_weather.<|end|>"
+        "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+    ) in text
+    gemma = rendered("google-gemma-4-31B-it.jinja", [HISTORY[0], turn, HISTORY[2]], [WEATHER])
+    assert (
+        "<|turn>model\n<|channel>thought\nI should call get_weather.\n<channel|><|tool_call>call:get_weather" in gemma
+    )
+    ollama_turn = {"role": "assistant", "content": "", "thinking": "I should call get_weather."} | {
+        "tool_calls": HISTORY[1]["tool_calls"]
+    }
+    assert "analysis<|message|>I should call get_weather." in rendered(
+        "openai-gpt-oss-120b.jinja", [HISTORY[0], ollama_turn, HISTORY[2]], [WEATHER]
+    )
