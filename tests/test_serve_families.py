@@ -256,6 +256,7 @@ def test_the_ollama_client_reads_a_gemma4_call_and_its_thinking(scripted):
         parts = list(local.chat(model="m", messages=HISTORY[:1], tools=[WEATHER], stream=True))
         assert "".join(p.message.thinking or "" for p in parts) == "I need the weather."
         assert parts[-1].done and parts[-1].message.tool_calls[0].function.arguments["days"] == 3
+        assert local.show("m").capabilities == ["completion", "tools", "thinking"]
 
 
 def test_a_reply_the_reader_cannot_read_is_answered_as_text_never_a_500(scripted):

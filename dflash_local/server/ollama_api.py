@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from ..chat_template import takes_tools
+from ..chat_template import takes_tools, uses_thinking
 from ..generation import LoadedModels
 from ..sampling import SamplingParams
 from .channels import PLAIN, Parts, ReplyReader, read_reply, reply_family
@@ -96,7 +96,7 @@ class Reply:
         return body | {"message": message, "done": done}
 
     def whole(self, text: str, ending: Ending) -> dict:
-        return self._last(read_reply(self.family, self.tools, text) if self.chat else Parts(content=text), ending)
+        return self._last(read_reply(self.family, self.tools, text), ending)  # generate: plain, no tools
 
     def _last(self, parts: Parts, ending: Ending) -> dict:
         """The last line: done, why, the counts and the durations in nanoseconds."""
@@ -114,18 +114,18 @@ class Reply:
     async def stream(self, events: AsyncIterator[Event]) -> AsyncIterator[str]:
         """NDJSON lines: each text (a chat's reasoning as thinking; tool calls held back and sent with the last
         line), then the last line."""
-        reader = ReplyReader(self.family, self.tools) if self.chat else None
+        reader = ReplyReader(self.family, self.tools)  # generate: plain, no tools
         calls: list[dict] = []
         async for event in events:
             if isinstance(event, str):
-                parts = reader.add(event) if reader else Parts(content=event)
+                parts = reader.add(event)
                 calls += parts.calls
                 if parts.content or parts.reasoning:
                     yield json.dumps(self.piece(parts.content, thinking=parts.reasoning)) + "\n"
             elif isinstance(event, Failure):
                 yield json.dumps({"error": event.message}) + "\n"
             else:
-                last = reader.finish() if reader else Parts()
+                last = reader.finish()
                 last.calls = calls + last.calls
                 yield json.dumps(self._last(last, event)) + "\n"
 
@@ -137,6 +137,8 @@ def routes(server: Server) -> list[Route]:
     """The Ollama endpoints over the server's engine (the model is the one served, whatever name a request gives)."""
     engine, model = server.engine, server.model
     family = reply_family(engine.models.tokenizer.config)  # how the served model writes reasoning and calls
+    thinks = family != PLAIN or uses_thinking(engine.models.tokenizer.config)
+    capabilities = ["completion", "tools"] + (["thinking"] if thinks else [])  # tools: the template's or generic
 
     async def chat(request: Request, body: dict) -> Response:
         messages, sampling, tools = parse_messages(body), parse_options(body), parse_tools(body)
@@ -176,7 +178,7 @@ def routes(server: Server) -> list[Route]:
     async def show(request: Request, body: dict) -> Response:
         info = {"general.architecture": "dflash", "dflash.context_length": engine.models.target.max_context}
         card = {"modelfile": "", "parameters": "", "template": "", "details": DETAILS, "model_info": info}
-        return JSONResponse(card | {"capabilities": ["completion"], "modified_at": _now()})
+        return JSONResponse(card | {"capabilities": capabilities, "modified_at": _now()})
 
     async def version(request: Request, body: None) -> Response:
         return JSONResponse({"version": API_VERSION})

@@ -112,28 +112,19 @@ class Shape:
     async def stream(self, events: AsyncIterator[Event]) -> AsyncIterator[str]:
         """SSE chunks: the chat's role chunk, each text (a chat's reasoning apart; tool calls as deltas at the end),
         the finish reason, usage if asked, then [DONE]."""
-        reader = ReplyReader(self.family, self.tools) if self.chat else None
+        reader = ReplyReader(self.family, self.tools)  # completions: plain, no tools
         calls: list[dict] = []
         if self.chat:
             yield _sse(self.chunk(None))
         async for event in events:
-            if isinstance(event, str):
-                if reader is None:
-                    if event:
-                        yield _sse(self.chunk(event))
-                    continue
-                parts = reader.add(event)
-                calls += parts.calls
-                for chunk in self._parts(parts):
-                    yield chunk
-            elif isinstance(event, Failure):
+            if isinstance(event, Failure):
                 yield _sse({"error": {"message": event.message, "type": "server_error", "param": None, "code": None}})
-            else:
-                if reader is not None:
-                    parts = reader.finish()
-                    calls += parts.calls
-                    for chunk in self._parts(parts):
-                        yield chunk
+                continue
+            parts = reader.add(event) if isinstance(event, str) else reader.finish()
+            calls += parts.calls
+            for chunk in self._parts(parts):
+                yield chunk
+            if not isinstance(event, str):
                 if calls:
                     yield _sse(self._calls_chunk(calls))
                 yield _sse(self.chunk("", "tool_calls" if calls else event.finish_reason))
