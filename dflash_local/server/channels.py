@@ -127,7 +127,7 @@ class Gemma4:
 
     def __init__(self, names: set[str]) -> None:
         self.names, self.text, self.at = names, "", 0
-        self.inside, self.label = "", False  # the open block, whether its channel's name is still ahead
+        self.inside, self.label = "", False  # the open block; whether a channel's name is still ahead
 
     def add(self, delta: str, last: bool = False) -> Parts:
         """Read delta; return what is known now (last: the reply ended, nothing is held back)."""
@@ -145,7 +145,8 @@ class Gemma4:
                 at, marker = min(found)
                 out.content += rest[:at]
                 self.at += at + len(marker)
-                self.inside, self.label = (marker, True) if marker in self.CLOSES else ("", False)
+                self.inside = marker if marker in self.CLOSES else ""
+                self.label = marker == "<|channel>"
                 continue
             close = self.CLOSES[self.inside]
             at = rest.find(close)
@@ -164,14 +165,10 @@ class Gemma4:
             else:
                 if at < 0 and not last:
                     return out
-                body = rest[:at] if at >= 0 else rest
-                call = _gemma_call(body, self.names) if at >= 0 else None
-                out += (
-                    Parts(calls=[call])
-                    if call
-                    else Parts(content=self.inside + rest[: at + len(close) if at >= 0 else len(rest)])
-                )
-                self.at += at + len(close) if at >= 0 else len(rest)
+                end = at + len(close) if at >= 0 else len(rest)  # a call cut off at the end: its text
+                call = _gemma_call(rest[:at], self.names) if at >= 0 else None
+                out += Parts(calls=[call]) if call else Parts(content=self.inside + rest[:end])
+                self.at += end
             self.inside = ""
 
 
