@@ -15,6 +15,7 @@ Any failure is one DFlashError sentence.
 
 from __future__ import annotations
 
+import json
 import re
 import resource
 import sys
@@ -68,8 +69,27 @@ def _raise(message: str) -> None:
     raise TemplateError(message)
 
 
+def _strftime_now(form: str) -> str:
+    """Today's date and time in a strftime format (templates that write the date, as gpt-oss's, call it)."""
+    return time.strftime(form)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """JSON as transformers' templates write it: keys in their order, plain text (jinja's own filter sorts keys and
+    returns markup, which HTML-escapes the text it is joined to)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 _ENV = _Environment(trim_blocks=True, lstrip_blocks=True)
+_ENV.filters["tojson"] = _tojson
 _ENV.globals["raise_exception"] = _raise
+_ENV.globals["strftime_now"] = _strftime_now
 
 
 @lru_cache(maxsize=8)

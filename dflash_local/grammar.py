@@ -6,7 +6,9 @@ A `Grammar` is compiled once per request against a tokenizer; `Grammar.matcher()
 
 from __future__ import annotations
 
+import ctypes
 import json
+import threading
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 _TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {(vocab, eos): LLTokenizer}
+_BUILDING = threading.Lock()  # one build at a time: a request waits for the one a server started ahead
 
 
 def json_schema_grammar(schema: dict | None, strict: bool = True, prefix: str = "", suffix: str = "") -> str:
@@ -134,18 +137,56 @@ class GrammarMatcher:
 
 def _lltokenizer(tokenizer: TextTokenizer | GGUFTokenizer, vocab_size: int, stop_ids: frozenset[int]):
     """llguidance's view of the tokenizer's token bytes (built once per tokenizer, vocabulary size and stop ids:
-    about 5 s for a 262K vocabulary)."""
-    built = _TOKENIZERS.setdefault(tokenizer, {})
+    several seconds for a 262K vocabulary; prepare_tokenizer builds it ahead)."""
     key = (vocab_size, stop_ids)
-    if key not in built:
-        eos = sorted(stop_ids)
-        if isinstance(tokenizer, TextTokenizer):
-            built[key] = _llguidance().LLTokenizer(tokenizer.tokenizer.to_str(), n_vocab=vocab_size, eos_token=eos)
-        else:
-            from llguidance.llamacpp import lltokenizer_from_vocab  # llama_cpp: imported through llama_lib already
+    with _BUILDING:
+        built = _TOKENIZERS.setdefault(tokenizer, {})
+        if key not in built:
+            built[key] = _build_lltokenizer(tokenizer, vocab_size, sorted(stop_ids))
+        return built[key]
 
-            built[key] = lltokenizer_from_vocab(tokenizer.vocab, n_vocab=vocab_size, eos_token=eos)
-    return built[key]
+
+def prepare_tokenizer(tokenizer: TextTokenizer | GGUFTokenizer | None, vocab_size: int, stop_ids: frozenset[int]):
+    """Build the grammar library's tokenizer now (a server at start), so that the first constrained request does not
+    wait for it; nothing for a model without tokenizer or stop ids (constrained output fails there anyway)."""
+    if tokenizer is not None and stop_ids:
+        _lltokenizer(tokenizer, vocab_size, stop_ids)
+
+
+def _build_lltokenizer(tokenizer: TextTokenizer | GGUFTokenizer, vocab_size: int, eos: list[int]):
+    """A new llguidance tokenizer: from tokenizer.json's text, or from a llama.cpp vocabulary's token bytes."""
+    llguidance = _llguidance()
+    if isinstance(tokenizer, TextTokenizer):
+        return llguidance.LLTokenizer(tokenizer.tokenizer.to_str(), n_vocab=vocab_size, eos_token=eos)
+    from .llama_lib import llama_cpp
+
+    tokens = _llama_token_bytes(tokenizer.vocab)
+    tokens += [b""] * (vocab_size - len(tokens))
+    tokenize = ctypes.cast(llama_cpp.llama_cpp._lib.llama_tokenize, ctypes.c_void_p).value
+    return llguidance.LLTokenizer.from_llamacpp(
+        tokens=tokens, vocab_ptr=tokenizer.vocab, tokenize_fptr=tokenize, eos_token=eos
+    )
+
+
+def _llama_token_bytes(vocab) -> list[bytes]:
+    """Each token's bytes in a llama.cpp vocabulary, special ones (control tokens, and user-defined ones spelled
+    <...>) marked by a leading 0xff as llguidance expects."""
+    from .llama_lib import llama_cpp
+
+    control, user = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL, llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
+    buffer = ctypes.create_string_buffer(256)
+    tokens = []
+    for token in range(llama_cpp.llama_vocab_n_tokens(vocab)):
+        length = llama_cpp.llama_token_to_piece(vocab, token, buffer, len(buffer), 0, True)
+        if length < 0:  # the piece needs -length bytes
+            buffer = ctypes.create_string_buffer(-length)
+            length = llama_cpp.llama_token_to_piece(vocab, token, buffer, len(buffer), 0, True)
+        piece = buffer.raw[:length]
+        attr = llama_cpp.llama_vocab_get_attr(vocab, token)
+        if attr & control or (attr & user and piece.startswith(b"<") and piece.endswith(b">")):
+            piece = b"\xff" + piece
+        tokens.append(piece)
+    return tokens
 
 
 def _llguidance():

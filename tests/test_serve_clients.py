@@ -131,6 +131,7 @@ def test_the_ollama_client_lists_and_shows_the_model(local):
     assert [m.model for m in local.list().models] == ["tiny"]
     shown = local.show("tiny")
     assert shown.modelinfo["dflash.context_length"] == CONTEXT
+    assert shown.capabilities == ["completion", "tools"]  # clients offer tools only to a model that lists them
     assert local._request_raw("GET", "/api/version").json()["version"]
 
 

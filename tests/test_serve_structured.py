@@ -6,6 +6,7 @@ constrained plain decoding (no drafter) of the same grammar, so DFlash changes n
 from __future__ import annotations
 
 import json
+import time
 from typing import Literal
 
 import ollama
@@ -160,3 +161,20 @@ def test_ollamas_format_takes_json_and_a_schema(client):
     with pytest.raises(ollama.ResponseError) as caught:
         local.chat(model="tiny", messages=MESSAGES, format={"type": 3}, options=options)
     assert caught.value.status_code == 400 and "'format'" in caught.value.error
+
+
+def test_the_grammar_tokenizer_is_built_when_the_server_starts_not_at_the_first_json_request(monkeypatch):
+    from dflash_local import grammar
+    from dflash_local.server.protocol import Sampling
+
+    builds = []
+    build = grammar._build_lltokenizer
+    monkeypatch.setattr(grammar, "_build_lltokenizer", lambda *args: builds.append(args) or build(*args))
+    models = load_models(TINY / "target", TINY / "drafter", LoadSpec(RuntimeConfig(device="cpu")), auto_block=False)
+    engine = Engine(models, 4, None, size=2)  # a fresh tokenizer: nothing cached for it yet
+    deadline = time.monotonic() + 60
+    while not builds:
+        assert time.monotonic() < deadline, "the server built no grammar tokenizer at start"
+        time.sleep(0.01)
+    settings = engine.settings(Sampling(grammar=json_schema_grammar(None)), 5)  # the first json request's compile
+    assert settings.grammar is not None and len(builds) == 1

@@ -312,7 +312,7 @@ def test_a_bug_is_a_500_in_the_openai_shape():
         def submit(self, job) -> bool:
             raise RuntimeError("a bug")
 
-    models = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids: ""), stop_ids=frozenset())
+    models = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids: "", config={}), stop_ids=frozenset())
     with serving(Broken(models, None, None, size=1)) as address:
         status, _, body = ask(address, "POST", "/v1/chat/completions", json.dumps(CHAT).encode())
     assert status == 500 and body["error"]["type"] == "server_error"

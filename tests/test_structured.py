@@ -266,3 +266,20 @@ def test_generate_json_schema_from_the_command_line(tmp_path):
     bad = invoke(*common, "--json-schema", str(tmp_path / "bad.json"))
     assert bad.exit_code == 1
     assert bad.stderr.strip() == "error: The JSON schema is not valid: Expected array for 'required', got \"name\"."
+
+
+def test_a_gguf_vocabularys_token_bytes_are_read_without_deprecated_llama_cpp_calls(tiny_gguf):
+    import warnings
+
+    from dflash_local.gguf.tokenizer import GGUFTokenizer
+    from dflash_local.grammar import _llama_token_bytes
+
+    tokenizer = GGUFTokenizer.load(tiny_gguf["f16"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tokens = _llama_token_bytes(tokenizer.vocab)
+    assert [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)] == []
+    text = tokenizer.encode("def f(x):\n    return {'a': 1}", add_special_tokens=False)
+    assert b"".join(tokens[i] for i in text) == tokenizer.decode(text).encode()
+    eos = tokenizer.token_id(tokenizer.config["eos_token"])
+    assert tokens[eos] == b"\xff" + tokenizer.config["eos_token"].encode()  # a control token: marked special

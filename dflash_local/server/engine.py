@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from ..decode import Settings, Stats
 from ..errors import DFlashError
 from ..generation import OUT_OF_MEMORY, GenerationRequest, LoadedModels, out_of_memory, stream
-from ..grammar import compile_grammar
+from ..grammar import compile_grammar, prepare_tokenizer
 from .protocol import Sampling
 
 log = logging.getLogger("dflash.serve")
@@ -112,6 +112,16 @@ class Engine:
         self.busy = False
         self.eos_texts = tuple(t for t in (models.tokenizer.decode([i]) for i in sorted(models.stop_ids)) if t)
         threading.Thread(target=self._work, name="dflash-generation", daemon=True).start()
+        threading.Thread(target=self._prepare_grammar, name="dflash-grammar", daemon=True).start()
+
+    def _prepare_grammar(self) -> None:
+        """Build the grammar library's tokenizer ahead of the first constrained request (seconds on a 262K
+        vocabulary); a failure here is only logged: the request that needs it meets it again and answers it."""
+        models = self.models
+        try:
+            prepare_tokenizer(models.tokenizer, models.target.vocab_size, models.stop_ids)
+        except Exception:
+            log.warning("the grammar tokenizer could not be built ahead", exc_info=True)
 
     def submit(self, job: Job) -> bool:
         """Queue the job; False when the queue is full."""

@@ -14,14 +14,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from ..chat_template import takes_tools
+from ..chat_template import takes_tools, uses_thinking
 from ..generation import LoadedModels
 from ..sampling import SamplingParams
+from .channels import PLAIN, Parts, ReplyReader, read_reply, reply_family
 from .constrained import ollama_format_grammar
 from .engine import Ending, Event, Failure, Job
 from .exchange import Server
 from .protocol import BadRequest, Refused, Sampling, flag, number, parse_messages, stop_strings, whole
-from .tools import ToolText, conversation, parse_calls, parse_tools, tool_names
+from .tools import conversation, parse_tools
 
 log = logging.getLogger("dflash.serve")
 
@@ -71,18 +72,22 @@ class Reply:
 
     media_type = "application/x-ndjson"
 
-    def __init__(self, chat: bool, model: str, tools: list[dict] | None = None) -> None:
-        self.chat, self.model, self.tools, self.started = chat, model, tools, time.monotonic()
+    def __init__(self, chat: bool, model: str, tools: list[dict] | None = None, family: str = PLAIN) -> None:
+        self.chat, self.model, self.tools, self.family = chat, model, tools, family
+        self.started = time.monotonic()
 
     def error(self, status: int, message: str, headers: dict[str, str] | None = None) -> Response:
         return JSONResponse({"error": message}, status_code=status, headers=headers)
 
-    def piece(self, text: str, done: bool = False, calls: list[dict] | None = None) -> dict:
-        """One line: text (a chat's message, else the response), with its tool calls in Ollama's shape."""
+    def piece(self, text: str, done: bool = False, calls: list[dict] | None = None, thinking: str = "") -> dict:
+        """One line: text (a chat's message, else the response), with its reasoning and tool calls in Ollama's
+        shape."""
         body = {"model": self.model, "created_at": _now()}
         if not self.chat:
             return body | {"response": text, "done": done}
         message = {"role": "assistant", "content": text}
+        if thinking:
+            message["thinking"] = thinking
         if calls:
             functions = [
                 {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])} for c in calls
@@ -91,13 +96,12 @@ class Reply:
         return body | {"message": message, "done": done}
 
     def whole(self, text: str, ending: Ending) -> dict:
-        content, calls = parse_calls(text, tool_names(self.tools)) if self.tools else (text, [])
-        return self._last(content, calls, ending)
+        return self._last(read_reply(self.family, self.tools, text), ending)  # generate: plain, no tools
 
-    def _last(self, text: str, calls: list[dict], ending: Ending) -> dict:
+    def _last(self, parts: Parts, ending: Ending) -> dict:
         """The last line: done, why, the counts and the durations in nanoseconds."""
         stats = ending.stats
-        return self.piece(text, True, calls) | {
+        return self.piece(parts.content, True, parts.calls, parts.reasoning) | {
             "done_reason": ending.finish_reason,
             "total_duration": int((time.monotonic() - self.started) * 1e9),
             "load_duration": 0,
@@ -108,18 +112,22 @@ class Reply:
         }
 
     async def stream(self, events: AsyncIterator[Event]) -> AsyncIterator[str]:
-        """NDJSON lines: each text (a tool call held back and sent with the last line), then the last line."""
-        held = ToolText(self.tools) if self.chat and self.tools else None
+        """NDJSON lines: each text (a chat's reasoning as thinking; tool calls held back and sent with the last
+        line), then the last line."""
+        reader = ReplyReader(self.family, self.tools)  # generate: plain, no tools
+        calls: list[dict] = []
         async for event in events:
             if isinstance(event, str):
-                text = held.add(event) if held else event
-                if text:
-                    yield json.dumps(self.piece(text)) + "\n"
+                parts = reader.add(event)
+                calls += parts.calls
+                if parts.content or parts.reasoning:
+                    yield json.dumps(self.piece(parts.content, thinking=parts.reasoning)) + "\n"
             elif isinstance(event, Failure):
                 yield json.dumps({"error": event.message}) + "\n"
             else:
-                rest, calls = held.finish() if held else ("", [])
-                yield json.dumps(self._last(rest, calls, event)) + "\n"
+                last = reader.finish()
+                last.calls = calls + last.calls
+                yield json.dumps(self._last(last, event)) + "\n"
 
 
 DETAILS = {"format": "", "family": "dflash", "families": ["dflash"], "parameter_size": "", "quantization_level": ""}
@@ -128,6 +136,9 @@ DETAILS = {"format": "", "family": "dflash", "families": ["dflash"], "parameter_
 def routes(server: Server) -> list[Route]:
     """The Ollama endpoints over the server's engine (the model is the one served, whatever name a request gives)."""
     engine, model = server.engine, server.model
+    family = reply_family(engine.models.tokenizer.config)  # how the served model writes reasoning and calls
+    thinks = family != PLAIN or uses_thinking(engine.models.tokenizer.config)
+    capabilities = ["completion", "tools"] + (["thinking"] if thinks else [])  # tools: the template's or generic
 
     async def chat(request: Request, body: dict) -> Response:
         messages, sampling, tools = parse_messages(body), parse_options(body), parse_tools(body)
@@ -141,7 +152,7 @@ def routes(server: Server) -> list[Route]:
             return models.tokenizer.encode_chat(turns, True, enable, shown)
 
         return await server.answer(
-            request, Job(render, sampling, asyncio.get_running_loop()), Reply(True, model, tools)
+            request, Job(render, sampling, asyncio.get_running_loop()), Reply(True, model, tools, family)
         )
 
     async def generate(request: Request, body: dict) -> Response:
@@ -167,7 +178,7 @@ def routes(server: Server) -> list[Route]:
     async def show(request: Request, body: dict) -> Response:
         info = {"general.architecture": "dflash", "dflash.context_length": engine.models.target.max_context}
         card = {"modelfile": "", "parameters": "", "template": "", "details": DETAILS, "model_info": info}
-        return JSONResponse(card | {"capabilities": ["completion"], "modified_at": _now()})
+        return JSONResponse(card | {"capabilities": capabilities, "modified_at": _now()})
 
     async def version(request: Request, body: None) -> Response:
         return JSONResponse({"version": API_VERSION})

@@ -16,11 +16,12 @@ from starlette.routing import Route
 
 from ..chat_template import takes_tools
 from ..generation import LoadedModels
+from .channels import PLAIN, Parts, ReplyReader, read_reply, reply_family
 from .constrained import forced_call_grammar, response_format_grammar
 from .engine import Ending, Event, Failure, Job
 from .exchange import Server
 from .protocol import error_response, parse_messages, parse_prompt, parse_sampling, parse_thinking
-from .tools import ToolText, conversation, parse_calls, parse_tools, tool_names
+from .tools import conversation, parse_tools
 
 
 def usage(ending: Ending) -> dict:
@@ -49,8 +50,15 @@ class Shape:
 
     media_type = "text/event-stream"
 
-    def __init__(self, chat: bool, model: str, include_usage: bool = False, tools: list[dict] | None = None) -> None:
-        self.chat, self.model, self.include_usage, self.tools = chat, model, include_usage, tools
+    def __init__(
+        self,
+        chat: bool,
+        model: str,
+        include_usage: bool = False,
+        tools: list[dict] | None = None,
+        family: str = PLAIN,
+    ) -> None:
+        self.chat, self.model, self.include_usage, self.tools, self.family = chat, model, include_usage, tools, family
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -66,10 +74,12 @@ class Shape:
         if not self.chat:
             choice = {"index": 0, "text": text, "finish_reason": ending.finish_reason}
             return self._object("text_completion", [choice], usage(ending))
-        message, finish = {"role": "assistant", "content": text}, ending.finish_reason
-        content, calls = parse_calls(text, tool_names(self.tools)) if self.tools else (text, [])
-        if calls:
-            message, finish = {"role": "assistant", "content": content or None, "tool_calls": calls}, "tool_calls"
+        parts, finish = read_reply(self.family, self.tools, text), ending.finish_reason
+        message = {"role": "assistant", "content": parts.content or (None if parts.calls else "")}
+        if parts.reasoning:
+            message["reasoning_content"] = parts.reasoning  # where llama-server and vLLM put it; clients read it there
+        if parts.calls:
+            message["tool_calls"], finish = parts.calls, "tool_calls"
         return self._object(
             "chat.completion", [{"index": 0, "message": message, "finish_reason": finish}], usage(ending)
         )
@@ -88,23 +98,33 @@ class Shape:
         delta = {"tool_calls": [{"index": index} | call for index, call in enumerate(calls)]}
         return self._object("chat.completion.chunk", [{"index": 0, "delta": delta, "finish_reason": None}])
 
+    def _parts(self, parts: Parts) -> list[str]:
+        """The chunks of a reply's reasoning and answer text (a reasoning_content delta, then a content delta)."""
+        chunks = []
+        if parts.reasoning:
+            delta = {"reasoning_content": parts.reasoning}
+            choice = {"index": 0, "delta": delta, "finish_reason": None}
+            chunks.append(_sse(self._object("chat.completion.chunk", [choice])))
+        if parts.content:
+            chunks.append(_sse(self.chunk(parts.content)))
+        return chunks
+
     async def stream(self, events: AsyncIterator[Event]) -> AsyncIterator[str]:
-        """SSE chunks: the chat's role chunk, each text (tool calls as deltas at the end), the finish reason, usage
-        if asked, then [DONE]."""
-        held = ToolText(self.tools) if self.chat and self.tools else None
+        """SSE chunks: the chat's role chunk, each text (a chat's reasoning apart; tool calls as deltas at the end),
+        the finish reason, usage if asked, then [DONE]."""
+        reader = ReplyReader(self.family, self.tools)  # completions: plain, no tools
+        calls: list[dict] = []
         if self.chat:
             yield _sse(self.chunk(None))
         async for event in events:
-            if isinstance(event, str):
-                text = held.add(event) if held else event
-                if text:
-                    yield _sse(self.chunk(text))
-            elif isinstance(event, Failure):
+            if isinstance(event, Failure):
                 yield _sse({"error": {"message": event.message, "type": "server_error", "param": None, "code": None}})
-            else:
-                rest, calls = held.finish() if held else ("", [])
-                if rest:
-                    yield _sse(self.chunk(rest))
+                continue
+            parts = reader.add(event) if isinstance(event, str) else reader.finish()
+            calls += parts.calls
+            for chunk in self._parts(parts):
+                yield chunk
+            if not isinstance(event, str):
                 if calls:
                     yield _sse(self._calls_chunk(calls))
                 yield _sse(self.chunk("", "tool_calls" if calls else event.finish_reason))
@@ -116,6 +136,7 @@ class Shape:
 def routes(server: Server) -> list[Route]:
     """The OpenAI endpoints over the server's engine."""
     engine, model = server.engine, server.model
+    family = reply_family(engine.models.tokenizer.config)  # how the served model writes reasoning and calls
 
     async def chat(request: Request, body: dict) -> Response:
         messages, sampling, thinking = parse_messages(body), parse_sampling(body), parse_thinking(body)
@@ -129,7 +150,7 @@ def routes(server: Server) -> list[Route]:
             return models.tokenizer.encode_chat(turns, True, enable, shown)
 
         job = Job(render, sampling, asyncio.get_running_loop())
-        return await server.answer(request, job, Shape(True, model, sampling.include_usage, tools))
+        return await server.answer(request, job, Shape(True, model, sampling.include_usage, tools, family))
 
     async def completions(request: Request, body: dict) -> Response:
         prompt = parse_prompt(body)

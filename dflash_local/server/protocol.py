@@ -216,8 +216,8 @@ def _tool_calls(message: dict, where: str) -> list[dict]:
 
 
 def parse_messages(body: dict) -> list[dict]:
-    """The chat messages as the template takes them: role and content strings, an assistant's tool calls, and a tool
-    result's call id and name."""
+    """The chat messages as the template takes them: role and content strings, an assistant's tool calls and
+    reasoning (as `reasoning_content` and `thinking`), and a tool result's call id and name."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list of {role, content} objects.", "messages")
@@ -232,6 +232,9 @@ def parse_messages(body: dict) -> list[dict]:
         for name in ("tool_call_id", "name"):
             if isinstance(message.get(name), str):
                 taken[name] = message[name]
+        reasoning = message.get("reasoning_content", message.get("thinking"))  # OpenAI-shape clients', Ollama's
+        if message["role"] == "assistant" and isinstance(reasoning, str) and reasoning:
+            taken["reasoning_content"] = taken["thinking"] = reasoning  # the names templates read (Qwen3, gpt-oss)
         parsed.append(taken)
     return parsed
 

@@ -80,15 +80,10 @@ def tool_names(tools: list[dict]) -> set[str]:
     return {tool["function"]["name"] for tool in tools}
 
 
-def _call(text: str, names: set[str]) -> dict | None:
-    """One OpenAI tool call from a JSON object {name, arguments | parameters} naming a declared tool, else None."""
-    try:
-        found = json.loads(text)
-    except json.JSONDecodeError:
+def make_call(name: object, arguments: object, names: set[str]) -> dict | None:
+    """One OpenAI tool call of a declared function with arguments (an object, or JSON text of one), else None."""
+    if not isinstance(name, str) or name not in names:
         return None
-    if not isinstance(found, dict) or found.get("name") not in names:
-        return None
-    arguments = found.get("arguments", found.get("parameters", {}))
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
@@ -96,8 +91,19 @@ def _call(text: str, names: set[str]) -> dict | None:
             return None
     if not isinstance(arguments, dict):
         return None
-    function = {"name": found["name"], "arguments": json.dumps(arguments)}
+    function = {"name": name, "arguments": json.dumps(arguments)}
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": function}
+
+
+def _call(text: str, names: set[str]) -> dict | None:
+    """One OpenAI tool call from a JSON object {name, arguments | parameters} naming a declared tool, else None."""
+    try:
+        found = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(found, dict):
+        return None
+    return make_call(found.get("name"), found.get("arguments", found.get("parameters", {})), names)
 
 
 def parse_calls(text: str, names: set[str]) -> tuple[str, list[dict]]:
@@ -130,7 +136,7 @@ class ToolText:
         if self.sent == 0 and (not lead or lead.startswith("{") or PYTHON_TAG.startswith(lead[: len(PYTHON_TAG)])):
             return ""
         at = self.text.find(OPEN, self.sent)
-        end = at if at >= 0 else len(self.text) - _held(self.text[self.sent :])
+        end = at if at >= 0 else len(self.text) - held(self.text[self.sent :], (OPEN,))
         end = max(end, self.sent)
         out, self.sent = self.text[self.sent : end], end
         return out
@@ -140,6 +146,6 @@ class ToolText:
         return parse_calls(self.text[self.sent :], self.names)
 
 
-def _held(tail: str) -> int:
-    """How many characters at the end of tail may begin `<tool_call>`."""
-    return max((n for n in range(1, len(OPEN)) if tail.endswith(OPEN[:n])), default=0)
+def held(text: str, markers: tuple[str, ...]) -> int:
+    """How many characters at the end of text may begin one of markers (held back until more text comes)."""
+    return max((n for m in markers for n in range(1, len(m)) if text.endswith(m[:n])), default=0)
