@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from hub_server import FakeHub, Fault, repo_of
 from in_process import invoke
+from one_error import assert_one_error
 
 from dflash_local import hub as hub_module
 from dflash_local.hub import human_size
@@ -143,16 +144,6 @@ def generate(hub: FakeHub, *extra: str) -> subprocess.CompletedProcess:
     return dflash(
         hub, "generate", "--target", "tiny-hub", "--prompt", "def main", "--max-new-tokens", "8", "--json", *extra
     )
-
-
-def assert_one_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
-    """Exit status 1 and a stderr that is one line, `error: ...`, holding each fragment: no progress, report or log
-    line before it (bars are drawn only on a terminal, and cleared)."""
-    assert result.returncode == 1, result.stderr
-    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
-    assert result.stderr.endswith("\n"), result.stderr
-    for fragment in fragments:
-        assert fragment in result.stderr, result.stderr
 
 
 def test_pull_fetches_only_needed_files_verifies_and_second_pull_downloads_nothing(hub, tmp_path):
