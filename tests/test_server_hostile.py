@@ -50,8 +50,9 @@ def serving(engine: Engine, limits: Limits = Limits()) -> Iterator[Address]:
     server = uvicorn_server(create_app(engine, "tiny", KEY, limits), limits)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
+    deadline = time.monotonic() + HANG_S
     while not server.started:
-        assert thread.is_alive(), "the server did not start"
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.01)
     try:
         yield sock.getsockname()[:2]
