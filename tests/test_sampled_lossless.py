@@ -12,11 +12,12 @@ The power calculation: a wrong sampler moves the continuations' distribution fro
 the cells of p (sampled_reference.cells) then follows a noncentral chi-square with df = cells - 1 and noncentrality
 N * w^2, w^2 = sum (q - p)^2 / p (Cohen's effect size). The three wrong samplers of tests/wrong_samplers.py
 (a residual drawn from the target's row, acceptance with probability p instead of min(1, p/q), the bonus drawn from
-the row before the last) moved the continuations by w^2 of 0.081-0.134, 0.148-0.619 and 0.40-1.04 over the four
-kinds (MEASURED_EFFECTS: the smallest; bias-corrected estimates, sampled_reference.effect_size, over each test's own
-samples: `python tests/wrong_samplers.py NAME tests/test_sampled_lossless.py` prints them in the failures). Each
-test draws the fewest samples at which an effect of 0.75 times the smallest (EFFECT_FLOOR) is found with 99% power
-at alpha = 1e-3 (sampled_reference.samples_for_power): 1100-1300 samples.
+the row before the last) moved the continuations by w^2 of 0.081-0.225, 0.148-0.599 and 0.40-1.04 over the five
+kinds (NF4: 0.225, 0.222, 0.94) (MEASURED_EFFECTS: the smallest; bias-corrected estimates,
+sampled_reference.effect_size, over each test's own samples: `python tests/wrong_samplers.py NAME
+tests/test_sampled_lossless.py` prints them in the failures). Each test draws the fewest samples at which an effect
+of 0.75 times the smallest (EFFECT_FLOOR) is found with 99% power at alpha = 1e-3 (sampled_reference.samples_for_power):
+1100-1300 samples.
 """
 
 from __future__ import annotations
