@@ -181,11 +181,12 @@ def test_the_tap_probe_asks_the_loaded_library_and_remembers(tmp_path, monkeypat
 
 class ChainDrafter:
     """A test drafter for any target: row i holds llama.cpp's own logits (a second copy of the target, `own`) after
-    the known tokens and i tokens of their greedy chain, times COOLING, so its drafts are often right and often
-    rejected. It reads no target layers."""
+    the known tokens and i tokens of their greedy chain, the argmax raised by BOOST, so its drafts are often right
+    and often rejected. It reads no target layers."""
 
     target_layer_ids: list[int] = []
-    COOLING = 0.6  # the drafter's scores times this: flatter than the target's, so p / q < 1 on its likely drafts
+    BOOST = 2.0  # added to the argmax's score: the drafter over-proposes it (q > p), so it is rejected now and then,
+    # and the residual max(0, p - q) then holds only the other tokens (a residual drawn from the target's row shows)
 
     def __init__(self, own, block_size: int) -> None:
         self.own, self.block_size = own, block_size
@@ -205,8 +206,10 @@ class ChainDrafter:
         out = []
         for _ in range(rows):
             logits = torch.from_numpy(self.own.scores[self.own.n_tokens - 1].copy())
-            out.append(logits * self.COOLING)
-            self.own.eval([int(logits.argmax())])
+            best = int(logits.argmax())
+            logits[best] += self.BOOST
+            out.append(logits)
+            self.own.eval([best])
         return torch.stack(out)
 
 
