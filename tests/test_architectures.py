@@ -219,7 +219,9 @@ def test_sampling_on_a_hybrid_target_follows_llama_cpps_distribution(models):
     blocks drafts are accepted (mean acceptance length > 1.3), rejected at more than 1 step in 20 (the recurrent state
     restored from before the verify) and fully accepted with their bonus in more than 1 sample in 20. Samples: the
     fewest at which 0.75 times the smallest wrong-sampler effect of test_sampled_lossless (EFFECT_FLOOR) is found with
-    99% power at alpha 1e-3 over this test's 16 continuations (samples_for_power)."""
+    99% power at alpha 1e-3 over this test's 16 continuations (samples_for_power): 1000. The wrong samplers of
+    tests/wrong_samplers.py moved these continuations by w^2 0.135 (residual), 0.119 (accept-p) and 0.52 (bonus-row),
+    each found at p < 1e-20 (this test's loop patched, on the same tiny_archs.py model)."""
     from sampled_reference import continuations, effect_size, p_value, samples_for_power
     from test_sampled_lossless import EFFECT_FLOOR, llamacpp_model, llamacpp_next_logits
 
