@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import hashlib
 import importlib
+import json
 import os
 import re
 import tomllib
@@ -12,9 +14,10 @@ from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
 
+from .atomic import write_text_atomic
 from .errors import DFlashError
 from .hub import DRAFTER_FILES, MODEL_FILES, HubSource, cached_folder
-from .local_models import OLLAMA_PREFIX, check_loadable, ollama_model
+from .local_models import OLLAMA_PREFIX, check_loadable, file_digest, ollama_model
 from .paths import cache_dir
 
 MODELS_DIR = Path(str(files("dflash_local.models")))  # models/ in the source tree; package data in a wheel
@@ -243,26 +246,56 @@ def local_path(source: Source, fetch) -> Path:
 
 
 def package_file(package: str) -> Path | None:
-    """The model file an installed package assembles (`assemble(path)`, which checks its sha256), written once into
-    dflash's cache and atomically; None when the package is not installed."""
+    """The model file an installed package assembles (its `MODEL_NAME`, `EXPECTED_SHA256` and `assemble(path)`),
+    written once into dflash's cache, atomically; None when the package is not installed. A file found there is
+    used only if its sha256 is the package's: hashed in full unless its stamp (sha256, size, mtime, written after a
+    check) still matches; a corrupted file is assembled again."""
     try:
         module = importlib.import_module(package)
     except ImportError:
         return None
     path = cache_dir() / "packages" / package / str(module.MODEL_NAME)
-    if path.is_file():
+    expected = str(module.EXPECTED_SHA256)
+    if path.is_file() and _verified(path, expected):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
     try:
-        module.assemble(partial)
+        module.assemble(partial)  # which checks the sha256 of what it wrote
         os.replace(partial, path)
     except (OSError, ValueError) as exc:
         raise DFlashError(f"The package {package} could not assemble its model file ({exc}).") from None
     finally:
         with contextlib.suppress(FileNotFoundError):
             partial.unlink()
+    _stamp(path, expected)
     return path
+
+
+def _stamp_path(path: Path) -> Path:
+    return path.with_name(f"{path.name}.sha256.json")
+
+
+def _stamp(path: Path, sha256: str) -> None:
+    """Record that path, at its present size and mtime, was checked to hold sha256."""
+    status = path.stat()
+    record = {"sha256": sha256, "size": status.st_size, "mtime_ns": status.st_mtime_ns}
+    with contextlib.suppress(OSError):  # a stamp not written (another process writing it) costs one hash next time
+        write_text_atomic(_stamp_path(path), json.dumps(record))
+
+
+def _verified(path: Path, sha256: str) -> bool:
+    """Whether path holds sha256: its stamp says so for its present size and mtime, or a full hash does (then
+    stamped)."""
+    status = path.stat()
+    want = {"sha256": sha256, "size": status.st_size, "mtime_ns": status.st_mtime_ns}
+    with contextlib.suppress(OSError, ValueError):
+        if json.loads(_stamp_path(path).read_text()) == want:
+            return True
+    if file_digest(path, hashlib.sha256()) != sha256:
+        return False
+    _stamp(path, sha256)
+    return True
 
 
 def resolve(name: str, drafter: str | None, fetch) -> ResolvedModel:

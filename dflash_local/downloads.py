@@ -1,10 +1,13 @@
-"""Pulling Hub files for the CLI: rich progress bars per file, a summary line, and --offline refusal."""
+"""Pulling Hub files for the CLI: progress bars while a terminal watches, a report once a pull is whole, and
+--offline refusal. A pull that fails leaves nothing on the terminal but its one error line."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
-from rich.console import Console
+from rich.console import Console, Group
+from rich.live import Live
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -14,18 +17,28 @@ from rich.progress import (
     TimeRemainingColumn,
     TransferSpeedColumn,
 )
+from rich.text import Text
 
 from .errors import DFlashError
 from .hub import HubSource, ProgressFactory, PullReport, human_size, pull
 
 
 class Downloader:
-    """Fetches Hub sources into the cache with progress bars; with offline=True it refuses instead."""
+    """Fetches Hub sources into the cache; with offline=True it refuses instead. Bars are drawn on `console` only
+    when it is a terminal, and cleared when the pull ends, whole or not; what a whole pull did goes to `report`
+    (default: the console)."""
 
-    def __init__(self, token: str | None = None, offline: bool = False, console: Console | None = None) -> None:
+    def __init__(
+        self,
+        token: str | None = None,
+        offline: bool = False,
+        console: Console | None = None,
+        report: Console | None = None,
+    ) -> None:
         self.token = token
         self.offline = offline
         self.console = console or Console(stderr=True)
+        self.report = report or self.console
 
     def __call__(self, source: HubSource) -> Path:
         """The local folder of source, pulling it first (the resolver calls this for files not cached yet)."""
@@ -37,8 +50,8 @@ class Downloader:
         return self.pull(source).folder
 
     def pull(self, source: HubSource) -> PullReport:
-        """Download what is missing from source, one progress bar per file, then say what happened."""
-        self.console.print(f"pulling [bold]{source.repo}[/bold] ({', '.join(source.patterns)})")
+        """Download what is missing from source (one bar per file on a terminal), then say what happened."""
+        heading = f"{source.repo} ({', '.join(source.patterns)})"
         columns = (
             TextColumn("  {task.description}", justify="left"),
             BarColumn(),
@@ -46,18 +59,21 @@ class Downloader:
             TransferSpeedColumn(),
             TimeRemainingColumn(),
         )
-        with Progress(*columns, console=self.console) as progress:
+        progress = Progress(*columns, console=self.console)
+        display = Group(Text(f"pulling {heading}"), progress)
+        with Live(display, console=self.console, transient=True) if self.console.is_terminal else nullcontext():
             report = pull(source, self.token, _bar_factory(progress))
-        for name, copy in report.found.items():
-            self.console.print(f"  {name}: already on this machine at {copy}, used in place", soft_wrap=True)
-        for name in report.refetched:
-            self.console.print(f"  {name}: was corrupted or truncated in the cache, fetched again")
+        lines = [f"pulled {heading}"]
+        lines += [f"  {name}: already on this machine at {copy}, used in place" for name, copy in report.found.items()]
+        lines += [f"  {name}: was corrupted or truncated in the cache, fetched again" for name in report.refetched]
         fresh = sum(f.size for f in report.files if f.name in report.downloaded)
         whole = len(report.files) - len(report.downloaded)
-        self.console.print(
+        lines.append(
             f"  verified {len(report.files)} files (size + sha256): {len(report.downloaded)} downloaded "
             f"({human_size(fresh)}), {whole} already in the cache"
         )
+        for line in lines:
+            self.report.print(line, soft_wrap=True, highlight=False, markup=False)
         return report
 
 
@@ -77,7 +93,7 @@ def _bar_factory(progress: Progress) -> ProgressFactory:
                 progress.advance(task[0], n)
 
             def close(self) -> None:
-                progress.refresh()
+                """Nothing to release: the live display redraws the bar's last state on its own."""
 
         return Bar
 

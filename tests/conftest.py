@@ -107,7 +107,8 @@ def _one_thread():
 
 
 # The files that take longest start first, so that none runs last, alone (test_architectures about 150 s of CPU,
-# its GGUF build in the oracle included; test_gemma about 150 s; test_sampled_lossless and the rest less).
+# its GGUF build in the oracle included, plus its hybrid T > 0 test: 175 s wall on a busy 2-core machine; test_gemma
+# about 150 s; test_sampled_lossless and the rest less).
 SLOWEST_FIRST = (
     "test_architectures.py",
     "test_gemma.py",

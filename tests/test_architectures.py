@@ -181,3 +181,72 @@ def test_the_tap_probe_asks_the_loaded_library_and_remembers(tmp_path, monkeypat
     (tmp_path / "broken.gguf").write_bytes(b"GGUF" + bytes(60))
     with pytest.raises(DFlashError, match=r"^Checking whether llama\.cpp reads the layer features of broken\.gguf"):
         ask(tmp_path / "broken.gguf")
+
+
+class ChainDrafter:
+    """A test drafter for any target: row i holds llama.cpp's own logits (a second copy of the target, `own`) after
+    the known tokens and i tokens of their greedy chain, the argmax raised by BOOST, so its drafts are often right
+    and often rejected. It reads no target layers."""
+
+    target_layer_ids: list[int] = []
+    BOOST = 2.0  # added to the argmax's score: the drafter over-proposes it (q > p), so it is rejected now and then,
+    # and the residual max(0, p - q) then holds only the other tokens (a residual drawn from the target's row shows)
+
+    def __init__(self, own, block_size: int) -> None:
+        self.own, self.block_size = own, block_size
+        self.cache_owner: object | None = None
+
+    def check_target(self, target) -> None:
+        """Any target: the drafter reads only tokens."""
+
+    def reset(self) -> None:
+        """No state between steps."""
+
+    def propose(self, target, new_features, tokens: list[int], start: int, size: int, rows: int | None = None):
+        """The chain's rows for positions start+1..start+rows (default size - 1)."""
+        rows = size - 1 if rows is None else rows
+        self.own.reset()
+        self.own.eval(tokens[: start + 1])
+        out = []
+        for _ in range(rows):
+            logits = torch.from_numpy(self.own.scores[self.own.n_tokens - 1].copy())
+            best = int(logits.argmax())
+            logits[best] += self.BOOST
+            out.append(logits)
+            self.own.eval([best])
+        return torch.stack(out)
+
+
+def test_sampling_on_a_hybrid_target_follows_llama_cpps_distribution(models):
+    """qwen35 at T > 0 (temperature 1.5, top-k 2): DFlash's four new tokens, half at block 2 and half at block 3,
+    follow the distribution enumerated from llama.cpp's own logits (tests/sampled_reference.py) by chi-square. At both
+    blocks drafts are accepted (mean acceptance length > 1.3), rejected at more than 1 step in 20 (the recurrent state
+    restored from before the verify) and fully accepted with their bonus in more than 1 sample in 20. Samples: the
+    fewest at which 0.75 times the smallest wrong-sampler effect of test_sampled_lossless (EFFECT_FLOOR) is found with
+    99% power at alpha 1e-3 over this test's 16 continuations (samples_for_power): 1000. The wrong samplers of
+    tests/wrong_samplers.py moved these continuations by w^2 0.135 (residual), 0.119 (accept-p) and 0.52 (bonus-row),
+    each found at p < 1e-20 (this test's loop patched, on the same tiny_archs.py model)."""
+    from sampled_reference import continuations, effect_size, p_value, samples_for_power
+    from test_sampled_lossless import EFFECT_FLOOR, llamacpp_model, llamacpp_next_logits
+
+    from dflash_local.sampling import SamplingParams
+
+    path = models["qwen35"] / "model.gguf"
+    params, prompt, new_tokens = SamplingParams(temperature=1.5, top_k=2), PROMPT[:4], 4
+    exact = continuations(llamacpp_next_logits(path), prompt, new_tokens, params.temperature, params.top_k)
+    samples = samples_for_power(EFFECT_FLOOR, exact)
+    target = LlamaCppTarget.load(path, max_context=64, threads=1)
+    drafter = ChainDrafter(llamacpp_model(path), block_size=3)
+    counts: dict[tuple[int, ...], int] = {}
+    steps: dict[int, list[tuple[int, int]]] = {2: [], 3: []}
+    for seed in range(samples):
+        block = 3 if seed % 2 else 2
+        ids, stats = run(target, drafter, prompt, Settings(new_tokens, params, block, seed=seed))
+        counts[tuple(ids)] = counts.get(tuple(ids), 0) + 1
+        steps[block] += [(n, k) for n, k in zip(stats.acceptance_lengths, stats.block_sizes, strict=True) if k > 1]
+    found, effect = p_value(exact, counts), effect_size(exact, counts)
+    assert found > 1e-3, f"p = {found:.3g}, effect size w^2 = {effect:.4f} over {samples} samples"
+    for block, verified in steps.items():
+        assert sum(n for n, _ in verified) / len(verified) > 1.3, (block, verified)
+        assert sum(n < k for n, k in verified) > len(verified) / 20, (block, verified)  # rejections: rollbacks
+        assert sum(n == k for n, k in verified) > samples / 40, (block, verified)  # all kept, and the bonus

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from in_process import invoke
+from one_error import assert_one_error
 from typer.testing import CliRunner, Result
 
 from dflash_local import __version__, bench, chat, cli, generation, runtime
@@ -45,16 +46,9 @@ def dflash(*args: str | bytes | Path, env: dict | None = None) -> subprocess.Com
     return subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env or child_env())
 
 
-def assert_one_error(result: subprocess.CompletedProcess | Result, message: str) -> None:
-    """Exit status 1 and exactly `error: message` on stderr: one line, no traceback."""
-    if isinstance(result, Result):  # an exception that escaped the CLI would have been a traceback
-        assert isinstance(result.exception, SystemExit), repr(result.exception)
-        code = result.exit_code
-    else:
-        code = result.returncode
-    assert "Traceback" not in result.stderr, result.stderr
-    assert code == 1, result.stderr
-    assert result.stderr.splitlines() == [f"error: {message}"]
+def assert_exact_error(result: subprocess.CompletedProcess | Result, message: str) -> None:
+    """Exit status 1 and a whole stderr of exactly `error: message` (one line, no traceback)."""
+    assert assert_one_error(result) == f"error: {message}"
 
 
 GENERATE = ("generate", "--target", "tiny", "--no-draft", "--prompt-ids", "1,2")
@@ -88,13 +82,13 @@ OPTION_CASES = {
 @pytest.mark.parametrize("case", OPTION_CASES)
 def test_generate_options_out_of_range(case):
     extra, message = OPTION_CASES[case]
-    assert_one_error(invoke(*GENERATE, *extra), message)
+    assert_exact_error(invoke(*GENERATE, *extra), message)
 
 
 def test_runtime_defaults_come_from_the_environment():
     """DFLASH_KERNELS sets --kernels' default: a bad value is refused like the flag's."""
     result = invoke(*GENERATE, env={"DFLASH_KERNELS": "cuda"})
-    assert_one_error(result, "Unknown kernels 'cuda' (use auto, triton, torch).")
+    assert_exact_error(result, "Unknown kernels 'cuda' (use auto, triton, torch).")
 
 
 @pytest.mark.parametrize(
@@ -146,7 +140,7 @@ def test_prompt_that_is_not_utf8():
     message = (
         "--prompt is not valid UTF-8 text (the byte 0xff at position 2): pass UTF-8, or token ids with --prompt-ids."
     )
-    assert_one_error(result, message)
+    assert_exact_error(result, message)
     help_text = CliRunner().invoke(cli.app, ["generate", "--help"], env={"COLUMNS": "200"}).output
     assert "Prompt text, UTF-8 (other bytes are an error)" in help_text
 
@@ -234,7 +228,7 @@ def test_bad_config_through_the_cli(tmp_path):
     (target / "config.json").write_text(json.dumps({**TARGET, "hidden_size": -8}))
     args = ("--target", target, "--no-draft", "--prompt-ids", "1,2")
     message = f"{target}/config.json: hidden_size must be a positive integer, got -8."
-    assert_one_error(invoke("generate", *args), message)
+    assert_exact_error(invoke("generate", *args), message)
     (target / "config.json").write_text("[1, 2]")
     with pytest.raises(DFlashError) as caught:
         read_config(target)
@@ -307,7 +301,7 @@ def test_good_user_catalog_loads_and_bad_one_stops_the_cli(tmp_path, monkeypatch
         load_catalog()
     path.write_text("[mine]\ntarget = { repo = 'a/b..c' }\n")
     message = f"{path}: entry 'mine': target: repo must be a valid Hub repo name (owner/name), got 'a/b..c'."
-    assert_one_error(invoke("models", env={"DFLASH_CATALOG": str(path)}), message)
+    assert_exact_error(invoke("models", env={"DFLASH_CATALOG": str(path)}), message)
 
 
 # --- folders that cannot be written ---------------------------------------------------------------------------
@@ -321,7 +315,7 @@ def test_unwritable_cache_folders(tmp_path, monkeypatch):
     bad = blocker / "sub"
     result = invoke("pull", "someone/model", env=hub | {"HF_HOME": str(bad), "DFLASH_HOME": str(tmp_path / "dflash")})
     message = f"The Hugging Face cache {bad}/hub (from HF_HOME={bad}) is not writable (Not a directory): "
-    assert_one_error(result, message + "point HF_HOME at a writable folder.")
+    assert_exact_error(result, message + "point HF_HOME at a writable folder.")
     for name, value in (hub | {"HF_HOME": str(tmp_path / "hf"), "DFLASH_HOME": str(bad)}).items():
         if value is None:
             monkeypatch.delenv(name, raising=False)
@@ -341,7 +335,7 @@ def test_convert_out_that_cannot_be_written(tmp_path):
     folder = tmp_path / "model.gguf"
     folder.mkdir()
     message = f"--out {folder} is an existing folder; name the GGUF file to write, e.g. {folder}/model.gguf."
-    assert_one_error(invoke("convert", TINY / "target", "--out", folder), message)
+    assert_exact_error(invoke("convert", TINY / "target", "--out", folder), message)
     (tmp_path / "afile").write_text("")
     out = tmp_path / "afile" / "sub" / "x.gguf"
     with pytest.raises(DFlashError) as caught:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from in_process import invoke
+from one_error import assert_one_error
 from tiny_models import add_char_tokenizer, make_drafter, make_target
 
 
@@ -154,13 +155,7 @@ def test_bad_input_is_one_clear_sentence(case, bad_files, llama_target):
     if "--prompt" in args:
         del args["--prompt-ids"]
     argv = [item for pair in args.items() for item in pair] + flags
-    result = invoke("generate", *argv)
-    assert result.exit_code != 0
-    assert isinstance(result.exception, SystemExit), repr(result.exception)  # else a traceback
-    assert "Traceback" not in result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: ") and message in lines[0]
+    assert_one_error(invoke("generate", *argv), message)
 
 
 def test_empty_text_prompt(texted_target):

@@ -141,7 +141,8 @@ def test_dflash_on_a_gguf_torch_target_equals_its_greedy_output(kind, tiny_types
 
 def test_a_gguf_file_through_load_models_on_the_torch_backend(tiny_types) -> None:
     """--backend torch on a GGUF: the torch target, the file's own vocabulary (loaded alone) and end-of-sequence ids,
-    the torch drafter; DFlash text equals plain decoding's. On the CPU --backend auto stays llama.cpp."""
+    the torch drafter; DFlash text equals plain decoding's, drafts accepted (tau above 1.3). On the CPU --backend auto
+    stays llama.cpp."""
     pytest.importorskip("llama_cpp")
     from dataclasses import replace
 
@@ -157,12 +158,14 @@ def test_a_gguf_file_through_load_models_on_the_torch_backend(tiny_types) -> Non
     drafted = run_request(models, GenerationRequest("def main():", settings))
     plain = run_request(models, GenerationRequest("def main():", replace(settings, draft=False)))
     assert drafted["text"] == plain["text"] and drafted["output_ids"] == plain["output_ids"]
+    assert drafted["tau"] > 1.3, drafted["acceptance_lengths"]  # drafts were accepted
     auto = plan_load(path, LoadSpec(RuntimeConfig(device="cpu"), 64))
     assert type(load_target(path, auto)).__name__ == "LlamaCppTarget"
 
 
 def test_quantize_int4_from_the_command_line_is_lossless() -> None:
-    """`dflash generate --quantize int4` on the bundled target: DFlash ids equal --no-draft's."""
+    """`dflash generate --quantize int4` on the bundled target: DFlash ids equal --no-draft's, drafts accepted (tau
+    above 1.3; measured 1.67)."""
     import json
 
     from in_process import invoke
@@ -173,8 +176,9 @@ def test_quantize_int4_from_the_command_line_is_lossless() -> None:
     for extra in (["--no-draft"], ["--block-size", "16"]):
         result = invoke(*base, *extra)
         assert result.exit_code == 0, result.stderr
-        outputs.append(json.loads(result.stdout)["output_ids"])
-    assert outputs[0] == outputs[1] and len(outputs[0]) == 16
+        outputs.append(json.loads(result.stdout))
+    assert outputs[0]["output_ids"] == outputs[1]["output_ids"] and len(outputs[0]["output_ids"]) == 16
+    assert outputs[1]["tau"] > 1.3, outputs[1]["acceptance_lengths"]
 
 
 def test_a_matrix_decodes_the_same_in_row_chunks(monkeypatch) -> None:

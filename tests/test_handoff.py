@@ -7,6 +7,7 @@ import os
 import shlex
 from pathlib import Path
 
+from one_error import assert_one_error
 from typer.testing import CliRunner
 
 from dflash_local.cli import app
@@ -80,6 +81,4 @@ def test_refusals_are_one_error_line(tmp_path):
         ((str(gguf), "--engine", "vllm", "--drafter", str(TINY / "drafter")), f"error: {gguf} is a GGUF file"),
         (("tiny", "--exec"), "error: --exec runs an engine's command"),
     ):
-        result = serve(*args)
-        assert result.exit_code == 1
-        assert result.stderr.startswith(message) and len(result.stderr.splitlines()) == 1, result.stderr
+        assert assert_one_error(serve(*args)).startswith(message)

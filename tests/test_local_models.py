@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from hub_server import COMMIT, FakeHub, repo_of
 from in_process import invoke
+from one_error import assert_one_error
 from test_gguf_cli import write_header_gguf
 
 from dflash_local.hub import human_size
@@ -150,22 +151,15 @@ def test_generate_runs_from_ollama_and_lmstudio_in_place(machine, q8):
     assert not list((Path(os.environ["HF_HOME"]) / "hub").glob("models--*/snapshots/*/*.part"))
 
 
-def _one_error(result) -> str:
-    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), repr(result.exception)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    return lines[0]
-
-
 def test_a_blob_llama_cpp_cannot_load_is_one_sentence(machine):
-    line = _one_error(invoke("generate", "--target", "ollama:gpt-oss:20b", "--prompt-ids", "1,2", "--no-draft"))
+    line = assert_one_error(invoke("generate", "--target", "ollama:gpt-oss:20b", "--prompt-ids", "1,2", "--no-draft"))
     assert "ollama:gpt-oss:20b" in line and "'gptoss'" in line and "cannot load" in line, line
 
 
 def test_an_ollama_name_not_in_the_store_is_one_sentence(machine):
-    line = _one_error(invoke("generate", "--target", "ollama:qwen3:8b", "--prompt-ids", "1,2", "--no-draft"))
+    line = assert_one_error(invoke("generate", "--target", "ollama:qwen3:8b", "--prompt-ids", "1,2", "--no-draft"))
     assert "ollama:qwen3:8b is not in ollama's store" in line, line
-    line = _one_error(invoke("generate", "--target", "ollama:a/b/c/d", "--prompt-ids", "1,2", "--no-draft"))
+    line = assert_one_error(invoke("generate", "--target", "ollama:a/b/c/d", "--prompt-ids", "1,2", "--no-draft"))
     assert "is not an ollama model name" in line, line
 
 
@@ -186,7 +180,7 @@ def test_a_catalog_target_already_on_disk_is_linked_not_downloaded(machine, q8, 
     linked = tmp_path / "hf" / "hub" / "models--test--tiny-gguf" / "snapshots" / COMMIT / "tiny-Q8_0.gguf"
     copy = linked.resolve()
     assert linked.is_symlink() and copy in {path.resolve() for path in machine.values()}
-    assert f"tiny-Q8_0.gguf: already on this machine at {copy}, used in place" in pulled.stderr
+    assert f"tiny-Q8_0.gguf: already on this machine at {copy}, used in place" in pulled.stdout
     offline = _generate("tiny-local", "--offline", "--block-size", "4")
     assert offline == _generate(q8, "--no-draft")
     removed = invoke("rm", "tiny-local")

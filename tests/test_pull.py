@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from hub_server import FakeHub, Fault, repo_of
 from in_process import invoke
+from one_error import assert_one_error
 
 from dflash_local import hub as hub_module
 from dflash_local.hub import human_size
@@ -145,25 +146,12 @@ def generate(hub: FakeHub, *extra: str) -> subprocess.CompletedProcess:
     )
 
 
-def assert_one_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
-    """Exit status 1 and a stderr that ends in its one error line, `error: ...` holding each fragment: any lines
-    before it are the pull's own progress (from `pulling REPO ...` on: its bars and counts) and say nothing of an
-    error."""
-    assert result.returncode == 1, result.stderr
-    *before, last = result.stderr.splitlines()
-    assert last.startswith("error: "), result.stderr
-    assert not any("error" in line.lower() or "traceback" in line.lower() for line in before), result.stderr
-    assert not before or before[0].startswith("pulling "), result.stderr
-    for fragment in fragments:
-        assert fragment in last, last
-
-
 def test_pull_fetches_only_needed_files_verifies_and_second_pull_downloads_nothing(hub, tmp_path):
     first = dflash(hub, "pull", "tiny-hub")
     assert first.returncode == 0, first.stderr
-    assert "verified 6 files (size + sha256): 6 downloaded" in first.stderr
-    assert "verified 2 files (size + sha256): 2 downloaded" in first.stderr
-    assert "model.safetensors" in first.stderr and "100%" not in first.stdout  # bars go to stderr
+    assert "verified 6 files (size + sha256): 6 downloaded" in first.stdout  # the report is pull's output
+    assert "verified 2 files (size + sha256): 2 downloaded" in first.stdout
+    assert first.stderr == ""  # no terminal, so no bars
     assert {p.name for p in snapshot(tmp_path, "test/tiny").iterdir()} == TARGET_FILES
     assert {p.name for p in snapshot(tmp_path, "test/tiny-drafter").iterdir()} == {"config.json", "model.safetensors"}
     for name in TARGET_FILES:
@@ -172,7 +160,7 @@ def test_pull_fetches_only_needed_files_verifies_and_second_pull_downloads_nothi
 
     second = dflash(hub, "pull", "tiny-hub")
     assert second.returncode == 0, second.stderr
-    assert "0 downloaded (0 B), 6 already in the cache" in second.stderr
+    assert "0 downloaded (0 B), 6 already in the cache" in second.stdout
     assert len(hub.downloads()) == 8  # nothing fetched again
     unreachable = dflash(hub, "pull", "tiny-hub", HF_ENDPOINT="http://127.0.0.1:9")
     assert unreachable.returncode == 0, unreachable.stderr
@@ -194,7 +182,7 @@ def test_pull_fetches_only_needed_files_verifies_and_second_pull_downloads_nothi
 def test_generate_pulls_on_first_use(hub, tmp_path):
     result = generate(hub)
     assert result.returncode == 0, result.stderr
-    assert "pulling test/tiny" in result.stderr and "pulling test/tiny-drafter" in result.stderr
+    assert "pulled test/tiny (" in result.stderr and "pulled test/tiny-drafter (" in result.stderr
     assert json.loads(result.stdout)["tau"] >= 1.0
 
 
@@ -241,7 +229,7 @@ def test_corrupted_and_truncated_cache_files_are_detected_and_fetched_again(hub,
 
     repaired = dflash(hub, "pull", "tiny-hub")
     assert repaired.returncode == 0, repaired.stderr
-    assert repaired.stderr.count("was corrupted or truncated in the cache, fetched again") == 2
+    assert repaired.stdout.count("was corrupted or truncated in the cache, fetched again") == 2
     for repo, folder in (("test/tiny", "target"), ("test/tiny-drafter", "drafter")):
         pulled = snapshot(tmp_path, repo) / "model.safetensors"
         assert pulled.read_bytes() == (MODELS / folder / "model.safetensors").read_bytes()
@@ -281,8 +269,38 @@ def test_one_quantization_out_of_a_gguf_repo(hub, tmp_path):
 
 
 def test_drafter_repo_that_does_not_match_the_target(hub):
+    for name in ("tiny-hub", "test/bad-drafter"):  # pulled first: a pull that did happen is reported on stderr
+        assert dflash(hub, "pull", name).returncode == 0
     result = generate(hub, "--drafter", "test/bad-drafter")
     assert_one_error(result, "reads target layers [1, 3, 20], but the target has only 8 layers")
+
+
+def test_bars_are_drawn_on_a_terminal_and_cleared_when_a_pull_fails(hub):
+    """On a terminal the heading and a bar per file are drawn while bytes arrive; when the pull fails, the display is
+    cleared (its last frame erased) and nothing is reported, so the error line stands alone."""
+    import io
+
+    from rich.console import Console
+
+    from dflash_local.downloads import Downloader
+    from dflash_local.errors import DFlashError
+
+    hub.faults = [Fault("drop", TARGET_WEIGHTS, after=1_000_000), Fault("status", TARGET_WEIGHTS, times=99)]
+    screen, report = io.StringIO(), io.StringIO()
+    terminal = Console(file=screen, force_terminal=True, width=120)
+    downloader = Downloader(console=terminal, report=Console(file=report))
+    with pytest.raises(DFlashError, match="the download failed 5 times in a row"):
+        downloader.pull(hub_module.HubSource("test/tiny"))
+    drawn = screen.getvalue()
+    assert "pulling test/tiny (" in drawn and "model.safetensors" in drawn, drawn
+    last_frame = drawn.rsplit("\r", 1)[-1]
+    assert "\x1b[2K" in last_frame and "model.safetensors" not in last_frame, repr(drawn[-400:])
+    assert report.getvalue() == ""
+
+    hub.faults.clear()
+    downloader.pull(hub_module.HubSource("test/tiny"))
+    assert report.getvalue().startswith("pulled test/tiny (")
+    assert "  verified 6 files (size + sha256): " in report.getvalue(), report.getvalue()
 
 
 def test_not_enough_disk_space_stops_before_downloading(hub, monkeypatch):
@@ -412,8 +430,7 @@ def test_bench_prompt_sets_from_hub_datasets(hub):
     chat = dflash(hub, *args, "--prompts", "mt-bench")
     assert [row["prompt"] for row in json.loads(chat.stdout)["prompts"]] == ["Write a haiku."]
     unreachable = dflash_process(hub, *args, "--prompts", "humaneval", HF_ENDPOINT="http://127.0.0.1:9")
-    assert_one_error(unreachable, "Cannot reach")
-    assert len(unreachable.stderr.splitlines()) == 1, unreachable.stderr  # not huggingface_hub's retry log
+    assert_one_error(unreachable, "Cannot reach")  # one line: not huggingface_hub's retry log
 
 
 def test_a_gguf_catalog_entry_pulls_one_quantization_and_chats(hub, tmp_path):

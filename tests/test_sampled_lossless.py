@@ -1,8 +1,8 @@
 """At T > 0, DFlash's continuations follow the target's distribution on every target kind: torch safetensors, int4,
-a Q8_0 GGUF through the torch target and through llama.cpp. The expected distribution is exact, enumerated over a
-5-token vocabulary from logits dflash did not compute (the reference implementation's on the original weights, on
-the int4 codes or the GGUF blocks dequantized here and by gguf-py; llama.cpp's own), truncated by
-tests/sampled_reference.py's own temperature / top-k / top-p.
+NF4, a Q8_0 GGUF through the torch target and through llama.cpp. The expected distribution is exact, enumerated over
+a 5-token vocabulary from logits dflash did not compute (the reference implementation's on the original weights, on
+the int4 codes dequantized here, the NF4 weights as bitsandbytes dequantizes them, the GGUF blocks as gguf-py
+dequantizes them; llama.cpp's own), truncated by tests/sampled_reference.py's own temperature / top-k / top-p.
 
 Four new tokens, half the samples at a fixed block of 2 (a step that accepts its draft keeps its bonus: the 3rd
 token), half under --block-size auto's policy (the drafter drafts its trained 16, the policy verifies short blocks):
@@ -12,11 +12,12 @@ The power calculation: a wrong sampler moves the continuations' distribution fro
 the cells of p (sampled_reference.cells) then follows a noncentral chi-square with df = cells - 1 and noncentrality
 N * w^2, w^2 = sum (q - p)^2 / p (Cohen's effect size). The three wrong samplers of tests/wrong_samplers.py
 (a residual drawn from the target's row, acceptance with probability p instead of min(1, p/q), the bonus drawn from
-the row before the last) moved the continuations by w^2 of 0.081-0.134, 0.148-0.619 and 0.40-1.04 over the four
-kinds (MEASURED_EFFECTS: the smallest; bias-corrected estimates, sampled_reference.effect_size, over each test's own
-samples: `python tests/wrong_samplers.py NAME tests/test_sampled_lossless.py` prints them in the failures). Each
-test draws the fewest samples at which an effect of 0.75 times the smallest (EFFECT_FLOOR) is found with 99% power
-at alpha = 1e-3 (sampled_reference.samples_for_power): 1100-1300 samples.
+the row before the last) moved the continuations by w^2 of 0.081-0.225, 0.148-0.599 and 0.40-1.04 over the five
+kinds (NF4: 0.225, 0.222, 0.94) (MEASURED_EFFECTS: the smallest; bias-corrected estimates,
+sampled_reference.effect_size, over each test's own samples: `python tests/wrong_samplers.py NAME
+tests/test_sampled_lossless.py` prints them in the failures). Each test draws the fewest samples at which an effect
+of 0.75 times the smallest (EFFECT_FLOOR) is found with 99% power at alpha = 1e-3 (sampled_reference.samples_for_power):
+1100-1300 samples.
 """
 
 from __future__ import annotations
@@ -102,6 +103,21 @@ GGUF_NAMES = {
 }
 
 
+def nf4_dequantized_folder(target: TorchLlamaTarget, source: Path, folder: Path) -> Path:
+    """A copy of source whose NF4 matrices hold bitsandbytes' dequantization of the target's 4-bit weights, for the
+    reference implementation to run."""
+    import bitsandbytes as bnb
+
+    shutil.copytree(source, folder)
+    tensors = load_file(source / "model.safetensors")
+    for name, module in target.model.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            weight = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state)
+            tensors[f"{name}.weight"] = weight.float().contiguous()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
 def gguf_dequantized_folder(path: Path, source: Path, folder: Path) -> Path:
     """A copy of source holding the GGUF's weights as gguf-py dequantizes them (q and k rows put back from
     llama.cpp's interleaved RoPE order into HF's halves), for the reference implementation to run."""
@@ -126,22 +142,27 @@ def gguf_dequantized_folder(path: Path, source: Path, folder: Path) -> Path:
     return folder
 
 
-def llamacpp_next_logits(path: Path) -> Callable[[list[list[int]]], list[list[float]]]:
-    """llama.cpp's own logits (llama-cpp-python's Llama, logits_all) of the token after each prefix."""
+def llamacpp_model(path: Path):
+    """llama-cpp-python's own Llama on path (logits_all), under the target's model options (no AMX repacking)."""
     from llama_cpp import Llama, llama_cpp
 
-    with pytest.MonkeyPatch.context() as patch:  # the target's model options (no AMX repacking)
+    with pytest.MonkeyPatch.context() as patch:
         patch.setattr(llama_cpp, "llama_model_default_params", lambda: model_params("cpu"))
-        own = Llama(
+        return Llama(
             str(path), n_ctx=64, n_threads=1, n_threads_batch=1, flash_attn=True, logits_all=True, verbose=False
         )
 
-    def next_logits(prefixes: list[list[int]]) -> list[list[float]]:
+
+def llamacpp_next_logits(path: Path) -> Callable[[list[list[int]]], list[Sequence[float]]]:
+    """llama.cpp's own logits (llamacpp_model) of the token after each prefix, each row a float32 array."""
+    own = llamacpp_model(path)
+
+    def next_logits(prefixes: list[list[int]]) -> list[Sequence[float]]:
         rows = []
         for ids in prefixes:
             own.reset()
             own.eval(ids)
-            rows.append([float(x) for x in own.scores[own.n_tokens - 1]])
+            rows.append(own.scores[own.n_tokens - 1].copy())
         return rows
 
     return next_logits
@@ -159,6 +180,10 @@ def kinds(folders, tmp_path_factory) -> Callable[[str], Kind]:
         if name == "int4":
             target = TorchLlamaTarget.load(folders["target"], LoadSpec(max_context=64, quantize="int4"))
             plain = dequantized_folder(target, folders["target"], tmp_path_factory.mktemp("int4") / "dequantized")
+            return Kind(target, functools.partial(reference_next_logits, plain))
+        if name == "nf4":
+            target = TorchLlamaTarget.load(folders["target"], max_context=64, quantize="nf4")
+            plain = nf4_dequantized_folder(target, folders["target"], tmp_path_factory.mktemp("nf4") / "dequantized")
             return Kind(target, functools.partial(reference_next_logits, plain))
         if name == "gguf-torch":
             plain = gguf_dequantized_folder(
@@ -189,6 +214,7 @@ def short_block_policy(block: int) -> BlockPolicy:
     [
         ("torch", SamplingParams(temperature=2.0, top_k=3)),
         ("int4", SamplingParams(temperature=2.0, top_k=4, top_p=0.95)),
+        ("nf4", SamplingParams(temperature=2.5, top_k=3)),
         ("gguf-torch", SamplingParams(temperature=2.5, top_k=3)),
         ("llamacpp", SamplingParams(temperature=2.0, top_k=4, top_p=0.9)),
     ],

@@ -238,7 +238,8 @@ def test_a_soak_of_mixed_clients_leaves_every_answer_whole_and_the_counts_true(s
         for thread in threads:
             thread.start()
         for thread in threads:
-            thread.join()
+            thread.join(timeout=max(0.0, until - time.monotonic()) + HANG_S)
+            assert not thread.is_alive(), "a client hung past its time and the hang allowance"
 
     run(min(10.0, SOAK_S / 4))  # warm-up: allocator pools and caches reach their working size
     warm = rss_kib(pid)

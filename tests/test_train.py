@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from in_process import invoke
+from one_error import assert_one_error
 from tiny_models import add_char_tokenizer, make_target
 
 from dflash_local.decode import Settings, run
@@ -125,11 +126,7 @@ def test_train_bad_input(setup, tmp_path, args, message):
     swap = {"EMPTY": str(tmp_path / "empty.txt"), "NOTMODEL": str(tmp_path / "notmodel")}
     for flag, value in zip(args[::2], args[1::2], strict=True):
         values[flag] = swap.get(value, value)
-    result = invoke("train", *[x for pair in values.items() for x in pair])
-    assert isinstance(result.exception, SystemExit), repr(result.exception)  # not an escaped traceback
-    assert result.exit_code == 1
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+    assert_one_error(invoke("train", *[x for pair in values.items() for x in pair]), message)
     assert not (tmp_path / "out").exists()
     shutil.rmtree(tmp_path / "notmodel")
 

@@ -32,6 +32,8 @@ def pull(
 ) -> None:
     """Download a model (target + drafter) into the Hugging Face cache: resumable, verified, only needed files."""
     with user_errors():
+        from rich.console import Console
+
         from ..downloads import Downloader
         from ..hub import HubUnreachable, cached_folder, human_size, local_size
 
@@ -41,7 +43,7 @@ def pull(
             return
         if not offline:
             check_storage()
-        downloader = Downloader(token, offline)
+        downloader = Downloader(token, offline, report=Console())  # what was pulled is this command's output
         for source in sources:
             if offline:
                 folder = cached_folder(source) or downloader(source)  # refuses: nothing is fetched offline
