@@ -235,7 +235,7 @@ def test_sampling_on_a_hybrid_target_follows_llama_cpps_distribution(models):
     params, prompt, new_tokens = SamplingParams(temperature=1.5, top_k=2), PROMPT[:4], 4
     exact = continuations(llamacpp_next_logits(path), prompt, new_tokens, params.temperature, params.top_k)
     samples = samples_for_power(EFFECT_FLOOR, exact)
-    target = LlamaCppTarget.load(path, max_context=64, threads=1)
+    target = LlamaCppTarget.load(path, LoadSpec(RuntimeConfig(threads=1), max_context=64))
     drafter = ChainDrafter(llamacpp_model(path), block_size=3)
     counts: dict[tuple[int, ...], int] = {}
     steps: dict[int, list[tuple[int, int]]] = {2: [], 3: []}

@@ -182,7 +182,7 @@ def kinds(folders, tmp_path_factory) -> Callable[[str], Kind]:
             plain = dequantized_folder(target, folders["target"], tmp_path_factory.mktemp("int4") / "dequantized")
             return Kind(target, functools.partial(reference_next_logits, plain))
         if name == "nf4":
-            target = TorchLlamaTarget.load(folders["target"], max_context=64, quantize="nf4")
+            target = TorchLlamaTarget.load(folders["target"], LoadSpec(max_context=64, quantize="nf4"))
             plain = nf4_dequantized_folder(target, folders["target"], tmp_path_factory.mktemp("nf4") / "dequantized")
             return Kind(target, functools.partial(reference_next_logits, plain))
         if name == "gguf-torch":
