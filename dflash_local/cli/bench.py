@@ -15,7 +15,7 @@ from .files import prompt_file, resolve
 from .options import DecodeOptions, ModelOptions, Own, decode_options, model_options
 
 
-@model_options()
+@model_options(None)
 @decode_options(
     drafter=Own(),
     max_new_tokens=Own(),

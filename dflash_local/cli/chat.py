@@ -10,7 +10,7 @@ from .files import resolve
 from .options import DecodeOptions, ModelOptions, Own, decode_options, model_options
 
 
-@model_options(typer.Option(2048, "--max-context"))
+@model_options(2048)
 @decode_options(
     drafter=Own(),
     max_new_tokens=Own(256, "Longest answer in tokens."),

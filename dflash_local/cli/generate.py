@@ -17,7 +17,7 @@ from .files import resolve
 from .options import DecodeOptions, ModelOptions, Own, decode_options, model_options
 
 
-@model_options(typer.Option(4096, "--max-context", help="KV cache length in tokens."))
+@model_options()
 @decode_options(
     drafter=Own(help="DFlash drafter: a folder or a Hub repo."),
     max_new_tokens=Own(),

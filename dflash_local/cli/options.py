@@ -26,12 +26,19 @@ Command = Callable[..., None]
 BLOCK_HELP = "auto (chosen every step from measured costs and acceptance) or a fixed 2..the drafter's trained size."
 
 
+# The options `dflash train` shares with the model options.
+Device = Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")]
+Threads = Annotated[
+    Optional[int], typer.Option("--threads", envvar="DFLASH_THREADS", help="CPU threads (default: torch's).")
+]
+
+
 # The environment variables give the model options' defaults.
 @dataclass(frozen=True)
 class ModelOptions:
     """The shared model options as one value, and the one way from them to loaded models."""
 
-    device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto"
+    device: Device = "auto"
     dtype: Annotated[str, typer.Option("--dtype", help="auto, float32, bfloat16 or float16.")] = "auto"
     kernels: Annotated[
         str, typer.Option("--kernels", envvar="DFLASH_KERNELS", help="auto (Triton on CUDA), triton or torch.")
@@ -48,10 +55,8 @@ class ModelOptions:
             "--drafter-kind", envvar="DFLASH_DRAFTER", help="GGUF targets: auto, native (llama.cpp's) or torch."
         ),
     ] = "auto"
-    threads: Annotated[
-        Optional[int], typer.Option("--threads", envvar="DFLASH_THREADS", help="CPU threads (default: torch's).")
-    ] = None
-    max_context: int = 4096  # the command's own --max-context (its default and help differ; bench has none)
+    threads: Threads = None
+    max_context: Annotated[int, typer.Option("--max-context", help="KV cache length in tokens.")] = 4096
     offline: Annotated[bool, typer.Option("--offline", help="Use only models already pulled.")] = False
     quantize: Annotated[
         str, typer.Option("--quantize", help="Torch targets: auto (model's default), none, int4, nf4.")
@@ -132,6 +137,12 @@ class Flag:
     annotation: Any
     help: str | None = None
 
+    def annotated(self, own: Own | None = None) -> Any:
+        """The option's type with its typer.Option, as declared or with `own` help or flags."""
+        own = own or Own()
+        help_text = self.help if own.help is DECLARED else own.help
+        return Annotated[self.annotation, typer.Option(*(own.flags or self.flags), help=help_text)]
+
 
 DECODE_FLAGS = {
     "drafter": Flag(("--drafter",), Optional[str], "Drafter folder or Hub repo (default: the model's)."),
@@ -154,6 +165,9 @@ class Own:
     default: Any = DECLARED
     help: Any = DECLARED
     flags: tuple[str, ...] | None = None
+
+
+Seed = DECODE_FLAGS["seed"].annotated()  # `dflash train`'s --seed is decoding's
 
 
 def _grouped(
@@ -179,14 +193,14 @@ def _grouped(
     return decorate
 
 
-def model_options(max_context: Any = None) -> Callable[[Command], Command]:
-    """The model options after a command's own, with `max_context` (a typer.Option, or None for none) as
-    --max-context among them; the command gets them as one ModelOptions, `options`."""
+def model_options(max_context: int | None = 4096) -> Callable[[Command], Command]:
+    """The model options after a command's own, --max-context defaulting to `max_context` (None: the command has
+    none); the command gets them as one ModelOptions, `options`."""
     hints, keyword = get_type_hints(ModelOptions, include_extras=True), inspect.Parameter.KEYWORD_ONLY
     shared = [
-        inspect.Parameter(f.name, keyword, default=f.default, annotation=hints[f.name])
-        if f.name != "max_context"
-        else inspect.Parameter(f.name, keyword, default=max_context, annotation=int)
+        inspect.Parameter(
+            f.name, keyword, default=max_context if f.name == "max_context" else f.default, annotation=hints[f.name]
+        )
         for f in fields(ModelOptions)
         if f.name != "progress" and (f.name != "max_context" or max_context is not None)
     ]
@@ -199,10 +213,7 @@ def decode_options(**offered: Own) -> Callable[[Command], Command]:
     defaults = {f.name: f.default for f in fields(DecodeOptions)}
     shared = []
     for name, own in offered.items():
-        flag = DECODE_FLAGS[name]
-        help_text = flag.help if own.help is DECLARED else own.help
-        option = typer.Option(*(own.flags or flag.flags), help=help_text)
         default = defaults[name] if own.default is DECLARED else own.default
-        annotation = Annotated[flag.annotation, option]
+        annotation = DECODE_FLAGS[name].annotated(own)
         shared.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation))
     return _grouped(DecodeOptions, "decode", shared)

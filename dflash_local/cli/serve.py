@@ -15,7 +15,7 @@ from .files import check_storage, resolve
 from .options import DecodeOptions, ModelOptions, Own, decode_options, model_options
 
 
-@model_options(typer.Option(4096, "--max-context", help="KV cache length in tokens."))
+@model_options()
 @decode_options(
     drafter=Own(),
     max_new_tokens=Own(None, "Default answer length when a request has no max_tokens (default: the context)."),

@@ -10,6 +10,7 @@ import typer
 
 from . import values
 from .app import user_errors
+from .options import Device, Seed, Threads
 
 # The options that are TrainSettings' fields under the same names.
 TRAIN_OPTIONS = (
@@ -44,14 +45,14 @@ def train(
     lr: float = typer.Option(6e-4, "--lr"),
     warmup: int = typer.Option(100, "--warmup", help="Steps of linear learning-rate warm-up."),
     eval_every: int = typer.Option(100, "--eval-every"),
-    seed: int = typer.Option(0, "--seed"),
+    seed: Seed = 0,
     draft_vocab: Optional[int] = typer.Option(
         None, "--draft-vocab", help="Draft over the N ids most frequent in the data only (default: all)."
     ),
     distill_batch: int = typer.Option(32, "--distill-batch", help="Prompts the target continues at once."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for a GGUF target (default: all)."),
+    threads: Threads = None,
     resume: bool = typer.Option(False, "--resume", help="Continue from the checkpoint in the work folder."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    device: Device = "auto",
     init: Optional[str] = typer.Option(
         None, "--init", help="Start from 'target' (its last layers) or a drafter folder (fine-tune it); default random."
     ),
