@@ -95,7 +95,7 @@ def check_pull(home: Path) -> list[bool]:
         first = dflash("pull", REPO_ID, env=env)
     snapshots = list((home / "hf" / "hub" / f"models--{REPO_ID.replace('/', '--')}" / "snapshots").glob("*"))
     landed = {p.name: p.read_bytes() for p in snapshots[0].iterdir()} if len(snapshots) == 1 else {}
-    pulled = first.returncode == 0 and f"verified {len(served)} files (size + sha256)" in first.stderr
+    pulled = first.returncode == 0 and f"verified {len(served)} files (size + sha256)" in first.stdout
     ok = expect(pulled and landed == served, f"dflash pull {REPO_ID} from a loopback Hub: files land, verified", first)
     again = dflash("pull", REPO_ID, env=env)
     whole = f"{REPO_ID}: the Hub is unreachable, so no update check; the pulled copy is whole."
