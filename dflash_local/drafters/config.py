@@ -164,6 +164,18 @@ class DrafterConfig:
         except KeyError as exc:
             raise DFlashError(f"{where} is not a DFlash drafter config: it lacks {exc.args[0]}.") from None
 
+    def native_refusal(self) -> str | None:
+        """Why llama.cpp's native drafter cannot run this drafter folder, or None: it runs non-causal drafters whose
+        sliding window (if any) covers a block."""
+        sliding = any(kind == "sliding_attention" for kind in self.layer_types)
+        causal = self.is_causal if self.is_causal is not None else sliding  # sliding layers: causal by default
+        if causal or (sliding and self.sliding_window < self.block_size):
+            return (
+                "the native drafter handles only non-causal drafters whose sliding window (if any) covers a block "
+                "(llama.cpp's window limits earlier keys only)"
+            )
+        return None
+
 
 def _target_name(target: Target) -> str:
     """The target's file or folder where the target records it, for error messages."""

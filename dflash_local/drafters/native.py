@@ -68,13 +68,10 @@ def write_drafter_gguf(folder: Path, cfg: DrafterConfig, target: LlamaCppTarget,
     layers' window and pattern as llama.cpp's converter writes them, stamped with its cache key: matrices F16 but fc,
     which takes the target's raw features, F32 (llama.cpp's CPU matmul rounds an F16 weight's activations to F16,
     and Gemma's features exceed its range: seen 1.0e5), norms F32."""
+    refusal = cfg.native_refusal()
+    if refusal is not None:
+        raise DFlashError(f"{folder}: {refusal}; use --drafter-kind torch.")
     sliding = [kind == "sliding_attention" for kind in cfg.layer_types]
-    causal = cfg.is_causal if cfg.is_causal is not None else any(sliding)  # sliding layers: causal by default
-    if causal or (any(sliding) and cfg.sliding_window < cfg.block_size):
-        raise DFlashError(
-            f"{folder}: the native drafter handles only non-causal drafters whose sliding window (if any) covers a "
-            "block (llama.cpp's window limits earlier keys only); use --drafter-kind torch."
-        )
     weights = load_weights(folder, None, "cpu")
     writer = gguf.GGUFWriter(str(out), "dflash")
     writer.add_string(CACHE_KEY_FIELD, key)
