@@ -48,7 +48,7 @@ def mask_cost_us(target: str, outputs: list[list[int]], threads: int) -> float:
         resolve(target, None, True, None).target, None, LoadSpec(RuntimeConfig(threads=threads)), auto_block=False
     )
     stops = models.stop_ids
-    grammar = compile_grammar(json_schema_grammar(SCHEMA), models.tokenizer, models.target.cfg.dims.vocab, stops)
+    grammar = compile_grammar(json_schema_grammar(SCHEMA), models.tokenizer, models.target.vocab_size, stops)
     spent, tokens = 0.0, 0
     for ids in outputs:
         matcher = grammar.matcher()
@@ -100,16 +100,18 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _row(free: list[dict], constrained: list[dict]) -> dict:
-    """Median tok/s without and with the schema, the median of paired ratios, mean tau, and validity of the JSON."""
+    """Median tok/s without and with the schema, the median of paired ratios, mean tau, and how many constrained
+    outputs that ended (not cut by --max-new-tokens) parse as JSON."""
     ratios = [c["decode_tokens_per_s"] / f["decode_tokens_per_s"] for f, c in zip(free, constrained, strict=True)]
-    valid = sum(_parses(r["text"]) for r in constrained)
+    ended = [r for r in constrained if r.get("finish_reason") != "length"]
+    valid = sum(_parses(r["text"]) for r in ended)
     return {
         "tok_s": statistics.median(r["decode_tokens_per_s"] for r in free),
         "tok_s_schema": statistics.median(r["decode_tokens_per_s"] for r in constrained),
         "ratio": statistics.median(ratios),
         "tau": statistics.mean(r.get("tau", 1.0) for r in free),
         "tau_schema": statistics.mean(r.get("tau", 1.0) for r in constrained),
-        "valid_json": f"{valid}/{len(constrained)}",
+        "valid_json": f"{valid}/{len(ended)} ({len(constrained) - len(ended)} cut)",
     }
 
 
