@@ -21,7 +21,7 @@ from .block_policy import (
     unwritable_warning,
 )
 from .decode import Settings, Stats, Step, generate
-from .drafters import load_drafter
+from .drafters import load_drafter, native_runs
 from .drafters.base import Drafter
 from .errors import DFlashError
 from .runtime import LoadSpec, plan_load
@@ -82,7 +82,7 @@ def load_models(
     if spec.max_context < 1:
         raise DFlashError(f"The context (--max-context) must be at least 1 token, got {spec.max_context}.")
     path = Path(target_path)
-    spec = plan_load(path, spec, None if drafter_path is None else Path(drafter_path))
+    spec = plan_load(path, spec, native_runs(None if drafter_path is None else Path(drafter_path)))
     spec.runtime.apply()
     device = spec.runtime.device
     spec.progress("loading the target")

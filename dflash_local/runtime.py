@@ -137,20 +137,9 @@ class LoadSpec:
         return replace(self, progress=progress)
 
 
-def _native_runs(drafter_path: Path | None) -> bool:
-    """Whether llama.cpp's native drafter runs this drafter: a drafter GGUF, or a folder whose layers it handles
-    (published causal sliding drafters run on the torch drafter)."""
-    if drafter_path is None or Path(drafter_path).suffix == ".gguf" or not Path(drafter_path).is_dir():
-        return True
-    from .drafters.config import DrafterConfig
-    from .weights import read_config
-
-    return DrafterConfig.from_dict(read_config(Path(drafter_path)), Path(drafter_path)).native_refusal() is None
-
-
-def plan_load(target: Path, spec: LoadSpec, drafter_path: Path | None = None) -> LoadSpec:
+def plan_load(target: Path, spec: LoadSpec, native_drafter_runs: bool = True) -> LoadSpec:
     """The one place device, backend, drafter kind and the target's int8 head are decided, from the target's file,
-    the drafter's (if any) and the spec; what the loaders take."""
+    whether llama.cpp's native drafter runs the drafter (drafters.native_runs) and the spec; what the loaders take."""
     runtime = spec.runtime
     device = pick_device(runtime.device)
     gguf = target.suffix == ".gguf"
@@ -164,7 +153,7 @@ def plan_load(target: Path, spec: LoadSpec, drafter_path: Path | None = None) ->
         # llama.cpp's native drafter on the CPU: faster on small models (`dflash bench --drafter-kind`), and at real
         # sizes it loads in a quarter of the torch drafter's time (README); CUDA is unmeasured, so torch there
         native_fits = backend == "llamacpp" and torch.device(device).type == "cpu" and spec.drafter_quantize is None
-        drafter = "native" if native_fits and _native_runs(drafter_path) else "torch"
+        drafter = "native" if native_fits and native_drafter_runs else "torch"
     int8_head = backend == "llamacpp" and drafter == "torch" and device == "cpu"  # the head a torch drafter borrows
     runtime = replace(runtime, device=device, drafter=drafter)
     return replace(spec, runtime=runtime, backend=backend, int8_head=int8_head)

@@ -365,14 +365,15 @@ def test_generate_takes_a_drafter_gguf_from_the_command_line(converted_drafter, 
 def test_auto_plans_the_torch_drafter_for_what_the_native_one_refuses(tiny_swa_drafter, tiny_gguf, tmp_path):
     """Published sliding drafters are causal: beside a GGUF target on the CPU, --drafter-kind auto loads them as the
     torch drafter (the native one refuses them) and a non-causal one as the native drafter."""
+    from dflash_local.drafters import native_runs
     from dflash_local.drafters.native import NativeDrafter
     from dflash_local.generation import load_models
     from dflash_local.runtime import plan_load
 
     causal = _edit_config(_copy(tiny_swa_drafter, tmp_path / "causal"), lambda c: c.pop("is_causal"))
     spec = LoadSpec(RuntimeConfig("cpu", threads=1), max_context=256)
-    assert plan_load(tiny_gguf["f16"], spec, causal).runtime.drafter == "torch"
-    assert plan_load(tiny_gguf["f16"], spec, tiny_swa_drafter).runtime.drafter == "native"
+    assert [native_runs(causal), native_runs(tiny_swa_drafter), native_runs(None)] == [False, True, True]
+    assert plan_load(tiny_gguf["f16"], spec, native_runs(causal)).runtime.drafter == "torch"
     assert plan_load(tiny_gguf["f16"], spec).runtime.drafter == "native"
     loaded = [load_models(tiny_gguf["f16"], d, spec, auto_block=False).drafter for d in (causal, tiny_swa_drafter)]
     assert [type(d) for d in loaded] == [DFlashDrafter, NativeDrafter]

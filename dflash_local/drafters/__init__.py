@@ -10,11 +10,21 @@ from typing import TYPE_CHECKING
 from ..errors import DFlashError
 from ..runtime import LoadSpec
 from ..targets.base import Target
+from ..weights import read_config
+from .config import DrafterConfig
 from .gguf_drafter import is_drafter_gguf
 from .torch_drafter import DFlashDrafter
 
 if TYPE_CHECKING:
     from .native import NativeDrafter
+
+
+def native_runs(drafter: Path | None) -> bool:
+    """Whether llama.cpp's native drafter runs this drafter: none, a drafter GGUF, or a folder whose layers it handles
+    (published causal sliding drafters run on the torch drafter)."""
+    if drafter is None or is_drafter_gguf(drafter) or not drafter.is_dir():
+        return True
+    return DrafterConfig.from_dict(read_config(drafter), drafter).native_refusal() is None
 
 
 def load_drafter(folder: str | Path, target: Target, spec: LoadSpec) -> DFlashDrafter | NativeDrafter:
