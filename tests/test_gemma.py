@@ -23,6 +23,7 @@ from dflash_local.llama_lib import tap_functions
 from dflash_local.runtime import LoadSpec, RuntimeConfig
 from dflash_local.sampling import SamplingParams, probabilities
 from dflash_local.session import Session
+from dflash_local.tap_probe import LayerTaps
 from dflash_local.targets import llamacpp
 from dflash_local.targets.llamacpp import LlamaCppTarget
 
@@ -141,7 +142,7 @@ def test_sampling_follows_the_targets_distribution(target, drafters):
 
 def test_a_stock_libllama_refuses_drafting_in_one_sentence_and_decodes_plain(gemma, target, monkeypatch):
     """Where the loaded libllama reads no gemma3 features, drafting says what to do; plain decoding still runs."""
-    monkeypatch.setattr(llamacpp, "reads_layer_features", lambda path, architecture: False)
+    monkeypatch.setattr(llamacpp, "layer_taps", lambda path, architecture: LayerTaps(False, False))
     sentence = r"'gemma3' model, .* cannot draft for it; plain decoding works \(--no-draft\), .*build_libllama\.sh"
     with pytest.raises(DFlashError, match=sentence):
         target.set_feature_layers([1, 8, 15])

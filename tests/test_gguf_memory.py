@@ -194,29 +194,38 @@ def test_the_dimensions_are_one_record_wherever_read(q8_gguf):
     assert read_gguf(q8_gguf).dims == dims
 
 
-def test_widths_stated_per_layer_read_as_zero(tmp_path):
-    """A hybrid model states its KV heads per layer: read_gguf (what the llama.cpp target checks) reads that width
-    as 0 and passes, while a memory estimate, which needs it, says in one sentence that it cannot read the shape."""
-    from dflash_local.memory_estimate import target_sizes
-
-    path = tmp_path / "hybrid.gguf"
+def _hybrid_gguf(path: Path, kv_heads: list[int]) -> Path:
+    """A header-only lfm2 GGUF whose KV heads are stated per layer."""
     writer = gguf.GGUFWriter(str(path), "lfm2")
-    writer.add_block_count(3)
+    writer.add_block_count(len(kv_heads))
     writer.add_embedding_length(8)
     writer.add_feed_forward_length(16)
     writer.add_context_length(64)
     writer.add_vocab_size(16)
     writer.add_head_count(2)
-    writer.add_head_count_kv([0, 1, 0])
+    writer.add_head_count_kv(kv_heads)
     writer.add_tensor("token_embd.weight", gguf.np.zeros((16, 8), dtype=gguf.np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    dims = read_gguf(path).dims
-    assert (dims.hidden, dims.intermediate, dims.layers, dims.heads, dims.kv_heads) == (8, 16, 3, 2, 0)
+    return path
+
+
+def test_widths_stated_per_layer_read_as_the_attention_layers_one_value(tmp_path):
+    """A hybrid model states its KV heads per layer, 0 for its layers without attention: the attention layers' one
+    value is the width (what a drafter trained for it and a memory estimate take); where they differ it reads 0,
+    read_gguf (what the llama.cpp target checks) passes and a memory estimate says in one sentence it cannot."""
+    from dflash_local.memory_estimate import target_sizes
+
+    hybrid = _hybrid_gguf(tmp_path / "hybrid.gguf", [0, 1, 0])
+    dims = read_gguf(hybrid).dims
+    assert (dims.hidden, dims.intermediate, dims.layers, dims.heads, dims.kv_heads) == (8, 16, 3, 2, 1)
     assert (dims.head_dim, dims.vocab, dims.tied) == (4, 16, True)
+    assert target_sizes(hybrid) == dims
+    varied = _hybrid_gguf(tmp_path / "varied.gguf", [0, 1, 2])
+    assert read_gguf(varied).dims.kv_heads == 0
     with pytest.raises(DFlashError) as caught:
-        target_sizes(path)
+        target_sizes(varied)
     reason = "a width varies by layer or is missing"
-    assert str(caught.value) == f"{path} is not a GGUF file whose shape can be read ({reason})."
+    assert str(caught.value) == f"{varied} is not a GGUF file whose shape can be read ({reason})."

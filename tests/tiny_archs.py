@@ -83,6 +83,20 @@ ARCHS: dict[str, tuple[str, str, dict]] = {
             layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
         ),
     ),
+    "lfm2": (
+        "Lfm2Config",
+        "llama-bpe",
+        dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            layer_types=["conv", "full_attention", "conv", "full_attention"],
+            block_auto_adjust_ff_dim=False,  # the feed-forward width as given
+            tie_word_embeddings=True,
+        ),
+    ),
 }
 ARCH_NAMES = {"Qwen3_5TextConfig": "Qwen3_5ForCausalLM"}  # the architectures entry the converter knows
 

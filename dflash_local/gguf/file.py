@@ -187,14 +187,17 @@ def _field(fields: dict[str, object], key: str, path: Path, required: bool = Tru
 
 def gguf_dimensions(path: Path, header: GGUFHeader) -> Dimensions:
     """The decoder's dimensions in a GGUF file's metadata (the keys llama.cpp's converter and `dflash convert` write).
-    A width the file states per layer (hybrid models) or not at all reads 0; no depth, width or vocabulary raises
-    DFlashError."""
+    A width the file states per layer (hybrid models) reads as its attention layers' one value (0 marks a layer
+    without attention), else 0, as does one not stated; no depth, width or vocabulary raises DFlashError."""
     fields = header.fields
     arch = _field(fields, "general.architecture", path)
 
     def stated(key: str, default: int = 0) -> int:
         value = fields.get(f"{arch}.{key}", default)
-        return value if isinstance(value, int) else 0  # a list: one value per layer
+        if isinstance(value, int):
+            return value
+        widths = {int(width) for width in value if width}  # a list: one value per layer
+        return widths.pop() if len(widths) == 1 else 0
 
     for key in ("block_count", "embedding_length"):
         if stated(key) < 1:

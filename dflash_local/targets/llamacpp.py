@@ -16,7 +16,7 @@ from ..gguf.file import GGUFModel, read_gguf
 from ..llama_lib import llama_cpp, tap_functions
 from ..quant import Int8Matrix
 from ..runtime import LoadSpec, pick_dtype
-from ..tap_probe import reads_layer_features
+from ..tap_probe import layer_taps
 from .base import TargetOutput
 from .llama_taps import first_llama_error, output_functions, quiet_llama_logs
 
@@ -143,7 +143,8 @@ class LlamaCppTarget:
         last layer's is the final-normed hidden state, read as llama.cpp's output embeddings (which makes every
         position an output). Switching taps makes llama.cpp's next decode re-plan its graph: only forward switches."""
         arch, name = self.info.architecture, self.info.path.name
-        if not reads_layer_features(self.info.path, arch):
+        taps = layer_taps(self.info.path, arch)
+        if not taps.layers:
             hint = ", and tools/build_libllama.sh (run by install.sh) builds a libllama that reads gemma3's"
             raise DFlashError(
                 f"{name} holds a '{arch}' model, whose layer features this libllama does not read, so DFlash cannot "
@@ -157,6 +158,12 @@ class LlamaCppTarget:
         bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
         if bad:
             raise DFlashError(f"The GGUF target has {self.num_layers} layers, so it has no layer {bad[0]} to read.")
+        if self.num_layers - 1 in layer_ids and not taps.last_layer:
+            raise DFlashError(
+                f"{name} holds a '{arch}' model, whose llama.cpp graph computes no logits while it hands out the last "
+                f"layer's output, so a drafter cannot read layer {self.num_layers - 1}; use one whose target layers "
+                "end before it, or plain decoding (--no-draft)."
+            )
         if list(layer_ids) != self.feature_layer_ids:
             self._set_tapping(False)
             self.feature_layer_ids = list(layer_ids)

@@ -14,7 +14,7 @@ from ..errors import DFlashError
 from ..gguf.file import read_gguf
 from ..llama_lib import llama_cpp, tap_functions
 from ..sampling import SamplingParams, pick
-from ..tap_probe import reads_layer_features
+from ..tap_probe import layer_taps
 from ..targets.llama_taps import first_llama_error, output_functions, quiet_llama_logs
 from ..targets.llamacpp import BATCH, model_params
 from .selfdistill import Continuation, top_k
@@ -32,7 +32,7 @@ class ParallelTarget:
 
     def __init__(self, path: Path, sequences: int, length: int, layer_ids: list[int], threads: int) -> None:
         self.info = read_gguf(path)
-        if not reads_layer_features(path, self.info.architecture):
+        if not layer_taps(path, self.info.architecture).layers:
             raise DFlashError(
                 f"{path.name} holds a '{self.info.architecture}' model, whose layer features this libllama does not "
                 "read, so no drafter can be trained for it."
