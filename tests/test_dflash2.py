@@ -1,17 +1,19 @@
 """DFlash2 drafters (block 8, local convolutions and a candidate selector) draft through llama.cpp's native drafter,
-from llama.cpp's own converter's GGUF and from the folder (written by dflash), losslessly; their drafts are the walk
-of the selector's lattice; the torch drafter refuses them in one sentence."""
+from llama.cpp's own converter's GGUF and from the folder (written by dflash), losslessly at blocks 8, 4 and auto;
+their drafts are the walk of the selector's lattice; the torch drafter refuses them in one sentence."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from test_gguf_lossless import auto_policy
 from test_published_drafters import TINY_DRAFTER, _converted
 
 from dflash_local.decode import Settings, run
@@ -145,10 +147,13 @@ def test_dflash2_output_equals_plain_decoding(dflash2_folder, dflash2_gguf, gguf
         native = _native(source, gguf_target)
         for prompt in heldout[:2]:
             plain, _ = run(gguf_target, None, prompt, Settings(max_new_tokens=32, draft=False))
-            for block_size in (8, 4, None):  # None: the drafter's block
+            for block_size in (8, 4):
                 ids, stats = run(gguf_target, native, prompt, Settings(max_new_tokens=32, block_size=block_size))
                 assert ids == plain
                 taus.append(stats.tau)
+            # --block-size auto: the policy drafts the whole block of 8 and verifies 1 to 8 of it
+            ids, stats = run(gguf_target, native, prompt, Settings(max_new_tokens=32), policy=auto_policy(8))
+            assert ids == plain and len(set(stats.block_sizes)) > 1, stats.block_sizes
         sampled, stats = run(
             gguf_target, native, heldout[2], Settings(max_new_tokens=16, sampling=SamplingParams(0.8), seed=1)
         )
@@ -171,3 +176,24 @@ def test_the_torch_drafter_refuses_dflash2_and_auto_plans_native(dflash2_folder,
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(DFlashError, match=r"is a DFlash2 drafter config without dflash_config\.selector_top_k\.$"):
         native_runs(folder)
+
+
+def test_dflash2_under_a_grammar_equals_constrained_plain_decoding(dflash2_gguf, gguf_target, heldout):
+    """A walked draft the grammar forbids ends the block (its point-mass row has no allowed id); constrained output
+    stays that of constrained plain decoding at blocks 8 and 4."""
+    from test_structured import RECORD
+
+    from dflash_local.gguf.tokenizer import GGUFTokenizer
+    from dflash_local.grammar import compile_grammar, json_schema_grammar
+
+    native = _native(dflash2_gguf, gguf_target)
+    grammar = compile_grammar(
+        json_schema_grammar(RECORD), GGUFTokenizer.of_target(gguf_target), gguf_target.vocab_size, gguf_target.stop_ids
+    )
+    settings = Settings(max_new_tokens=32, stop_ids=grammar.stop_ids, grammar=grammar)
+    plain, _ = run(gguf_target, None, heldout[0], replace(settings, draft=False))
+    for block_size in (8, 4):
+        ids, stats = run(gguf_target, native, heldout[0], replace(settings, block_size=block_size))
+        assert ids == plain
+        # blocks cut short by a forbidden pick (1: none allowed), and blocks whose allowed picks were verified
+        assert stats.block_sizes.count(1) > 1 and max(stats.block_sizes) > 1, stats.block_sizes
