@@ -31,6 +31,11 @@ _GET_TAP_NAMES = (
     "?llama_get_embeddings_layer_inp@@YAPEAMPEAUllama_context@@I@Z",
     "llama_get_embeddings_layer_inp",
 )
+# llama.cpp's nextn outputs (where a DFlash2 drafter's selector leaves its lattice) and the selector's top-k, the same
+# staging API; only the Itanium manglings are bound here (the MSVC ones are unchecked), then the plain C names.
+_SET_NEXTN_NAMES = ("_Z26llama_set_embeddings_nextnP13llama_contextbb", "llama_set_embeddings_nextn")
+_GET_NEXTN_NAMES = ("_Z26llama_get_embeddings_nextnP13llama_context", "llama_get_embeddings_nextn")
+_SELECTOR_TOP_K_NAMES = ("_Z33llama_model_dflash_selector_top_kPK11llama_model", "llama_model_dflash_selector_top_k")
 INVARIANT_LIB = Path(sys.prefix) / "lib" / "dflash-libllama"
 BUILT_FOR = "llama-cpp-python.version"  # the file in INVARIANT_LIB naming the llama-cpp-python it was built from
 
@@ -57,15 +62,13 @@ def loaded_library() -> Path:
     return Path(llama_cpp.llama_cpp._lib._name)
 
 
-def _bind(names: tuple[str, ...], argtypes: list, restype) -> Callable:
+def _bind(names: tuple[str, ...], argtypes: list, restype, what: str = "layer-input taps") -> Callable:
     for name in names:
         func = getattr(llama_cpp.llama_cpp._lib, name, None)
         if func is not None:
             func.argtypes, func.restype = argtypes, restype
             return func
-    raise DFlashError(
-        "This libllama exports no layer-input taps (llama_get_embeddings_layer_inp); install llama-cpp-python==0.3.36."
-    )
+    raise DFlashError(f"This libllama exports no {what} ({names[-1]}); install llama-cpp-python==0.3.36.")
 
 
 def tap_functions() -> tuple[Callable, Callable]:
@@ -74,3 +77,14 @@ def tap_functions() -> tuple[Callable, Callable]:
     set_tap = _bind(_SET_TAP_NAMES, [ctx_type, ctypes.c_uint32, ctypes.c_bool], None)
     get_tap = _bind(_GET_TAP_NAMES, [ctx_type, ctypes.c_uint32], ctypes.c_void_p)
     return set_tap, get_tap
+
+
+def dflash2_functions() -> tuple[Callable, Callable, Callable]:
+    """(selector_top_k(model) -> int, set_nextn(ctx, on, masked), get_nextn(ctx) -> float pointer) for a DFlash2
+    drafter: its selector's top-k (0 for a DFlash drafter) and the nextn rows that hold its lattice."""
+    what = "DFlash2 selector outputs"
+    ctx_type, model_type = llama_cpp.llama_context_p_ctypes, llama_cpp.llama_model_p_ctypes
+    top_k = _bind(_SELECTOR_TOP_K_NAMES, [model_type], ctypes.c_int32, what)
+    set_nextn = _bind(_SET_NEXTN_NAMES, [ctx_type, ctypes.c_bool, ctypes.c_bool], None, what)
+    get_nextn = _bind(_GET_NEXTN_NAMES, [ctx_type], ctypes.POINTER(ctypes.c_float), what)
+    return top_k, set_nextn, get_nextn

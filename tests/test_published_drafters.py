@@ -1,6 +1,6 @@
 """Drafters in the layouts z-lab publishes load unchanged and draft as the reference (transformers + PyPI `dflash`):
 Qwen3.5/3.6's 5-layer drafters with sliding-window layers, Gemma-style embedding scale and logit soft-cap; a
-DFlash2 drafter and a mismatched pair end in one sentence."""
+DFlash2 drafter on the torch drafter and a mismatched pair end in one sentence."""
 
 from __future__ import annotations
 
@@ -195,10 +195,15 @@ def test_sliding_layers_without_a_window_are_one_sentence(swa_drafters):
         DFlashDrafter.load(swa_drafters["window-off"], LoadSpec())
 
 
-def test_a_dflash2_drafter_is_one_sentence(tmp_path, drafters):
+def test_a_dflash2_drafter_is_one_sentence_on_the_torch_drafter(tmp_path, drafters):
+    # DFlash2 runs on llama.cpp's native drafter (tests/test_dflash2.py); the torch drafter has no selector
     folder = _copy(drafters["qwen3", 1], tmp_path / "dflash2")
     _edit_config(folder, lambda c: c.update(architectures=["DFlash2DraftModel"]))
-    with pytest.raises(DFlashError, match=r"is a DFlash2 drafter .* cannot run yet; use a DFlash drafter\.$"):
+    with pytest.raises(DFlashError, match=r"is a DFlash2 drafter config without dflash_config\.conv_kernel_size\.$"):
+        DFlashDrafter.load(folder, LoadSpec())
+    fields = {"conv_kernel_size": 3, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4}
+    _edit_config(folder, lambda c: c["dflash_config"].update(fields))
+    with pytest.raises(DFlashError, match=r"is a DFlash2 drafter .* beside a GGUF target \(--drafter-kind native\), "):
         DFlashDrafter.load(folder, LoadSpec())
 
 

@@ -28,16 +28,37 @@ QWEN3_WINDOW = 4096  # transformers' Qwen3Config: sliding_window when use_slidin
 QWEN3_MAX_WINDOW_LAYERS = 28  # Qwen3Config: layers from this index slide when layer_types is absent
 
 
+def is_dflash2(config: dict[str, Any]) -> bool:
+    """Whether a drafter config is DFlash2's (local convolutions and a candidate selector): its architecture, or any
+    of its fields in dflash_config or at the top level."""
+    dflash = config.get("dflash_config")
+    dflash = dflash if isinstance(dflash, dict) else {}
+    return "DFlash2DraftModel" in (config.get("architectures") or []) or any(
+        key in dflash or key in config for key in DFLASH2_FIELDS
+    )
+
+
+def _check_dflash2(config: dict[str, Any], path: Path) -> None:
+    """Raise one sentence unless a DFlash2 config has all four of its fields, positive integers, in shapes llama.cpp's
+    graph takes (hidden size divisible by the group size, and room for the selector's lattice in a hidden row)."""
+    dflash = config.get("dflash_config") or {}
+    values = {}
+    for key in DFLASH2_FIELDS:
+        name, value = (f"dflash_config.{key}", dflash[key]) if key in dflash else (key, config.get(key))
+        if value is None:
+            raise DFlashError(f"{path} is a DFlash2 drafter config without dflash_config.{key}.")
+        check_int(value, name, path, minimum=1)
+        values[key] = value
+    hidden, top_k = config.get("hidden_size"), values["selector_top_k"]
+    if isinstance(hidden, int) and hidden % values["conv_group_size"]:
+        raise DFlashError(f"{path}: hidden_size {hidden} is not a multiple of conv_group_size.")
+    if isinstance(hidden, int) and hidden < top_k * (top_k + 1):
+        raise DFlashError(f"{path}: hidden_size {hidden} is too small for a selector_top_k of {top_k}.")
+
+
 def check_drafter_config(config: dict[str, Any], path: Path) -> None:
     """Raise one sentence naming the file and field for any value of the wrong type or range in a drafter config."""
     dflash = config.get("dflash_config")
-    if "DFlash2DraftModel" in (config.get("architectures") or []) or any(
-        key in (dflash if isinstance(dflash, dict) else {}) or key in config for key in DFLASH2_FIELDS
-    ):
-        raise DFlashError(
-            f"{path} is a DFlash2 drafter (local convolutions and a candidate selector), which dflash cannot run yet; "
-            "use a DFlash drafter."
-        )
     if dflash is not None and not isinstance(dflash, dict):
         raise DFlashError(f"{path}: dflash_config must be an object, got {json.dumps(dflash)}.")
     dflash = dflash or {}
@@ -88,6 +109,8 @@ def check_drafter_config(config: dict[str, Any], path: Path) -> None:
             "use_sliding_window true)."
         )
     check_rope(config, path)
+    if is_dflash2(config):
+        _check_dflash2(config, path)
 
 
 def sliding_layers(config: dict[str, Any], layers: int) -> tuple[int | None, list[str]]:
@@ -120,6 +143,7 @@ class DrafterConfig:
     layer_types: list[str]
     sliding_window: int | None  # the window of sliding layers; None: they see all keys (causal unless is_causal says)
     is_causal: bool | None
+    dflash2: dict[str, int] | None  # DFlash2's DFLASH2_FIELDS; None for a DFlash drafter
     raw: dict[str, Any]
     source: Path  # the drafter's folder (or file), named in errors
 
@@ -158,6 +182,7 @@ class DrafterConfig:
                 layer_types=layer_types,
                 sliding_window=window,
                 is_causal=config.get("is_causal"),
+                dflash2={key: int(field(key)) for key in DFLASH2_FIELDS} if is_dflash2(config) else None,
                 raw=config,
                 source=source,
             )

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..errors import DFlashError
 from ..gguf.file import read_header
-from .config import DrafterConfig
+from .config import DFLASH2_FIELDS, DrafterConfig
 
 ARCHITECTURE = "dflash"
 
@@ -27,17 +27,13 @@ def _drafter_fields(path: Path) -> dict[str, Any]:
     architecture = fields.get("general.architecture")
     if architecture != ARCHITECTURE:
         raise DFlashError(f"{path} is a {architecture} model, not a DFlash drafter (GGUF architecture dflash).")
-    if f"{ARCHITECTURE}.selector_rank" in fields:
-        raise DFlashError(
-            f"{path} is a DFlash2 drafter (local convolutions and a candidate selector), which dflash cannot run yet; "
-            "use a DFlash drafter."
-        )
     return fields
 
 
 def gguf_drafter_config(path: Path) -> DrafterConfig:
     """The DrafterConfig of a llama.cpp drafter GGUF: shapes, block size, the target layers (llama.cpp's layer-input
-    ids minus one), mask token, embedding scale, logit scale and soft-cap, sliding layers and causality."""
+    ids minus one), mask token, embedding scale, logit scale and soft-cap, sliding layers and causality, and a DFlash2
+    drafter's convolution and selector fields."""
     fields = _drafter_fields(path)
 
     def key(name: str, default: Any = KeyError) -> Any:
@@ -67,6 +63,8 @@ def gguf_drafter_config(path: Path) -> DrafterConfig:
             "target_layer_ids": [int(i) - 1 for i in key("target_layers")],
         },
     }
+    if f"{ARCHITECTURE}.selector_rank" in fields:  # DFlash2: its convolutions' and selector's shapes
+        config["dflash_config"] |= {name: key(name) for name in DFLASH2_FIELDS}
     if "tokenizer.ggml.tokens" in fields:
         config["vocab_size"] = len(fields["tokenizer.ggml.tokens"])
     window = key("attention.sliding_window", 0)

@@ -21,7 +21,7 @@ import torch
 from ..errors import DFlashError
 from ..gguf.file import read_header
 from ..gguf.shape import LAYER_TENSORS, add_shape, rope_factors
-from ..llama_lib import llama_cpp
+from ..llama_lib import dflash2_functions, llama_cpp
 from ..paths import files_identity, identity_key, state_dir
 from ..runtime import LoadSpec
 from ..targets.llama_taps import first_llama_error, quiet_llama_logs
@@ -32,6 +32,19 @@ from .gguf_drafter import gguf_drafter_config, is_drafter_gguf
 
 CACHE_FORMAT = 2  # part of the cache key: bump when write_drafter_gguf writes something different
 CACHE_KEY_FIELD = "dflash_local.cache_key"
+# DFlash2's tensors (a folder's names, z-lab's layout: no "model." prefix) and llama.cpp's names for them (gguf-py's
+# tensor map, as its converter writes them)
+DFLASH2_TENSORS = {
+    "candidate_selector.predecessor_codebook": "selector_predecessor.weight",
+    "candidate_selector.successor_codebook": "selector_successor.weight",
+    "candidate_selector.hidden_projection.weight": "selector_hidden.weight",
+}
+DFLASH2_LAYER_TENSORS = {
+    "attention_conv.base_kernel": "attn_conv_base",
+    "attention_conv.kernel_projection.weight": "attn_conv_proj.weight",
+    "mlp_conv.base_kernel": "ffn_conv_base",
+    "mlp_conv.kernel_projection.weight": "ffn_conv_proj.weight",
+}
 _TOKENIZER_KEYS = (
     "tokenizer.ggml.model",
     "tokenizer.ggml.pre",
@@ -77,6 +90,8 @@ def write_drafter_gguf(folder: Path, cfg: DrafterConfig, target: LlamaCppTarget,
     writer.add_string(CACHE_KEY_FIELD, key)
     add_shape(writer, cfg, int(cfg.raw.get("max_position_embeddings", 4096)))
     writer.add_uint32("dflash.block_size", cfg.block_size)
+    for name, value in (cfg.dflash2 or {}).items():  # DFlash2's convolutions and selector, as llama.cpp's converter
+        writer.add_uint32(f"dflash.{name}", value)
     if any(sliding):
         writer.add_sliding_window(cfg.sliding_window)
         writer.add_sliding_window_pattern(sliding)
@@ -101,6 +116,11 @@ def write_drafter_gguf(folder: Path, cfg: DrafterConfig, target: LlamaCppTarget,
         elif name.startswith("layers.") and name.split(".", 2)[2] in LAYER_TENSORS:
             index, rest = name.split(".", 2)[1:]
             writer.add_tensor(f"blk.{index}.{LAYER_TENSORS[rest]}", array)
+        elif cfg.dflash2 is not None and name in DFLASH2_TENSORS:
+            writer.add_tensor(DFLASH2_TENSORS[name], array)
+        elif cfg.dflash2 is not None and name.startswith("layers.") and name.split(".", 2)[2] in DFLASH2_LAYER_TENSORS:
+            index, rest = name.split(".", 2)[1:]
+            writer.add_tensor(f"blk.{index}.{DFLASH2_LAYER_TENSORS[rest]}", array)
         else:
             raise DFlashError(f"{folder}: drafter tensor {name} has no llama.cpp counterpart.")
     factors = rope_factors(cfg.raw, cfg.dims.head_dim)
@@ -151,6 +171,8 @@ class NativeDrafter:
         weakref.finalize(self, _free, self._batch, ctx, model)
         self.length = 0
         self.cache_owner: object | None = None  # the Session that last filled its cache
+        self.selector_top_k = 0  # a DFlash2 drafter's candidates per row (0: a DFlash drafter, drafting by logits)
+        self.lattice: np.ndarray | None = None  # a DFlash2 drafter's last block of selector rows (block, hidden)
 
     @classmethod
     def load(cls, folder: str | Path, target: LlamaCppTarget, spec: LoadSpec) -> NativeDrafter:
@@ -178,7 +200,14 @@ class NativeDrafter:
             llama_cpp.llama_model_free(model)
             raise DFlashError(f"llama.cpp could not create the drafter context ({first_llama_error() or 'no reason'}).")
         llama_cpp.llama_set_causal_attn(ctx, bool(cfg.is_causal))  # a GGUF may say causal; drafters are not
-        return cls(cfg, model, ctx, target)
+        drafter = cls(cfg, model, ctx, target)
+        if cfg.dflash2 is not None:
+            top_k, set_nextn, drafter._get_lattice = dflash2_functions()
+            drafter.selector_top_k = top_k(model)
+            if drafter.selector_top_k != cfg.dflash2["selector_top_k"]:
+                raise DFlashError(f"llama.cpp did not load the DFlash2 drafter {folder} with its candidate selector.")
+            set_nextn(ctx, True, False)  # every block row's lattice, not only output rows' (as llama.cpp's own loop)
+        return drafter
 
     @property
     def block_size(self) -> int:
@@ -237,6 +266,8 @@ class NativeDrafter:
         head on every row (it has no output pruning) and hands back the first n_outputs rows, so the batch flags
         rows 0..rows as outputs: a smaller `rows` saves the copy, not the compute."""
         rows = size - 1 if rows is None else rows
+        if self.selector_top_k and size > self.block_size:  # llama.cpp's selector scores the trained block only
+            raise ValueError(f"a DFlash2 block holds at most {self.block_size} tokens, got {size}")
         if self.length + new_features.shape[0] != start:
             raise ValueError(f"drafter cache holds {self.length} positions, got features up to {start}")
         llama_cpp.llama_memory_seq_rm(self._memory, 0, self.length, -1)
@@ -246,10 +277,13 @@ class NativeDrafter:
             token = tokens[start] if index == 0 else self.cfg.mask_token_id
             slot = llama_cpp.llama_batch_ext_add_token(self._batch, 0, token)
             self._add(slot, start + index)
-            llama_cpp.llama_batch_ext_set_output_logits(self._batch, slot, index <= rows)
+            # DFlash2 reads no logits: its selector's lattice comes from the nextn rows of every block position
+            llama_cpp.llama_batch_ext_set_output_logits(self._batch, slot, index <= rows and not self.selector_top_k)
         self._process()
         self.length = start
         vocab = target.vocab_size
+        if self.selector_top_k:
+            return self._walked(rows, size, vocab, target.device)
         drafted = [
             np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, i), shape=(vocab,))
             for i in range(1, rows + 1)
@@ -258,3 +292,22 @@ class NativeDrafter:
         cap = self.cfg.final_logit_softcapping
         # ids outside a reduced draft vocabulary come at -inf and stay there, as in the torch drafter
         return torch.where(logits.isinf(), logits, torch.tanh(logits / cap) * cap) if cap else logits
+
+    def _walked(self, rows: int, size: int, vocab: int, device: torch.device) -> torch.Tensor:
+        """A DFlash2 block's drafts as rows of scores, 0 at the drafted id and -inf elsewhere (a point mass: argmax
+        and rejection sampling keep them exact), walked over its selector's lattice as llama.cpp's loop walks it.
+        Row i of the lattice holds row i's top_k candidate ids (as floats), then a top_k x top_k matrix whose row p
+        scores each candidate after candidate p of row i-1; row 1 starts from row 0, and each row's pick is the
+        argmax of its predecessor's scores (llama.cpp stops early only under a p_min, which dflash does not set)."""
+        top_k = self.selector_top_k
+        width = self.cfg.dims.hidden
+        self.lattice = np.ctypeslib.as_array(self._get_lattice(self._ctx), shape=(size * width,)).reshape(size, width)
+        self.lattice = self.lattice.copy()
+        scores = torch.full((rows, vocab), float("-inf"), device=device)
+        predecessor = 0
+        for row in range(1, rows + 1):
+            lattice = self.lattice[row]
+            following = lattice[top_k + predecessor * top_k : top_k + (predecessor + 1) * top_k]
+            predecessor = int(np.argmax(following))
+            scores[row - 1, int(lattice[predecessor])] = 0.0
+        return scores

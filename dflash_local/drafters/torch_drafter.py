@@ -153,6 +153,11 @@ class DFlashDrafter:
         check_kernels(kernels, device)
         check_quantize(quantize, DRAFTER_QUANT_TYPES)
         cfg = DrafterConfig.from_dict(read_config(folder), folder)
+        if cfg.dflash2 is not None:
+            raise DFlashError(
+                f"{folder} is a DFlash2 drafter (local convolutions and a candidate selector), which runs only on "
+                "llama.cpp's native drafter beside a GGUF target (--drafter-kind native), not on the torch drafter."
+            )
         with torch.device("meta"):
             model = DFlashModel(cfg)
         expected = model.state_dict()
