@@ -382,3 +382,18 @@ def test_auto_plans_the_torch_drafter_for_what_the_native_one_refuses(tiny_swa_d
     assert plan_load(tiny_gguf["f16"], spec).runtime.drafter == "native"
     loaded = [load_models(tiny_gguf["f16"], d, spec, auto_block=False).drafter for d in (causal, tiny_swa_drafter)]
     assert [type(d) for d in loaded] == [DFlashDrafter, NativeDrafter]
+
+
+def test_a_layer_tensor_the_drafter_does_not_have_is_one_sentence(tmp_path):
+    """A published drafter whose layers carry a part this engine's layer lacks (gpt-oss-style attention sinks) is
+    refused by name, not loaded without it."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _copy(TINY_DRAFTER, tmp_path / "sinks")
+    tensors = load_file(folder / "model.safetensors")
+    save_file({**tensors, "layers.1.self_attn.sinks": torch.zeros(4)}, folder / "model.safetensors")
+    with pytest.raises(
+        DFlashError,
+        match=r"sinks: drafter tensor layers\.1\.self_attn\.sinks belongs to a layer part this drafter does not",
+    ):
+        DFlashDrafter.load(folder, LoadSpec(max_context=64))

@@ -171,6 +171,11 @@ class DFlashDrafter:
         seen: set[str] = set()
         for name, tensor in read_weights(folder, dtype, "cpu" if kind else device, stored):
             param = expected.get(name)
+            if param is None and name.startswith("layers."):
+                raise DFlashError(
+                    f"{folder}: drafter tensor {name} belongs to a layer part this drafter does not have (attention "
+                    "sinks, say), so it cannot draft as it was trained."
+                )
             if param is None:
                 continue
             if tensor.shape != param.shape:
