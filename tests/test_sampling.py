@@ -125,3 +125,24 @@ def test_draw_takes_each_row_s_distribution_and_never_an_id_without_mass(monkeyp
     monkeypatch.undo()
     with pytest.raises(DFlashError, match="NaN or infinite"):
         sampling.draw(torch.tensor([[0.5, float("nan")]]), generator)
+
+
+def test_a_point_mass_draft_is_rejection_sampled_exactly():
+    """A drafter that names one token (DFlash2's walked picks: logit 0 there, -inf elsewhere) at T > 0: the first
+    token follows the target's row and, after an accepted draft, the bonus follows the next row."""
+    params = SamplingParams(temperature=1.0)
+    sampler = sampling.RandomSampler(params, torch.Generator().manual_seed(0))
+    rows = torch.tensor([[0.1, 0.4, 0.2, 0.2, 0.1], [0.5, 0.05, 0.05, 0.1, 0.3]])
+    point = torch.full((1, 5), float("-inf"))
+    point[0, 1] = 0.0
+    firsts, bonuses = [], []
+    for _ in range(6000):
+        draft, draft_probs = sampler.draft(point)
+        accepted, tokens = sampler.accept(draft, draft_probs, rows.log())
+        assert draft.tolist() == [1] and tokens[:accepted] == [1] * accepted
+        firsts.append(tokens[0])
+        bonuses += tokens[1:]
+    for drawn, row in ((firsts, rows[0]), (bonuses, rows[1])):
+        counts = torch.bincount(torch.tensor(drawn), minlength=5)
+        expected = (len(drawn) * row.double() / row.double().sum()).tolist()
+        assert chisquare(counts.tolist(), expected).pvalue > 1e-3, counts.tolist()
