@@ -109,18 +109,16 @@ def write_drafter_gguf(folder: Path, cfg: DrafterConfig, target: LlamaCppTarget,
     if d2t is not None:  # llama.cpp's reduced draft vocabulary: its own head, the target's rows for d2t
         writer.add_tensor("d2t", d2t.to(torch.int64).numpy())
         writer.add_tensor("output.weight", target.head_rows(d2t).to(torch.float16).cpu().numpy())
+    layer_names = LAYER_TENSORS
+    if cfg.dflash2 is not None:  # DFlash2's convolutions and selector besides
+        names, layer_names = names | DFLASH2_TENSORS, layer_names | DFLASH2_LAYER_TENSORS
     for name, tensor in weights.items():
         array = tensor.to(torch.float16 if tensor.dim() == 2 and name != "fc.weight" else torch.float32).numpy()
         if name in names:
             writer.add_tensor(names[name], array)
-        elif name.startswith("layers.") and name.split(".", 2)[2] in LAYER_TENSORS:
+        elif name.startswith("layers.") and name.split(".", 2)[2] in layer_names:
             index, rest = name.split(".", 2)[1:]
-            writer.add_tensor(f"blk.{index}.{LAYER_TENSORS[rest]}", array)
-        elif cfg.dflash2 is not None and name in DFLASH2_TENSORS:
-            writer.add_tensor(DFLASH2_TENSORS[name], array)
-        elif cfg.dflash2 is not None and name.startswith("layers.") and name.split(".", 2)[2] in DFLASH2_LAYER_TENSORS:
-            index, rest = name.split(".", 2)[1:]
-            writer.add_tensor(f"blk.{index}.{DFLASH2_LAYER_TENSORS[rest]}", array)
+            writer.add_tensor(f"blk.{index}.{layer_names[rest]}", array)
         else:
             raise DFlashError(f"{folder}: drafter tensor {name} has no llama.cpp counterpart.")
     factors = rope_factors(cfg.raw, cfg.dims.head_dim)
@@ -172,7 +170,6 @@ class NativeDrafter:
         self.length = 0
         self.cache_owner: object | None = None  # the Session that last filled its cache
         self.selector_top_k = 0  # a DFlash2 drafter's candidates per row (0: a DFlash drafter, drafting by logits)
-        self.lattice: np.ndarray | None = None  # a DFlash2 drafter's last block of selector rows (block, hidden)
 
     @classmethod
     def load(cls, folder: str | Path, target: LlamaCppTarget, spec: LoadSpec) -> NativeDrafter:
@@ -301,13 +298,11 @@ class NativeDrafter:
         argmax of its predecessor's scores (llama.cpp stops early only under a p_min, which dflash does not set)."""
         top_k = self.selector_top_k
         width = self.cfg.dims.hidden
-        self.lattice = np.ctypeslib.as_array(self._get_lattice(self._ctx), shape=(size * width,)).reshape(size, width)
-        self.lattice = self.lattice.copy()
+        lattice = np.ctypeslib.as_array(self._get_lattice(self._ctx), shape=(size * width,)).reshape(size, width)
         scores = torch.full((rows, vocab), float("-inf"), device=device)
         predecessor = 0
         for row in range(1, rows + 1):
-            lattice = self.lattice[row]
-            following = lattice[top_k + predecessor * top_k : top_k + (predecessor + 1) * top_k]
+            following = lattice[row, top_k + predecessor * top_k : top_k + (predecessor + 1) * top_k]
             predecessor = int(np.argmax(following))
-            scores[row - 1, int(lattice[predecessor])] = 0.0
+            scores[row - 1, int(lattice[row, predecessor])] = 0.0
         return scores
