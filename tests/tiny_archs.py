@@ -12,17 +12,14 @@ import json
 import sys
 from pathlib import Path
 
-# The transformers config of each architecture (tiny sizes) and the vocabulary file its GGUF gets.
+TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1)
+# The transformers config of each architecture (TINY's sizes, and its own) and the vocabulary file its GGUF gets.
 ARCHS: dict[str, tuple[str, str, dict]] = {
     "qwen35": (
         "Qwen3_5TextConfig",
         "qwen2",
         dict(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=2,
-            num_key_value_heads=1,
+            **TINY,
             head_dim=16,
             linear_num_key_heads=2,
             linear_num_value_heads=4,
@@ -39,12 +36,8 @@ ARCHS: dict[str, tuple[str, str, dict]] = {
         "Qwen3MoeConfig",
         "qwen2",
         dict(
-            hidden_size=32,
-            intermediate_size=64,
+            **TINY,
             moe_intermediate_size=32,
-            num_hidden_layers=4,
-            num_attention_heads=2,
-            num_key_value_heads=1,
             head_dim=16,
             num_experts=4,
             num_experts_per_tok=2,
@@ -56,11 +49,7 @@ ARCHS: dict[str, tuple[str, str, dict]] = {
         "Gemma4TextConfig",
         "gemma-4",
         dict(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=2,
-            num_key_value_heads=1,
+            **TINY,
             head_dim=16,
             sliding_window=8,
             layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
@@ -71,11 +60,7 @@ ARCHS: dict[str, tuple[str, str, dict]] = {
         "GptOssConfig",
         "gpt-2",
         dict(
-            hidden_size=32,
-            intermediate_size=32,
-            num_hidden_layers=4,
-            num_attention_heads=2,
-            num_key_value_heads=1,
+            **(TINY | dict(intermediate_size=32)),
             head_dim=16,
             num_local_experts=4,
             num_experts_per_tok=2,
@@ -87,11 +72,7 @@ ARCHS: dict[str, tuple[str, str, dict]] = {
         "Lfm2Config",
         "llama-bpe",
         dict(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=2,
-            num_key_value_heads=1,
+            **TINY,
             layer_types=["conv", "full_attention", "conv", "full_attention"],
             block_auto_adjust_ff_dim=False,  # the feed-forward width as given
             tie_word_embeddings=True,
