@@ -1,22 +1,34 @@
 #!/usr/bin/env bash
-# One-command setup on Linux: ./install.sh [--dev]
+# One-command setup on Linux: ./install.sh [--dev] [--gpu auto|cuda|vulkan|none]
 # A thin layer over pip; pyproject.toml says what dflash-local needs. Creates .venv, installs torch==2.13.0 (PyPI's
 # Linux wheel is the CUDA build), then dflash-local with GGUF support (llama-cpp-python, built from source for the
-# CPU: several minutes), plus the gpu extra (Triton, bitsandbytes) where nvidia-smi works, then a second libllama
-# without llamafile for lossless F16 verification (tools/build_libllama.sh). Every install goes through the lock,
+# CPU: several minutes), plus the gpu extra (Triton, bitsandbytes) where nvidia-smi works, then dflash's own libllama
+# (tools/build_libllama.sh): the CPU build without llamafile's tinyBLAS for lossless verification, and beside it a GPU
+# build where the machine has a GPU: CUDA where nvidia-smi works, Vulkan where a hardware Vulkan device is present
+# (--gpu overrides; a GPU build that fails leaves the CPU install working). Every install goes through the lock,
 # constraints.txt, so users get the versions CI tested. --dev adds the test tools to .venv and creates .venv-oracle:
-# the reference implementation (PyPI dflash + transformers) the tests call as an oracle.
+# the reference implementation (PyPI dflash + transformers) the tests call as an oracle; with --gpu vulkan on a
+# machine without a Vulkan device, it also installs Mesa's software one (lavapipe) for the GPU-path tests.
 set -euo pipefail
 cd "$(dirname "$0")"
 
 dev=0
-for arg in "$@"; do
-  case "$arg" in
+gpu_choice=auto
+usage="usage: ./install.sh [--dev] [--gpu auto|cuda|vulkan|none]"
+while [ $# -gt 0 ]; do
+  case "$1" in
     --dev) dev=1 ;;
-    -h|--help) echo "usage: ./install.sh [--dev]"; exit 0 ;;
-    *) echo "install.sh: unknown option $arg" >&2; exit 2 ;;
+    --gpu) gpu_choice=${2:-}; shift ;;
+    --gpu=*) gpu_choice=${1#--gpu=} ;;
+    -h|--help) echo "$usage"; exit 0 ;;
+    *) echo "install.sh: unknown option $1 ($usage)" >&2; exit 2 ;;
   esac
+  shift
 done
+case "$gpu_choice" in
+  auto|cuda|vulkan|none) ;;
+  *) echo "install.sh: --gpu takes auto, cuda, vulkan or none, got '$gpu_choice'." >&2; exit 2 ;;
+esac
 
 if [ "$(uname -s)" != Linux ]; then
   echo "install.sh sets up Linux only; on macOS or Windows install with pip or pipx as README.md's \"Other platforms\" says." >&2
@@ -59,6 +71,25 @@ echo "==> installing dflash-local[$extras]"
 # DFlash is bitwise lossless on F16/BF16/F32 GGUFs on the CPU only with a libllama built without llamafile's tinyBLAS:
 # build it once per llama-cpp-python version into .venv/lib/dflash-libllama (a few minutes).
 tools/build_libllama.sh .venv
+
+# The GPU build beside it (its CPU backend is the same), once per llama-cpp-python version and backend.
+backend=$gpu_choice
+if [ "$backend" = auto ]; then
+  if [ "$gpu" = 1 ]; then
+    backend=cuda
+  elif .venv/bin/python -m dflash_local.vulkan_probe >/dev/null 2>&1; then
+    backend=vulkan
+  else
+    backend=none
+  fi
+fi
+if [ "$backend" != none ]; then
+  if missing=$(tools/gpu_build_deps.sh "$backend" "$dev") && tools/build_libllama.sh --backend "$backend" .venv; then
+    echo "==> dflash runs GGUFs on the GPU through llama.cpp's $backend backend (dflash doctor lists the devices)"
+  else
+    echo "install.sh: the $backend libllama was not built (${missing:-the build failed, log above}); dflash runs on the CPU." >&2
+  fi
+fi
 
 if [ "$dev" = 1 ]; then
   echo "==> creating .venv-oracle: the reference implementation the tests compare against"

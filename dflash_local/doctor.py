@@ -64,6 +64,7 @@ def run_checks() -> list[Check]:
     bnb = _version("bitsandbytes")
     checks.append(Check("bitsandbytes", bnb or "not installed (no NF4 targets)", None if not bnb else True))
     checks.append(_llama_cpp_check())
+    checks += device_checks()
     checks.append(_hub_check())
     free = shutil.disk_usage(cache_dir() if cache_dir().exists() else cache_dir().anchor).free
     checks.append(Check("model cache", f"{cache_dir()} ({human_size(free)} free)", None))
@@ -166,14 +167,29 @@ def _llama_cpp_check() -> Check:
     if version is None:
         return Check("llama-cpp-python", "not installed (no GGUF targets): pip install 'dflash-local[gguf]'", None)
     try:
-        from .llama_lib import INVARIANT_LIB, llama_cpp, loaded_library
-
-        gpu = bool(llama_cpp.llama_supports_gpu_offload())
+        from .llama_lib import GPU_LIBS, INVARIANT_LIB, loaded_library
     except Exception as exc:  # a broken native build raises anything from OSError to RuntimeError
         return Check("llama-cpp-python", f"{version}, fails to load: {exc}", False)
-    if gpu:
-        return Check("llama-cpp-python", f"{version}, GPU offload")
-    if loaded_library().parent == INVARIANT_LIB:
-        return Check("llama-cpp-python", f"{version}, CPU-only build; batch-invariant libllama ({INVARIANT_LIB})")
-    stock = "CPU-only build; stock libllama: F16/BF16/F32 verification may differ in the last bits (./install.sh)"
+    folder = loaded_library().parent
+    if folder in (INVARIANT_LIB, *GPU_LIBS.values()):
+        return Check("llama-cpp-python", f"{version}; dflash's batch-invariant libllama ({folder})")
+    stock = "stock libllama: F16/BF16/F32 verification may differ in the last bits on the CPU (./install.sh)"
     return Check("llama-cpp-python", f"{version}, {stock}", None)
+
+
+def device_checks() -> list[Check]:
+    """llama.cpp's backends and each of its devices with free memory: what --device names, and which auto takes."""
+    try:
+        from .devices import library_backends, library_devices, resolve_device
+        from .llama_lib import UNLOADABLE
+    except Exception:  # the llama-cpp-python line says why the library does not load
+        return []
+    checks = [Check("llama.cpp backends", ", ".join(library_backends()))]
+    auto = resolve_device("auto")
+    for device in library_devices():
+        role = " [auto]" if device == auto or auto is None and device.kind == "cpu" else ""
+        role += " (software: only an explicit --device uses it)" if device.software else ""
+        memory = f"{human_size(device.free)} free of {human_size(device.total)}"
+        checks.append(Check(f"device {device.name}", f"{device.backend}: {device.description}{role}, {memory}", None))
+    checks += [Check("GPU libllama", f"{line}: not loadable, the CPU build runs", False) for line in UNLOADABLE]
+    return checks

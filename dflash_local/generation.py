@@ -24,6 +24,7 @@ from .decode import Settings, Stats, Step, generate
 from .drafters import load_drafter, native_runs
 from .drafters.base import Drafter
 from .errors import DFlashError
+from .offload import file_bytes
 from .runtime import LoadSpec, plan_load
 from .session import Session
 from .targets import load_target
@@ -46,6 +47,7 @@ class LoadedModels:
     policy: BlockPolicy | None = None  # picks each step's block size (--block-size auto)
     session: Session = field(default_factory=Session)  # what the caches hold: every generation reuses it
     warnings: tuple[str, ...] = ()  # e.g. the block costs cannot be kept (an unwritable state folder)
+    devices: dict = field(default_factory=dict)  # where the target's layers and the drafter run (placed_on)
 
     def stops(self, ignore_eos: bool) -> frozenset[int]:
         """The stop ids of a request: the end-of-sequence ids, or none with ignore_eos."""
@@ -82,7 +84,8 @@ def load_models(
     if spec.max_context < 1:
         raise DFlashError(f"The context (--max-context) must be at least 1 token, got {spec.max_context}.")
     path = Path(target_path)
-    spec = plan_load(path, spec, native_runs(None if drafter_path is None else Path(drafter_path)))
+    drafter_file = None if drafter_path is None else Path(drafter_path)
+    spec = plan_load(path, spec, native_runs(drafter_file), file_bytes(drafter_file))
     spec.runtime.apply()
     device = spec.runtime.device
     spec.progress("loading the target")
@@ -102,6 +105,7 @@ def load_models(
         warning = unwritable_warning(costs)
         warnings = () if warning is None else (warning,)
         policy = _block_policy(target, drafter, costs, spec)
+    devices = placed_on(spec, drafter is not None)
     if path.suffix == ".gguf":
         from .gguf.tokenizer import GGUFTokenizer
         from .targets.torch_llama import TorchLlamaTarget
@@ -109,8 +113,18 @@ def load_models(
         # llama.cpp's vocabulary: loaded alone for the torch target, else the one loaded with the weights
         alone = isinstance(target, TorchLlamaTarget)
         tokenizer = GGUFTokenizer.load(path) if alone else GGUFTokenizer.of_target(target)
-        return LoadedModels(target, drafter, tokenizer, target.stop_ids, policy, warnings=warnings)
-    return LoadedModels(target, drafter, TextTokenizer.load(path), stop_token_ids(path), policy, warnings=warnings)
+        return LoadedModels(target, drafter, tokenizer, target.stop_ids, policy, warnings=warnings, devices=devices)
+    tokenizer = TextTokenizer.load(path)
+    return LoadedModels(target, drafter, tokenizer, stop_token_ids(path), policy, warnings=warnings, devices=devices)
+
+
+def placed_on(spec: LoadSpec, drafting: bool) -> dict:
+    """Where a planned spec runs the target's layers and the drafter (generate --json's devices field)."""
+    placement = spec.placement if spec.backend == "llamacpp" else None
+    target = placement.as_json() if placement else {"device": spec.runtime.device, "backend": "torch"}
+    native = placement is not None and spec.runtime.drafter == "native"
+    drafter = {"device": placement.name if native else spec.runtime.device, "kind": spec.runtime.drafter}
+    return {"target": target, "drafter": drafter if drafting else None}
 
 
 def _block_policy(target: Target, drafter: Drafter, costs: Path, spec: LoadSpec) -> BlockPolicy:

@@ -4,9 +4,10 @@ Both settings keep a verify batch's logits bitwise equal to those of one-token d
 and each is left alone where the user has already set it:
 - GGML_CPU_TILED_MM=0: ggml's tiled matmul (Q4_0 and K-quants, batches of 8 rows or more) sums in another order than
   the one-token path. ggml reads it once, at the process's first matmul. Export 1 to trade that for faster prefill.
-- LLAMA_CPP_LIB_PATH: the libllama that tools/build_libllama.sh (run by install.sh on CPU machines) builds with
-  llamafile's tinyBLAS off, which otherwise takes every F16/BF16/F32 batch of 2 rows or more; used where it exists for
-  the installed llama-cpp-python. llama_cpp loads its library on import, so this module must import it first.
+- LLAMA_CPP_LIB_PATH: the libllama that tools/build_libllama.sh (run by install.sh) builds with llamafile's tinyBLAS
+  off, which otherwise takes every F16/BF16/F32 batch of 2 rows or more; used where it exists for the installed
+  llama-cpp-python. A GPU build (CUDA or Vulkan, with the same CPU backend inside) is preferred to the CPU-only one
+  where it loads; llama_cpp loads its library on import, so this module must import it first.
 """
 
 from __future__ import annotations
@@ -36,18 +37,35 @@ _GET_TAP_NAMES = (
 _SET_NEXTN_NAMES = ("_Z26llama_set_embeddings_nextnP13llama_contextbb", "llama_set_embeddings_nextn")
 _GET_NEXTN_NAMES = ("_Z26llama_get_embeddings_nextnP13llama_context", "llama_get_embeddings_nextn")
 _SELECTOR_TOP_K_NAMES = ("_Z33llama_model_dflash_selector_top_kPK11llama_model", "llama_model_dflash_selector_top_k")
-INVARIANT_LIB = Path(sys.prefix) / "lib" / "dflash-libllama"
-BUILT_FOR = "llama-cpp-python.version"  # the file in INVARIANT_LIB naming the llama-cpp-python it was built from
+LIB_ROOT = Path(sys.prefix) / "lib"
+INVARIANT_LIB = LIB_ROOT / "dflash-libllama"  # the CPU build
+GPU_LIBS = {"cuda": LIB_ROOT / "dflash-libllama-cuda", "vulkan": LIB_ROOT / "dflash-libllama-vulkan"}
+BUILT_FOR = "llama-cpp-python.version"  # the file in each build's folder naming the llama-cpp-python it was built from
+UNLOADABLE: list[str] = []  # GPU builds found but not loadable here (their runtime is missing), for `dflash doctor`
+
+
+def _current(folder: Path) -> bool:
+    """Whether folder holds a libllama built for the installed llama-cpp-python."""
+    try:
+        built_for = (folder / BUILT_FOR).read_text().strip()
+        installed = metadata.version("llama_cpp_python")
+    except (OSError, metadata.PackageNotFoundError):
+        return False
+    return built_for == installed and (folder / "libllama.so").is_file()
 
 
 def invariant_lib() -> Path | None:
-    """The batch-invariant libllama folder built for the installed llama-cpp-python, or None."""
-    try:
-        built_for = (INVARIANT_LIB / BUILT_FOR).read_text().strip()
-        installed = metadata.version("llama_cpp_python")
-    except (OSError, metadata.PackageNotFoundError):
-        return None
-    return INVARIANT_LIB if built_for == installed and (INVARIANT_LIB / "libllama.so").is_file() else None
+    """The libllama folder to load: a current GPU build that loads here (CUDA first), else the CPU build, or None."""
+    for backend, folder in GPU_LIBS.items():
+        if not _current(folder):
+            continue
+        try:
+            ctypes.CDLL(str(folder / f"libggml-{backend}.so"))  # its GPU runtime (libcuda, libvulkan) must load
+        except OSError as exc:
+            UNLOADABLE.append(f"{folder.name}: {exc}")
+            continue
+        return folder
+    return INVARIANT_LIB if _current(INVARIANT_LIB) else None
 
 
 os.environ.setdefault("GGML_CPU_TILED_MM", "0")

@@ -7,23 +7,29 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from .errors import DFlashError
 from .kernels import check_mode, check_triton
 
+if TYPE_CHECKING:
+    from .offload import Placement
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def pick_device(name: str = "auto") -> str:
-    """'auto' means CUDA when available, else CPU."""
+    """torch's device: 'auto' means CUDA when available, else CPU."""
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise DFlashError("CUDA was requested but this torch build sees no CUDA GPU.")
     if name != "cpu" and not name.startswith("cuda"):
-        raise DFlashError(f"Unknown device '{name}' (use auto, cpu or cuda).")
+        raise DFlashError(
+            f"--device {name} runs GGUF files through llama.cpp; torch runs this model, on cpu or cuda only."
+        )
     return name
 
 
@@ -92,7 +98,7 @@ class RuntimeConfig:
     flags, with DFLASH_KERNELS / DFLASH_CUDA_GRAPHS / DFLASH_DRAFTER / DFLASH_THREADS as their defaults) and
     passes it down; nothing below reads the environment. The defaults are a plain CPU run (tests, scripts)."""
 
-    device: str = "cpu"  # auto, cpu or cuda (auto: planned, runtime.plan_load)
+    device: str = "cpu"  # auto, cpu, cuda, vulkan, metal or a llama.cpp device name (planned: runtime.plan_load)
     dtype: str = "auto"
     kernels: str = "auto"  # auto: Triton for CUDA tensors, the torch reference elsewhere; the models loaded hold it
     cuda_graphs: bool = True  # replay fixed-shape steps on CUDA
@@ -130,6 +136,9 @@ class LoadSpec:
     drafter_quantize: str | None = None  # torch drafters: None, "int8" or "nf4"
     backend: str = "auto"  # auto, torch or llamacpp
     int8_head: bool = False  # planned: a llama.cpp target keeps its head as int8 rows for a torch drafter on the CPU
+    gpu_layers: str = "auto"  # GGUFs on a GPU: auto (as many as its free memory holds), all, or a number
+    cpu_moe: bool = False  # a MoE GGUF's expert tensors stay in host memory
+    placement: Placement | None = None  # planned: where llama.cpp runs the target and its native drafter
     progress: Callable[[str], None] = field(default=_silent, compare=False)  # e.g. "loading the target"
 
     def reporting_to(self, progress: Callable[[str], None]) -> LoadSpec:
@@ -137,23 +146,45 @@ class LoadSpec:
         return replace(self, progress=progress)
 
 
-def plan_load(target: Path, spec: LoadSpec, native_drafter_runs: bool = True) -> LoadSpec:
-    """The one place device, backend, drafter kind and the target's int8 head are decided, from the target's file,
-    whether llama.cpp's native drafter runs the drafter (drafters.native_runs) and the spec; what the loaders take."""
+def plan_load(target: Path, spec: LoadSpec, native_drafter_runs: bool = True, drafter_bytes: int = 0) -> LoadSpec:
+    """The one place device, placement, backend, drafter kind and the target's int8 head are decided, from the target's
+    file, whether llama.cpp's native drafter runs the drafter (drafters.native_runs), its size and the spec; what the
+    loaders take."""
     runtime = spec.runtime
-    device = pick_device(runtime.device)
-    gguf = target.suffix == ".gguf"
-    backend = spec.backend
-    if backend == "auto":  # GGUF files run on llama.cpp on the CPU, on the torch target's int4/int8 kernels on CUDA
-        backend = "llamacpp" if gguf and torch.device(device).type == "cpu" else "torch"
+    backend, placement = spec.backend, None
+    if target.suffix != ".gguf":
+        backend = "torch" if backend == "auto" else backend
+    elif backend != "torch":
+        placement = _gguf_placement(target, spec, drafter_bytes)
+        backend = "torch" if placement is None else "llamacpp"
+    if backend != "llamacpp":
+        device = pick_device(runtime.device)
+    else:  # torch holds a llama.cpp target's features and a torch drafter: on CUDA beside a CUDA placement
+        on = None if placement is None else placement.device
+        cuda = on is not None and on.backend == "CUDA" and torch.cuda.is_available()
+        device = "cuda" if cuda else "cpu"
     drafter = runtime.drafter
-    if not gguf and backend != "llamacpp":
+    if backend != "llamacpp":
         drafter = "torch"
     elif drafter == "auto":
-        # llama.cpp's native drafter on the CPU: faster on small models (`dflash bench --drafter-kind`), and at real
-        # sizes it loads in a quarter of the torch drafter's time (README); CUDA is unmeasured, so torch there
-        native_fits = backend == "llamacpp" and torch.device(device).type == "cpu" and spec.drafter_quantize is None
-        drafter = "native" if native_fits and native_drafter_runs else "torch"
+        # llama.cpp's native drafter, on the target's device: faster on small models (`dflash bench --drafter-kind`),
+        # and at real sizes it loads in a quarter of the torch drafter's time (README)
+        drafter = "native" if spec.drafter_quantize is None and native_drafter_runs else "torch"
     int8_head = backend == "llamacpp" and drafter == "torch" and device == "cpu"  # the head a torch drafter borrows
     runtime = replace(runtime, device=device, drafter=drafter)
-    return replace(spec, runtime=runtime, backend=backend, int8_head=int8_head)
+    return replace(spec, runtime=runtime, backend=backend, int8_head=int8_head, placement=placement)
+
+
+def _gguf_placement(target: Path, spec: LoadSpec, drafter_bytes: int) -> Placement | None:
+    """Where llama.cpp runs a GGUF (offload.plan_placement); None where --backend auto leaves a llama/qwen3 GGUF to the
+    torch target instead: on CUDA when this libllama has no GPU backend (the torch target's int4/int8 kernels)."""
+    from .devices import library_backends
+    from .gguf.file import read_gguf
+    from .offload import plan_placement
+
+    request = spec.runtime.device.lower()
+    torch_cuda = request in ("auto", "cuda") and torch.cuda.is_available()
+    if spec.backend == "auto" and torch_cuda and "CUDA" not in library_backends():
+        if read_gguf(target).architecture in ("llama", "qwen3"):
+            return None
+    return plan_placement(target, request, spec.gpu_layers, spec.cpu_moe, spec.max_context, drafter_bytes)

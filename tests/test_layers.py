@@ -10,9 +10,31 @@ REPO = Path(__file__).resolve().parent.parent
 SOURCES = {"dflash_local": REPO / "dflash_local", "dflash_local.kernels": REPO / "kernels"}
 
 LAYERS = (
-    ("errors", "atomic", "paths", "dimensions", "shapes", "llama_lib", "tap_probe", "kernels", "gguf"),  # gguf: init
+    (
+        "errors",
+        "atomic",
+        "paths",
+        "dimensions",
+        "shapes",
+        "llama_lib",
+        "vulkan_probe",
+        "devices",
+        "tap_probe",
+        "kernels",
+        "gguf",
+    ),  # gguf: init
     ("local_models", "hub", "downloads", "catalog", "memory_estimate", "prompt_sets", "weights", "gguf.file"),  # files
-    ("chat_template", "runtime", "layers", "quant", "cuda_graphs", "sampling", "gguf.shape", "gguf.tensors"),  # blocks
+    (
+        "chat_template",
+        "offload",
+        "runtime",
+        "layers",
+        "quant",
+        "cuda_graphs",
+        "sampling",
+        "gguf.shape",
+        "gguf.tensors",
+    ),  # blocks
     ("targets", "tokenizer", "gguf.tokenizer", "grammar"),  # the target backends, their vocabularies, grammars
     ("drafters", "gguf.convert"),  # what builds on a target
     ("block_policy", "session", "decode"),  # the decode loop

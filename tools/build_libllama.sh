@@ -1,24 +1,41 @@
 #!/usr/bin/env bash
-# Builds the libllama dflash uses on the CPU: llama-cpp-python's own source (the version installed in the venv) with
-# llamafile's tinyBLAS off (-DGGML_LLAMAFILE=OFF), so F16/BF16/F32 verify batches sum in the order of one-token
-# decodes and DFlash stays bitwise lossless (docs/gguf.md), and with the layer-input taps set in the graph builders
-# of the architectures in TAPS (stock llama.cpp sets them for llama and qwen3, not gemma3: one line in the layer
-# loop). The libraries go to VENV/lib/dflash-libllama, where dflash_local/llama_lib.py finds them (and reads which
-# architectures got taps from tapped-architectures); a build of the same version and taps there is kept.
-#   tools/build_libllama.sh [VENV]      # default .venv; install.sh runs it on machines without an NVIDIA GPU
+# Builds the libllama dflash loads: llama-cpp-python's own source (the version installed in the venv) with llamafile's
+# tinyBLAS off (-DGGML_LLAMAFILE=OFF), so F16/BF16/F32 verify batches sum in the order of one-token decodes on the CPU
+# and DFlash stays bitwise lossless there (docs/gguf.md), and with the layer-input taps set in the graph builders of
+# the architectures in TAPS (stock llama.cpp sets them for llama and qwen3, not gemma3: one line in the layer loop).
+# --backend vulkan or cuda adds that GPU backend to the same build (its CPU backend is the same as the CPU build's);
+# the libraries go to VENV/lib/dflash-libllama (cpu) or VENV/lib/dflash-libllama-BACKEND, where
+# dflash_local/llama_lib.py finds them. A build of the same version and taps there is kept.
+#   tools/build_libllama.sh [--backend cpu|vulkan|cuda] [VENV]      # default: cpu, .venv
 set -euo pipefail
 cd "$(dirname "$0")/.."
+backend=cpu
+if [ "${1:-}" = --backend ]; then
+  backend=$2
+  shift 2
+fi
 venv=${1:-.venv}
 python="$venv/bin/python"
 version=$("$python" -c 'import importlib.metadata as m; print(m.version("llama_cpp_python"))')
-dest="$venv/lib/dflash-libllama"
 taps="gemma3"
+case "$backend" in
+  cpu) dest="$venv/lib/dflash-libllama"; flags=() ;;
+  vulkan) dest="$venv/lib/dflash-libllama-vulkan"; flags=(-DGGML_VULKAN=ON) ;;
+  cuda)
+    dest="$venv/lib/dflash-libllama-cuda"
+    nvcc=$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")
+    # the GPU's own architecture only (a build for every architecture takes hours): compute_cap 8.6 -> 86
+    arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -n 1 | tr -d ' .')
+    flags=(-DGGML_CUDA=ON "-DCMAKE_CUDA_COMPILER=$nvcc" "-DCMAKE_CUDA_ARCHITECTURES=$arch")
+    ;;
+  *) echo "build_libllama.sh: unknown backend $backend (cpu, vulkan or cuda)" >&2; exit 2 ;;
+esac
 if [ -f "$dest/libllama.so" ] && [ "$(cat "$dest/llama-cpp-python.version" 2>/dev/null)" = "$version" ] &&
   [ "$(cat "$dest/tapped-architectures" 2>/dev/null)" = "$taps" ]; then
-  echo "==> batch-invariant libllama for llama-cpp-python $version: already built"
+  echo "==> libllama ($backend) for llama-cpp-python $version: already built"
   exit 0
 fi
-echo "==> building libllama $version without llamafile's tinyBLAS (lossless F16 verification; a few minutes)"
+echo "==> building libllama $version for $backend without llamafile's tinyBLAS (lossless verification; minutes)"
 work=$(mktemp -d)
 stage=$(mktemp -d "$venv/lib/.dflash-libllama.XXXXXX")  # beside dest, so that the final rename is atomic
 chmod 755 "$stage"
@@ -26,29 +43,36 @@ trap 'rm -rf "$work" "$stage"' EXIT
 pip=("$python" -m pip --disable-pip-version-check --quiet)
 "${pip[@]}" download --no-deps --no-binary llama-cpp-python -c constraints.txt "llama-cpp-python==$version" -d "$work"
 tar -xzf "$work"/llama_cpp_python-*.tar.gz -C "$work"
+src="$work/llama_cpp_python-$version/vendor/llama.cpp"
 for arch in $taps; do  # the tap goes first in the layer loop, as in src/models/llama.cpp
-  builder="$work/llama_cpp_python-$version/vendor/llama.cpp/src/models/$arch.cpp"
+  builder="$src/src/models/$arch.cpp"
   sed -i 's|^\( *\)for (int il = 0; il < n_layer; ++il) {$|&\n\1    res->t_layer_inp[il] = inpL;|' "$builder"
   if [ "$(grep -c 'res->t_layer_inp\[il\] = inpL;' "$builder")" != 1 ]; then
     echo "build_libllama.sh: could not set the layer taps in $builder (its layer loop changed?)" >&2
     exit 1
   fi
 done
+if [ "$backend" = vulkan ]; then
+  # Vulkan headers older than 1.3.261 (Debian 12's) lack VK_EXT_layer_settings, which ggml-vulkan uses only to turn on
+  # the validation layer's best-practice checks: create the instance without it there.
+  "$python" tools/patch_vulkan_headers.py "$src/ggml/src/ggml-vulkan/ggml-vulkan.cpp"
+fi
 if ! command -v cmake >/dev/null 2>&1; then  # as pip's own build of llama-cpp-python does: CMake from PyPI
   "${pip[@]}" install --target "$work/tools" cmake
   export PATH="$work/tools/bin:$PATH"
 fi
 # shellcheck disable=SC2086  # CMAKE_ARGS holds several options
 if ! cmake -S "$work/llama_cpp_python-$version" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DGGML_LLAMAFILE=OFF \
-  -DLLAVA_BUILD=OFF ${CMAKE_ARGS:-} >"$work/build.log" 2>&1 ||
+  -DLLAVA_BUILD=OFF "${flags[@]}" ${CMAKE_ARGS:-} >"$work/build.log" 2>&1 ||
   ! cmake --build "$work/build" --target llama -j "$(nproc)" >>"$work/build.log" 2>&1; then
   tail -n 40 "$work/build.log" >&2
-  echo "build_libllama.sh: the libllama build failed (log above)" >&2
+  echo "build_libllama.sh: the $backend libllama build failed (log above)" >&2
   exit 1
 fi
 cp -P "$work"/build/bin/lib{llama,ggml}*.so* "$stage"/
 echo "$version" >"$stage/llama-cpp-python.version"
 echo "$taps" >"$stage/tapped-architectures"
+echo "$backend" >"$stage/backend"
 rm -rf "$dest"
 mv "$stage" "$dest"
 echo "==> built: $dest"

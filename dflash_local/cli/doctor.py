@@ -21,6 +21,9 @@ def doctor(
         from rich.table import Table
 
         from ..doctor import model_checks, run_checks
+        from ..vulkan_probe import expose_software_devices
+
+        expose_software_devices()  # listed, marked as software; only an explicit --device vulkan runs on one
 
         about_model = model_checks(model) if model is not None else []
         table = Table(show_header=False, box=None)

@@ -36,7 +36,7 @@ def generate(
     ),
     prompt_ids: Optional[str] = typer.Option(None, "--prompt-ids", help="Prompt as token ids: 1,2,3."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
-    backend: str = typer.Option("auto", "--backend", help="auto (llamacpp for .gguf on the CPU), torch or llamacpp."),
+    backend: str = typer.Option("auto", "--backend", help="auto (llamacpp for .gguf), torch or llamacpp."),
     json_schema: Optional[Path] = typer.Option(None, "--json-schema", help="Output JSON following this schema file."),
     *,
     decode: DecodeOptions,
@@ -67,7 +67,7 @@ def generate(
         on_text = None if as_json else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
         result = run_request(models, request, on_text=on_text)
         if as_json:
-            typer.echo(json.dumps(result))
+            typer.echo(json.dumps(result | {"devices": models.devices}))
             return
         if models.tokenizer is None:
             typer.echo(",".join(map(str, result["output_ids"])))

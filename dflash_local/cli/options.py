@@ -27,7 +27,14 @@ BLOCK_HELP = "auto (chosen every step from measured costs and acceptance) or a f
 
 
 # The options `dflash train` shares with the model options.
-Device = Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")]
+Device = Annotated[
+    str,
+    typer.Option(
+        "--device",
+        help="auto (llama.cpp's GPU for a GGUF, CUDA for torch, else the CPU), cpu, cuda, vulkan, metal, or a "
+        "llama.cpp device name such as Vulkan0 (dflash doctor lists them).",
+    ),
+]
 Threads = Annotated[
     Optional[int], typer.Option("--threads", envvar="DFLASH_THREADS", help="CPU threads (default: torch's).")
 ]
@@ -56,6 +63,12 @@ class ModelOptions:
         ),
     ] = "auto"
     threads: Threads = None
+    gpu_layers: Annotated[
+        str, typer.Option("--gpu-layers", help="GGUFs on a GPU: auto (as many as fit), all, or a number of layers.")
+    ] = "auto"
+    cpu_moe: Annotated[
+        bool, typer.Option("--cpu-moe", help="GGUFs on a GPU: keep MoE expert tensors in host memory.")
+    ] = False
     max_context: Annotated[int, typer.Option("--max-context", help="KV cache length in tokens.")] = 4096
     offline: Annotated[bool, typer.Option("--offline", help="Use only models already pulled.")] = False
     quantize: Annotated[
@@ -66,6 +79,14 @@ class ModelOptions:
     )
     token: Annotated[Optional[str], typer.Option("--token", help="Hugging Face token (default: HF_TOKEN).")] = None
     progress: Optional[Callable[[str], None]] = None  # no option: the status line's show() that main() passes, if any
+
+    def __post_init__(self) -> None:
+        """--device vulkan names a software Vulkan device too, if that is all there is: llama.cpp must be told before
+        it loads, so as soon as the option is read."""
+        if self.device.lower().startswith("vulkan"):
+            from ..vulkan_probe import expose_software_devices
+
+            expose_software_devices()
 
     def load(self, resolved: ResolvedModel, drafter: Path | None, backend: str, auto_block: bool) -> LoadedModels:
         """Load the resolved target and `drafter` (None: none) with `backend`, running as these options say; loading
@@ -82,13 +103,28 @@ class ModelOptions:
             values.quantize(self.quantize, resolved.quantize),
             values.drafter_quantize(self.drafter_quantize),
             backend,
+            gpu_layers=values.gpu_layers(self.gpu_layers),
+            cpu_moe=self.cpu_moe,
         )
         if self.progress is not None:
             spec = spec.reporting_to(self.progress)
         models = load_models(resolved.target, drafter, spec, auto_block=auto_block)
         for warning in models.warnings:
             typer.echo(warning, err=True)
+        if models.devices["target"].get("layers_on_device") or self.device != "auto":
+            typer.echo(f"placed: {placement_line(models.devices)}", err=True)
         return models
+
+
+def placement_line(devices: dict) -> str:
+    """Where the target's layers and the drafter run, in one line (the load report and chat's status line)."""
+    target = devices["target"]
+    where = target["device"]
+    if "layers_on_device" in target and target["layers_on_device"]:
+        where += f" ({target['description']}), {target['layers_on_device']}/{target['layers']} layers"
+        where += ", MoE experts on the CPU" if target.get("cpu_moe") else ""
+    drafter = devices.get("drafter")
+    return f"target on {where}" + (f"; drafter on {drafter['device']}" if drafter else "")
 
 
 @dataclass(frozen=True)

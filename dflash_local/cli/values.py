@@ -56,6 +56,13 @@ def drafter_quantize(option: str) -> str | None:
     return None if option == "none" else option
 
 
+def gpu_layers(option: str) -> str:
+    """--gpu-layers checked: auto, all, or a whole number of layers (0 keeps the model's layers on the CPU)."""
+    if option in ("auto", "all") or option.isdigit():
+        return option
+    raise DFlashError(f"--gpu-layers must be auto, all or a whole number of layers, got '{option}'.")
+
+
 def parse_ids(text: str, option: str) -> list[int]:
     """Comma-separated integers; blank text is no ids, an empty or non-integer element is an error."""
     if not text.strip():

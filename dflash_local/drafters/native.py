@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import os
 import weakref
+from dataclasses import replace
 from pathlib import Path
 
 import gguf
@@ -22,10 +23,11 @@ from ..errors import DFlashError
 from ..gguf.file import read_header
 from ..gguf.shape import LAYER_TENSORS, add_shape, rope_factors
 from ..llama_lib import dflash2_functions, llama_cpp
+from ..offload import Placement
 from ..paths import files_identity, identity_key, state_dir
 from ..runtime import LoadSpec
 from ..targets.llama_taps import first_llama_error, quiet_llama_logs
-from ..targets.llamacpp import BATCH, LlamaCppTarget
+from ..targets.llamacpp import BATCH, LlamaCppTarget, context_params, model_params
 from ..weights import load_weights, read_config
 from .config import DrafterConfig, check_fits
 from .gguf_drafter import gguf_drafter_config, is_drafter_gguf
@@ -182,15 +184,13 @@ class NativeDrafter:
             raise DFlashError("The native llama.cpp drafter needs a GGUF target (the llamacpp backend).")
         check_fits(cfg, target)
         quiet_llama_logs()
-        model_params = llama_cpp.llama_model_default_params()
-        model_params.n_gpu_layers = -1 if target.device.type == "cuda" else 0
         path = folder if made else cached_drafter_gguf(folder, cfg, target)
-        model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
+        placement = spec.placement or Placement()  # every drafter layer on the target's device, if it has one
+        on_device = replace(spec, placement=replace(placement, gpu_layers=-1, cpu_moe=False))  # -1: all
+        model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params(on_device).params)
         if not model:
             raise DFlashError(f"llama.cpp could not load the drafter {folder} ({first_llama_error() or 'no reason'}).")
-        params = llama_cpp.llama_context_default_params()
-        params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = target.max_context, BATCH, BATCH, 1
-        params.n_threads = params.n_threads_batch = spec.runtime.threads or torch.get_num_threads()
+        params = context_params(on_device, target.max_context)
         params.ctx_other = target._ctx
         ctx = llama_cpp.llama_init_from_model(model, params)
         if not ctx:

@@ -14,6 +14,7 @@ import torch
 from ..errors import DFlashError
 from ..gguf.file import GGUFModel, read_gguf
 from ..llama_lib import llama_cpp, tap_functions
+from ..offload import ModelParams, Placement
 from ..quant import Int8Matrix
 from ..runtime import LoadSpec, pick_dtype
 from ..tap_probe import layer_taps
@@ -23,19 +24,33 @@ from .llama_taps import first_llama_error, output_functions, quiet_llama_logs
 BATCH = 512
 STATE_SNAPSHOTS = 16  # per-token recurrent-state snapshots llama.cpp keeps for a hybrid target: the most positions
 # one rollback can drop without re-feeding (a verify of up to 17 tokens); llama.cpp keeps none for a plain target
+FIXED_ROWS = 8  # a verify forward's rows on a GPU backend: every verify and every plain step runs as forwards of
+# exactly this many rows (padded past the block, the padding dropped after), so that a row meets the same kernels (GPU
+# backends choose matrix and attention kernels by row count) and the same KV cell count in plain decoding as in DFlash;
+# 8 is the widest batch llama.cpp's CUDA and Vulkan matrix-vector kernels take, where 8 rows cost about what one does
 HEAD_CHUNK = 512  # output-head rows dequantized at a time when the head is first built (gguf-py dequantizes via
 # int and float intermediates several times the rows' fp32 size: 2048 rows of a 1B head peaked 0.3 GB above the rest)
 
 
-def model_params(device: str) -> llama_cpp.llama_model_params:
-    """llama.cpp's model parameters for a target: all layers on the GPU for cuda, the CPU's weights unrepacked."""
-    params = llama_cpp.llama_model_default_params()
-    params.n_gpu_layers = -1 if str(device).startswith("cuda") else 0
+def model_params(spec: LoadSpec) -> ModelParams:
+    """llama.cpp's model parameters for a target or its native drafter: the planned placement (the CPU alone where
+    none was planned), the CPU's weights unrepacked."""
+    params = ModelParams(spec.placement or Placement(), llama_cpp)
     # Read into llama.cpp's own buffers (memory-mapped weights that llama.cpp repacked would count twice).
-    params.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE
+    params.params.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE
     # No repacking for the CPU's kernels (Q4_0 and Q4_K on AVX2): repacked Q4_K computes a batch (gemm) and one
     # token (gemv) in different orders, so verification would not be batch-invariant.
-    params.use_extra_bufts = False
+    params.params.use_extra_bufts = False
+    return params
+
+
+def context_params(spec: LoadSpec, context: int) -> llama_cpp.llama_context_params:
+    """llama.cpp's context parameters shared by a target and its native drafter: the context, batch and threads; on
+    the CPU alone, no operation is sent to a GPU the library may offer (the CPU's kernels decide every bit)."""
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = context, BATCH, BATCH, 1
+    params.n_threads = params.n_threads_batch = spec.runtime.threads or torch.get_num_threads()
+    params.op_offload = spec.placement is not None and spec.placement.device is not None
     return params
 
 
@@ -87,6 +102,7 @@ class LlamaCppTarget:
         self._tapping = False  # llama.cpp keeps the feature layers' rows
         self._head: torch.Tensor | Int8Matrix | None = None
         self.int8_head = False  # materialize the head as packed int8 rows (for a torch drafter on the CPU)
+        self.fixed_rows: int | None = None  # FIXED_ROWS where verification runs on a GPU backend, else any width
 
     @classmethod
     def load(cls, path: str | Path, spec: LoadSpec) -> LlamaCppTarget:
@@ -103,14 +119,11 @@ class LlamaCppTarget:
             raise DFlashError(f"{path} lacks the tensor token_embd.weight.")
         quiet_llama_logs()
         llama_cpp.llama_backend_init()
-        model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params(device))
+        model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params(spec).params)
         if not model:
             raise DFlashError(f"llama.cpp could not load {path} ({first_llama_error() or 'no reason given'}).")
         max_context = min(max_context, info.context_length)
-        threads = runtime.threads or torch.get_num_threads()
-        params = llama_cpp.llama_context_default_params()
-        params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = max_context, BATCH, BATCH, 1
-        params.n_threads = params.n_threads_batch = threads
+        params = context_params(spec, max_context)
         params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_NONE  # per-token output embeddings (last-layer features)
         if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
             params.n_rs_seq = STATE_SNAPSHOTS  # llama.cpp sets 0 for architectures it cannot roll back
@@ -120,6 +133,8 @@ class LlamaCppTarget:
             raise DFlashError(f"llama.cpp could not create a {max_context}-token context for {path}.")
         target = cls(info, tensors, model, ctx, max_context, dtype, device, kernels)
         target.int8_head = spec.int8_head
+        on_gpu = spec.placement is not None and spec.placement.device is not None and spec.placement.gpu_layers > 0
+        target.fixed_rows = FIXED_ROWS if on_gpu and not target.recurrent else None
         return target
 
     @property
@@ -300,16 +315,22 @@ class LlamaCppTarget:
         self._set_tapping(features)
         logits, feats = [], []
         every_output = features and self.num_layers - 1 in self.feature_layer_ids
-        for offset in range(0, len(tokens), BATCH):
-            chunk = tokens[offset : offset + BATCH]
-            self._decode(chunk, start + offset, all_logits)
-            if all_logits or offset + BATCH >= len(tokens):
+        width = self.fixed_rows if all_logits and self.fixed_rows else BATCH
+        for offset in range(0, len(tokens), width):
+            chunk = tokens[offset : offset + width]
+            padding = min(width - len(chunk), self.max_context - start - offset - len(chunk)) if width < BATCH else 0
+            self._decode(chunk + chunk[-1:] * padding, start + offset, all_logits)
+            if all_logits or offset + width >= len(tokens):
                 rows = len(chunk) if all_logits or every_output else 1
                 view = self._view(self._logits_at(self._ctx), rows, self.vocab_size)
                 view = view if all_logits else view[-1:]
                 logits.append(view.argmax(axis=1) if greedy else view.copy())
             if features:
                 feats.append(np.concatenate([self._features(i, len(chunk)) for i in self.feature_layer_ids], axis=1))
+            if self._last_decode > len(chunk) and not llama_cpp.llama_memory_seq_rm(
+                self._memory, 0, start + offset + len(chunk), -1
+            ):  # the padding's cells
+                raise DFlashError("llama.cpp could not drop a verify forward's padding from its KV cache.")
             self.length = start + offset + len(chunk)
             self._fed.extend(chunk)
         out = torch.from_numpy(logits[0] if len(logits) == 1 else np.concatenate(logits)).to(self.device)

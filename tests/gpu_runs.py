@@ -1,0 +1,56 @@
+"""One process on a llama.cpp device, chosen before the library loads as the CLI chooses it: each GGUF target given,
+with its drafter, decoded plainly and with DFlash at blocks 4 and 16 and the auto policy (scripted costs); one JSON
+line per target: the ids of each mode, the block-16 tau, and where the layers and the drafter ran.
+
+  python tests/gpu_runs.py DEVICE GPU_LAYERS CPU_MOE NEW_TOKENS PROMPT_IDS TARGET.gguf[:DRAFTER] ...
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from dflash_local.vulkan_probe import expose_software_devices
+
+
+def load_library(device: str) -> None:
+    """llama.cpp told which Vulkan devices it may use, then dflash's libllama loaded (before a test module imports
+    llama_cpp itself)."""
+    if device.lower().startswith("vulkan"):
+        expose_software_devices()
+    import dflash_local.llama_lib  # noqa: F401
+
+
+def main(device: str, gpu_layers: str, cpu_moe: str, new_tokens: str, prompt: str, *pairs: str) -> None:
+    load_library(device)
+    from test_gguf_lossless import auto_policy
+
+    from dflash_local.decode import Settings, run
+    from dflash_local.generation import load_models
+    from dflash_local.runtime import LoadSpec, RuntimeConfig
+
+    ids = [int(i) for i in prompt.split(",")]
+    tokens = int(new_tokens)
+    for pair in pairs:
+        target_path, _, drafter_path = pair.partition(":")
+        runtime = RuntimeConfig(device=device, threads=1)
+        spec = LoadSpec(runtime, max_context=256, gpu_layers=gpu_layers, cpu_moe=cpu_moe == "1")
+        drafter_file = Path(drafter_path) if drafter_path else None
+        models = load_models(Path(target_path), drafter_file, spec, auto_block=False)
+        target, drafter = models.target, models.drafter
+        out = {"target": target_path, "devices": models.devices}
+        out["plain"], _ = run(target, None, ids, Settings(max_new_tokens=tokens, draft=False))
+        if drafter is not None:
+            for block in (4, 16):
+                out[str(block)], stats = run(target, drafter, ids, Settings(max_new_tokens=tokens, block_size=block))
+                out[f"tau{block}"] = stats.tau
+            policy = auto_policy(drafter.block_size)
+            out["auto"], stats = run(target, drafter, ids, Settings(max_new_tokens=tokens), policy=policy)
+            out["auto_blocks"] = sorted(set(stats.block_sizes))
+        print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parent))
+    main(*sys.argv[1:])

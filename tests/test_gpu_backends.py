@@ -1,0 +1,123 @@
+"""llama.cpp's Vulkan backend on Mesa's lavapipe, a software Vulkan device that runs the GPU code path on the CPU: the
+dev install builds the Vulkan libllama, doctor lists the backend and the device, every tapped architecture and the
+bundled tiny pair run there (all layers and the native drafter), DFlash at blocks 4, 16 and auto equals plain decoding
+on that device, partial offload and --cpu-moe write the same text as full offload, and a device that is not there is
+one sentence. Each run is its own process: llama.cpp is told which Vulkan devices it may use before it loads."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from one_error import assert_one_error
+from test_architectures import ARCHS, drafters, models  # noqa: F401 (the tiny architectures and their drafters)
+
+from dflash_local import offload
+from dflash_local.llama_lib import GPU_LIBS, INVARIANT_LIB
+from dflash_local.vulkan_probe import vulkan_devices
+
+TESTS = Path(__file__).resolve().parent
+TINY = TESTS.parent / "models" / "tiny"
+PROMPT = "5,17,99,3,42,7,8,120,11,12"
+NEW_TOKENS = 16
+CLEAN_ENV = {k: v for k, v in os.environ.items() if k not in ("GGML_VK_VISIBLE_DEVICES", "LLAMA_CPP_LIB_PATH")}
+
+
+def gpu_runs(device: str, layers: str, cpu_moe: bool, pairs: list[str]) -> list[dict]:
+    """tests/gpu_runs.py in its own process: one dict per target (ids per mode, devices)."""
+    argv = [sys.executable, TESTS / "gpu_runs.py", device, layers, "1" if cpu_moe else "0", str(NEW_TOKENS), PROMPT]
+    done = subprocess.run([*map(str, argv), *pairs], capture_output=True, text=True, env=CLEAN_ENV, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+def dflash(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "dflash_local", *args]
+    return subprocess.run(argv, capture_output=True, text=True, env=env or CLEAN_ENV, timeout=600)
+
+
+def test_the_dev_install_built_the_vulkan_libllama_and_the_machine_has_a_vulkan_device():
+    assert (GPU_LIBS["vulkan"] / "libggml-vulkan.so").is_file(), "./install.sh --dev --gpu vulkan builds it"
+    assert vulkan_devices(), "./install.sh --dev --gpu vulkan installs Mesa's software Vulkan device where none is"
+
+
+def test_doctor_lists_the_vulkan_backend_and_the_loaders_device():
+    """The device llama.cpp lists is the one the Vulkan loader reports (read independently, through libvulkan)."""
+    done = dflash("doctor")
+    assert done.returncode in (0, 1), done.stderr
+    out = " ".join(done.stdout.split())
+    backends = out.split("llama.cpp backends ")[1].split(" device ")[0]
+    assert set(backends.split(", ")) == {"CPU", "Vulkan"}, out
+    name = vulkan_devices()[0].name
+    assert f"device Vulkan0 Vulkan: {name}" in out, out
+    software = "(software: only an explicit --device uses it)"
+    assert (software in out) == (vulkan_devices()[0].kind == "CPU (software)"), out
+
+
+def test_every_architecture_runs_on_vulkan_and_dflash_equals_plain_decoding_there(models, drafters, tiny_gguf):  # noqa: F811
+    """All layers and the native drafter on Vulkan0; blocks 4 and 16 and auto (several sizes chosen) give plain
+    decoding's ids on the same device, for each tapped architecture and the bundled tiny pair."""
+    pairs = [f"{models[arch] / 'model.gguf'}:{drafters[arch]}" for arch in ARCHS]
+    pairs.append(f"{tiny_gguf['f16']}:{TINY / 'drafter'}")
+    runs = gpu_runs("vulkan", "auto", False, pairs)
+    assert len(runs) == len(pairs)
+    for run in runs:
+        target, drafter = run["devices"]["target"], run["devices"]["drafter"]
+        assert (target["device"], target["backend"], drafter["device"]) == ("Vulkan0", "Vulkan", "Vulkan0"), run
+        assert target["layers_on_device"] == target["layers"] and target["output_on_device"], run
+        assert drafter["kind"] == "native", run
+        for mode in ("4", "16", "auto"):
+            assert run[mode] == run["plain"], (run["target"], mode)
+        assert len(run["auto_blocks"]) > 1, run
+
+
+def test_partial_offload_and_cpu_moe_write_the_same_text_as_full_offload(models):  # noqa: F811
+    moe = str(models["qwen3moe"] / "model.gguf")
+    (full,) = gpu_runs("vulkan", "all", False, [moe])
+    (partial,) = gpu_runs("vulkan", "2", False, [moe])
+    (experts,) = gpu_runs("vulkan", "all", True, [moe])
+    assert partial["plain"] == full["plain"] == experts["plain"]
+    assert (partial["devices"]["target"]["layers_on_device"], partial["devices"]["target"]["layers"]) == (2, 4)
+    assert experts["devices"]["target"]["cpu_moe"] and not full["devices"]["target"]["cpu_moe"]
+
+
+def test_cpu_moe_counts_no_expert_tensor_on_the_device(models):  # noqa: F811
+    """The planner's per-layer bytes with --cpu-moe leave out exactly the expert tensors gguf-py's reader lists."""
+    from test_offload import CONTEXT, kv_per_layer, reference_sizes
+
+    moe = models["qwen3moe"] / "model.gguf"
+    with_experts, _, _ = reference_sizes(moe, cpu_moe=False)
+    without, _, _ = reference_sizes(moe, cpu_moe=True)
+    assert sum(without) < sum(with_experts)
+    planned, _ = offload._per_layer(offload.read_gguf(moe), True, CONTEXT)
+    assert planned == [size + kv_per_layer(moe) for size in without]
+
+
+def test_generate_json_says_where_the_target_and_the_drafter_ran(tiny_gguf):
+    done = dflash(
+        "generate", "--target", str(tiny_gguf["f16"]), "--drafter", str(TINY / "drafter"), "--device", "vulkan",
+        "--prompt-ids", PROMPT, "--max-new-tokens", "8", "--block-size", "4", "--json", "--threads", "1",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    devices = json.loads(done.stdout)["devices"]
+    assert devices["target"]["device"] == devices["drafter"]["device"] == "Vulkan0", devices
+    assert devices["target"]["layers_on_device"] == devices["target"]["layers"], devices
+    assert "placed: target on Vulkan0" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("device", "lib", "fragment"),
+    [
+        ("cuda", None, "--device cuda: this libllama is built for CPU, Vulkan only; ./install.sh --gpu cuda builds"),
+        ("Vulkan7", None, "Unknown device 'Vulkan7' (use auto, cpu, cuda, vulkan, metal, Vulkan0)"),
+        ("vulkan", INVARIANT_LIB, "this libllama is built for CPU only; ./install.sh --gpu vulkan builds one"),
+    ],
+)
+def test_a_device_that_is_not_there_is_one_sentence(device, lib, fragment, tiny_gguf):
+    env = CLEAN_ENV | ({"LLAMA_CPP_LIB_PATH": str(lib)} if lib else {})
+    args = ["generate", "--target", str(tiny_gguf["f16"]), "--no-draft", "--prompt-ids", "1,2", "--device", device]
+    assert_one_error(dflash(*args, env=env), fragment)
