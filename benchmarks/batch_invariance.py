@@ -111,7 +111,7 @@ def start(config: str, libraries: dict[str, str]) -> None:
         os.environ.update({"GGML_CPU_TILED_MM": "1", **env, "LLAMA_CPP_LIB_PATH": libraries[library]})
     import llama_cpp
 
-    from dflash_local.targets.llama_taps import quiet_llama_logs
+    from dflash_local.llama_lib import quiet_llama_logs
 
     quiet_llama_logs()
     llama_cpp.llama_backend_init()

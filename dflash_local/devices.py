@@ -39,8 +39,9 @@ class Device:
 @functools.cache
 def _ggml() -> ctypes.CDLL:
     """libggml beside the loaded libllama (its registry and device functions), with the signatures read here."""
-    from .llama_lib import loaded_library
+    from .llama_lib import loaded_library, quiet_llama_logs
 
+    quiet_llama_logs()  # before ggml lists its devices (each backend logs what it finds)
     lib = ctypes.CDLL(str(loaded_library().parent / "libggml.so"))
     pointer, size = ctypes.c_void_p, ctypes.c_size_t
     signatures = {

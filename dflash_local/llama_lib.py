@@ -38,6 +38,9 @@ _SET_NEXTN_NAMES = ("_Z26llama_set_embeddings_nextnP13llama_contextbb", "llama_s
 _GET_NEXTN_NAMES = ("_Z26llama_get_embeddings_nextnP13llama_context", "llama_get_embeddings_nextn")
 _SELECTOR_TOP_K_NAMES = ("_Z33llama_model_dflash_selector_top_kPK11llama_model", "llama_model_dflash_selector_top_k")
 LIB_ROOT = Path(sys.prefix) / "lib"
+GGML_LOG_LEVEL_ERROR = 4  # ggml.h's enum ggml_log_level
+_quiet_callback = None
+_errors: list[str] = []
 INVARIANT_LIB = LIB_ROOT / "dflash-libllama"  # the CPU build
 GPU_LIBS = {"cuda": LIB_ROOT / "dflash-libllama-cuda", "vulkan": LIB_ROOT / "dflash-libllama-vulkan"}
 BUILT_FOR = "llama-cpp-python.version"  # the file in each build's folder naming the llama-cpp-python it was built from
@@ -106,3 +109,22 @@ def dflash2_functions() -> tuple[Callable, Callable, Callable]:
     set_nextn = _bind(_SET_NEXTN_NAMES, [ctx_type, ctypes.c_bool, ctypes.c_bool], None, what)
     get_nextn = _bind(_GET_NEXTN_NAMES, [ctx_type], ctypes.POINTER(ctypes.c_float), what)
     return top_k, set_nextn, get_nextn
+
+
+def _keep_errors(level: int, text: bytes, user_data) -> None:
+    if level == GGML_LOG_LEVEL_ERROR and text:
+        _errors[:] = [*_errors[-9:], text.decode(errors="replace").strip()]
+
+
+def quiet_llama_logs() -> None:
+    """Silence llama.cpp's and ggml's log lines (they would flood stderr), keeping the errors from now on."""
+    global _quiet_callback
+    _errors.clear()
+    if _quiet_callback is None:
+        _quiet_callback = llama_cpp.llama_log_callback(_keep_errors)
+    llama_cpp.llama_log_set(_quiet_callback, ctypes.c_void_p(0))
+
+
+def first_llama_error() -> str:
+    """llama.cpp's first error line since quiet_llama_logs(), without its function-name prefix ('' if none)."""
+    return _errors[0].split(": ", 1)[-1] if _errors else ""

@@ -182,8 +182,8 @@ def _gguf_placement(target: Path, spec: LoadSpec, drafter_bytes: int) -> Placeme
     from .gguf.file import read_gguf
     from .offload import plan_placement
 
-    request = spec.runtime.device.lower()
-    torch_cuda = request in ("auto", "cuda") and torch.cuda.is_available()
+    request = spec.runtime.device
+    torch_cuda = request.lower() in ("auto", "cuda") and torch.cuda.is_available()
     if spec.backend == "auto" and torch_cuda and "CUDA" not in library_backends():
         if read_gguf(target).architecture in ("llama", "qwen3"):
             return None

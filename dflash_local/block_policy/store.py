@@ -20,13 +20,15 @@ from .costs import CostTable
 
 def costs_file(target_path: Path, drafter_path: Path, target: Target, drafter: Drafter, spec: LoadSpec) -> Path:
     """Where the pair's measured costs per block size are kept: keyed by both models' files, the backend and drafter
-    kind, the device, dtype and threads (any change there times the sizes afresh)."""
+    kind, the device and llama.cpp's placement (device, layers there), dtype and threads (any change there times the
+    sizes afresh)."""
     identity = {
         "target": files_identity(target_path),
         "drafter": files_identity(drafter_path),
         "backend": type(target).__name__,
         "drafter_kind": type(drafter).__name__,
         "device": spec.runtime.device,
+        "placement": None if spec.placement is None else spec.placement.describe(),
         "dtype": str(pick_dtype(spec.runtime.dtype, spec.runtime.device)),
         "threads": torch.get_num_threads(),
     }

@@ -22,11 +22,10 @@ import torch
 from ..errors import DFlashError
 from ..gguf.file import read_header
 from ..gguf.shape import LAYER_TENSORS, add_shape, rope_factors
-from ..llama_lib import dflash2_functions, llama_cpp
+from ..llama_lib import dflash2_functions, first_llama_error, llama_cpp, quiet_llama_logs
 from ..offload import Placement
 from ..paths import files_identity, identity_key, state_dir
 from ..runtime import LoadSpec
-from ..targets.llama_taps import first_llama_error, quiet_llama_logs
 from ..targets.llamacpp import BATCH, LlamaCppTarget, context_params, model_params
 from ..weights import load_weights, read_config
 from .config import DrafterConfig, check_fits

@@ -34,8 +34,7 @@ class GGUFTokenizer(ChatEncoder):
     @classmethod
     def load(cls, path: Path) -> GGUFTokenizer:
         """Read the vocabulary of a .gguf file (llama.cpp loads it without the weights)."""
-        from ..llama_lib import llama_cpp
-        from ..targets.llama_taps import first_llama_error, quiet_llama_logs
+        from ..llama_lib import first_llama_error, llama_cpp, quiet_llama_logs
 
         quiet_llama_logs()
         params = llama_cpp.llama_model_default_params()

@@ -13,13 +13,13 @@ import torch
 
 from ..errors import DFlashError
 from ..gguf.file import GGUFModel, read_gguf
-from ..llama_lib import llama_cpp, tap_functions
+from ..llama_lib import first_llama_error, llama_cpp, quiet_llama_logs, tap_functions
 from ..offload import ModelParams, Placement
 from ..quant import Int8Matrix
 from ..runtime import LoadSpec, pick_dtype
 from ..tap_probe import layer_taps
 from .base import TargetOutput
-from .llama_taps import first_llama_error, output_functions, quiet_llama_logs
+from .llama_taps import output_functions
 
 BATCH = 512
 STATE_SNAPSHOTS = 16  # per-token recurrent-state snapshots llama.cpp keeps for a hybrid target: the most positions

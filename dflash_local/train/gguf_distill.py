@@ -12,10 +12,10 @@ import torch
 
 from ..errors import DFlashError
 from ..gguf.file import read_gguf
-from ..llama_lib import llama_cpp, tap_functions
+from ..llama_lib import first_llama_error, llama_cpp, quiet_llama_logs, tap_functions
 from ..sampling import SamplingParams, pick
 from ..tap_probe import layer_taps
-from ..targets.llama_taps import first_llama_error, output_functions, quiet_llama_logs
+from ..targets.llama_taps import output_functions
 from ..targets.llamacpp import BATCH, model_params
 from .selfdistill import Continuation, top_k
 
