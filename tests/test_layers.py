@@ -102,3 +102,14 @@ def test_no_import_cycle():
     for name in sorted(edges):
         visit(name, [])
     assert not cycles, "\n".join(cycles)
+
+
+def test_tools_import_nothing_from_tests():
+    """tools/ runs in a user's venv (CI's check of an install) where tests/ is no package: it stands on its own."""
+    found = []
+    for path in sorted((REPO / "tools").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            found += [f"{path.name}: {name}" for name in names if name.partition(".")[0] in ("tests", "conftest")]
+    assert not found, "\n".join(found)

@@ -13,12 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
-from hub_server import FakeHub, Fault, repo_of
 from in_process import invoke
 from one_error import assert_one_error
 
 from dflash_local import hub as hub_module
 from dflash_local.hub import human_size
+from tools.hub_server import FakeHub, Fault, repo_of
 
 MODELS = Path(__file__).resolve().parent.parent / "models" / "tiny"
 TARGET_FILES = {

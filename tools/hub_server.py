@@ -1,7 +1,8 @@
 """A loopback stand-in for the Hugging Face Hub: the endpoints huggingface_hub calls to list and download files.
 
-Tests can script the faults of a real network (`Fault`: error answers, dropped connections, stalls, corrupted
-bytes) and send LFS files through a second server on another port, the way the Hub redirects them to its CDN.
+The tests and tools/check_user_install.py serve from it (standard library only). Tests can script the faults of a
+real network (`Fault`: error answers, dropped connections, stalls, corrupted bytes) and send LFS files through a
+second server on another port, the way the Hub redirects them to its CDN.
 """
 
 from __future__ import annotations
