@@ -11,7 +11,10 @@ SOURCES = {"dflash_local": REPO / "dflash_local", "dflash_local.kernels": REPO /
 
 LAYERS = (
     ("errors", "atomic", "paths", "dimensions", "shapes", "llama_lib", "tap_probe", "kernels", "gguf"),  # gguf: init
-    ("local_models", "hub", "downloads", "catalog", "memory_estimate", "prompt_sets", "weights", "gguf.file"),  # files
+    (  # files
+        *("local_models", "hub", "hub_access", "hub_pull", "downloads", "catalog", "memory_estimate", "prompt_sets"),
+        *("weights", "gguf.file"),
+    ),
     ("chat_template", "runtime", "layers", "quant", "cuda_graphs", "sampling", "gguf.shape", "gguf.tensors"),  # blocks
     ("targets", "tokenizer", "gguf.tokenizer", "grammar"),  # the target backends, their vocabularies, grammars
     ("drafters", "gguf.convert"),  # what builds on a target

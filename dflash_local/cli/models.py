@@ -35,7 +35,8 @@ def pull(
         from rich.console import Console
 
         from ..downloads import Downloader
-        from ..hub import HubUnreachable, cached_folder, human_size, local_size
+        from ..hub import cached_folder, human_size, local_size
+        from ..hub_access import HubUnreachable
 
         sources, bundled = _hub_sources(name)
         if bundled:
