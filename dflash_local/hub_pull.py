@@ -1,5 +1,6 @@
 """Pulling a Hub source into the standard cache through huggingface_hub: only the files needed, each verified by
-size and sha256, resumable from the `<etag>.incomplete` partial file that `hf download` leaves too."""
+size and sha256, resumable from its partial file, named `<etag>.incomplete` as huggingface_hub names them (one a
+killed `hf download` left, `<etag>.<8 hex>.incomplete`, is taken over)."""
 
 from __future__ import annotations
 

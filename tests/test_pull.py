@@ -480,3 +480,34 @@ def test_a_gguf_catalog_entry_pulls_one_quantization_and_chats(hub, tmp_path):
     assert result.returncode == 0, result.stderr
     assert "tok/s" in result.stderr and "tau" in result.stderr  # on a pipe, the status line goes to stderr
     assert [p.name for p in snapshot(tmp_path, "test/tiny-gguf").iterdir()] == ["tiny-Q8_0.gguf"]
+
+
+def test_files_kept_in_xet_go_through_hf_xet_into_the_partial_file(hub, tmp_path, monkeypatch):
+    """Where the Hub names a file's Xet hash, huggingface_hub's xet_get (with its real signature; hf-xet itself, which
+    needs the Hub's storage service, replaced) writes the `.incomplete` file, which is verified like any other."""
+    from unittest import mock
+
+    import huggingface_hub.file_download
+
+    def fetch(*, incomplete_path, xet_file_data, **_):
+        found = [d for files in hub.repos.values() for d in files.values() if sha256(d) == xet_file_data.file_hash]
+        incomplete_path.write_bytes(found[0])
+
+    xet_get = mock.create_autospec(huggingface_hub.file_download.xet_get, side_effect=fetch)
+    monkeypatch.setattr(huggingface_hub.file_download, "xet_get", xet_get)
+    hub.xet = True
+    result = dflash(hub, "pull", "tiny-hub")
+    assert result.returncode == 0, result.stderr
+    written = sorted(Path(call.kwargs["incomplete_path"]).name for call in xet_get.call_args_list)
+    weights = [sha256((MODELS / f / "model.safetensors").read_bytes()) for f in ("target", "drafter")]
+    assert written == sorted(f"{digest}.incomplete" for digest in weights)
+    assert not any(r.path.endswith(".safetensors") for r in hub.downloads())  # no HTTP GET of a Xet file
+    for repo, folder in (("test/tiny", "target"), ("test/tiny-drafter", "drafter")):
+        pulled = snapshot(tmp_path, repo) / "model.safetensors"
+        assert pulled.read_bytes() == (MODELS / folder / "model.safetensors").read_bytes()
+
+
+def sha256(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
