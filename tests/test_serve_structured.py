@@ -99,7 +99,7 @@ def test_the_openai_clients_parse_with_a_pydantic_model_and_json_object(client):
     assert isinstance(parsed.choices[0].message.parsed, Pet)
     answers = [
         openai_client.chat.completions.create(
-            model="tiny", messages=MESSAGES, temperature=1, seed=seed, max_tokens=100,
+            model="tiny", messages=MESSAGES, temperature=1, seed=seed, max_tokens=40,
             response_format={"type": "json_object"},
         ).choices[0]
         for seed in range(8)
@@ -157,7 +157,7 @@ def test_ollamas_format_takes_json_and_a_schema(client):
     options = {"temperature": 0, "num_predict": 100}
     answer = local.chat(model="tiny", messages=MESSAGES, format=PET, options=options)
     Pet.model_validate_json(answer.message.content)
-    sampled = [{"temperature": 1, "seed": seed, "num_predict": 100} for seed in range(6)]
+    sampled = [{"temperature": 1, "seed": seed, "num_predict": 40} for seed in range(6)]
     generated = [local.generate(model="tiny", prompt="A pet:", format="json", options=o) for o in sampled]
     closed = [answer.response for answer in generated if answer.done_reason == "stop"]
     assert closed and all(isinstance(json.loads(response), dict) for response in closed)  # the rest ran out of tokens
