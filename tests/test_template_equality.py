@@ -66,7 +66,9 @@ def template(family: str) -> str:
     name = FAMILIES[family]
     if name is None:
         return json.loads((TINY / "tokenizer_config.json").read_text())["chat_template"]
-    return (llama_cpp_source() / "models" / "templates" / name).read_text()
+    folder = llama_cpp_source() / "models" / "templates"
+    assert folder.is_dir(), f"./install.sh --dev unpacks llama.cpp's chat templates into {folder}"
+    return (folder / name).read_text()
 
 
 def cases() -> list[tuple[str, str, dict]]:
