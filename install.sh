@@ -99,16 +99,19 @@ if [ "$dev" = 1 ]; then
   "${oracle[@]}" $torch_spec
   "${oracle[@]}" "dflash[local]==0.1.0"
   # llama.cpp's own converter, its gguf-py and vocabularies, from the sdist of the pinned llama-cpp-python: the oracle
-  # python runs them to write tiny random GGUFs of new architectures (tests/tiny_archs.py, tests/test_architectures.py)
-  if [ ! -f .venv-oracle/llama.cpp/convert_hf_to_gguf.py ]; then
+  # python runs them to write tiny random GGUFs of new architectures (tests/tiny_archs.py, tests/test_architectures.py);
+  # and its vendored chat templates, which tests/test_template_equality.py renders with dflash and with transformers
+  if [ ! -f .venv-oracle/llama.cpp/convert_hf_to_gguf.py ] || [ ! -d .venv-oracle/llama.cpp/models/templates ]; then
     echo "==> unpacking llama.cpp's converter into .venv-oracle/llama.cpp"
     work=$(mktemp -d)
     .venv/bin/python -m pip download --quiet --disable-pip-version-check --no-deps --no-binary llama-cpp-python \
       -c constraints.txt llama-cpp-python -d "$work"
     tar -xzf "$work"/llama_cpp_python-*.tar.gz -C "$work" --wildcards '*/vendor/llama.cpp/convert_hf_to_gguf.py' \
-      '*/vendor/llama.cpp/conversion/*' '*/vendor/llama.cpp/gguf-py/*' '*/vendor/llama.cpp/models/ggml-vocab-*.gguf'
+      '*/vendor/llama.cpp/conversion/*' '*/vendor/llama.cpp/gguf-py/*' '*/vendor/llama.cpp/models/ggml-vocab-*.gguf' \
+      '*/vendor/llama.cpp/models/templates/*'
     rm -rf .venv-oracle/llama.cpp.partial
     mv "$work"/llama_cpp_python-*/vendor/llama.cpp .venv-oracle/llama.cpp.partial
+    rm -rf .venv-oracle/llama.cpp
     mv .venv-oracle/llama.cpp.partial .venv-oracle/llama.cpp
     rm -rf "$work"
   fi

@@ -20,7 +20,8 @@ from rich.progress import (
 from rich.text import Text
 
 from .errors import DFlashError
-from .hub import HubSource, ProgressFactory, PullReport, human_size, pull
+from .hub import HubSource, PullReport, human_size
+from .hub_pull import ProgressFactory, pull
 
 
 class Downloader:
@@ -78,22 +79,26 @@ class Downloader:
 
 
 def _bar_factory(progress: Progress) -> ProgressFactory:
-    """Per file, a tqdm-shaped class that hub.download drives and rich draws; a retry resumes the file's one bar."""
+    """Per file, a tqdm-shaped class that a download (ours or hf-xet's) drives and rich draws; a retry resumes the
+    file's one bar."""
 
     def factory(name: str) -> type:
         task: list[TaskID] = []
 
         class Bar:
-            def __init__(self, *, total: int | None = None, initial: int = 0) -> None:
+            def __init__(self, *, total: int | None = None, initial: int = 0, **_: object) -> None:
                 if not task:
                     task.append(progress.add_task(name, total=total))
                 progress.update(task[0], total=total, completed=initial)
 
+            def __enter__(self) -> Bar:
+                return self
+
+            def __exit__(self, *_: object) -> None:
+                """Nothing to release: the live display redraws the bar's last state on its own."""
+
             def update(self, n: int) -> None:
                 progress.advance(task[0], n)
-
-            def close(self) -> None:
-                """Nothing to release: the live display redraws the bar's last state on its own."""
 
         return Bar
 

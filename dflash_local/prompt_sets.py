@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .atomic import write_text_atomic
 from .errors import DFlashError
-from .hub import endpoint, hub_errors, with_retries
+from .hub_access import endpoint, hub_errors, with_retries
 from .paths import cache_dir, state_dir
 
 

@@ -11,12 +11,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from hub_server import COMMIT, FakeHub, repo_of
 from in_process import invoke
 from one_error import assert_one_error
 from test_gguf_cli import write_header_gguf
 
 from dflash_local.hub import human_size
+from tools.hub_server import COMMIT, FakeHub, repo_of
 
 pytest.importorskip("llama_cpp")
 pytest.importorskip("gguf")

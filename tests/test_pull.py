@@ -13,12 +13,13 @@ import time
 from pathlib import Path
 
 import pytest
-from hub_server import FakeHub, Fault, repo_of
 from in_process import invoke
 from one_error import assert_one_error
 
 from dflash_local import hub as hub_module
+from dflash_local import hub_access, hub_pull
 from dflash_local.hub import human_size
+from tools.hub_server import FakeHub, Fault, repo_of
 
 MODELS = Path(__file__).resolve().parent.parent / "models" / "tiny"
 TARGET_FILES = {
@@ -94,7 +95,7 @@ def hub(tmp_path, monkeypatch):
             monkeypatch.setenv(key, value)
         monkeypatch.delenv("HF_TOKEN", raising=False)
         monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-        monkeypatch.setattr(hub_module, "FIRST_DELAY", 0.01)  # in this process, retries as many, waits shorter
+        monkeypatch.setattr(hub_access, "FIRST_DELAY", 0.01)  # in this process, retries as many, waits shorter
         server.env = {k: v for k, v in os.environ.items() if k != "HF_TOKEN"}
         yield server
 
@@ -125,7 +126,7 @@ def weight_ranges(hub: FakeHub) -> list[int]:
 
 
 def part_files(tmp_path: Path, repo: str) -> list[Path]:
-    return list((tmp_path / "hf" / "hub" / f"models--{repo.replace('/', '--')}" / "blobs").glob("*.part"))
+    return list((tmp_path / "hf" / "hub" / f"models--{repo.replace('/', '--')}" / "blobs").glob("*.incomplete"))
 
 
 def manifests(tmp_path: Path) -> list[str]:
@@ -186,34 +187,70 @@ def test_generate_pulls_on_first_use(hub, tmp_path):
     assert json.loads(result.stdout)["tau"] >= 1.0
 
 
-def test_interrupted_pull_resumes_where_it_stopped(hub, tmp_path):
+def killed_midway(hub: FakeHub, tmp_path: Path, command: list[str], partial: str) -> Path:
+    """Run command (a download from the hub, slowed down), SIGKILL it once the target's blobs hold a `partial`
+    (a glob) over 2 MB, and return that partial file."""
     hub.delay_per_chunk = 0.02  # ~5 s for the 15 MB weights file
-    process = subprocess.Popen(
-        [sys.executable, "-m", "dflash_local", "pull", "tiny-hub"],
-        env=hub.env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    process = subprocess.Popen(command, env=hub.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     blobs = tmp_path / "hf" / "hub" / "models--test--tiny" / "blobs"
     deadline = time.time() + 120
     while time.time() < deadline:
-        partial = list(blobs.glob("*.part")) if blobs.is_dir() else []
-        if partial and partial[0].stat().st_size > 2_000_000:
+        found = list(blobs.glob(partial)) if blobs.is_dir() else []
+        if found and found[0].stat().st_size > 2_000_000:
             break
         time.sleep(0.05)
     process.send_signal(signal.SIGKILL)
     process.wait()
-    assert partial and partial[0].stat().st_size > 2_000_000
+    hub.delay_per_chunk = 0.0
+    assert found and found[0].stat().st_size > 2_000_000
+    return found[0]
+
+
+def test_interrupted_pull_resumes_where_it_stopped(hub, tmp_path):
+    killed_midway(hub, tmp_path, [sys.executable, "-m", "dflash_local", "pull", "tiny-hub"], "*.incomplete")
 
     assert_one_error(generate(hub, "--offline"), "is not downloaded (or not completely)")  # half a pull never loads
 
-    hub.delay_per_chunk = 0.0
     resumed = dflash(hub, "pull", "tiny-hub")
     assert resumed.returncode == 0, resumed.stderr
     ranges = [r.range for r in hub.downloads() if r.path.endswith("/model.safetensors") and "drafter" not in r.path]
     assert ranges[-1] is not None and int(ranges[-1].removeprefix("bytes=").rstrip("-")) > 2_000_000
     weights = snapshot(tmp_path, "test/tiny") / "model.safetensors"
     assert weights.read_bytes() == (MODELS / "target" / "model.safetensors").read_bytes()
+
+
+HF_DOWNLOAD = "from huggingface_hub import hf_hub_download; hf_hub_download('test/tiny', 'model.safetensors')"
+
+
+def test_pull_resumes_the_partial_file_a_killed_hf_download_left(hub, tmp_path):
+    """huggingface_hub writes `<etag>.<8 hex>.incomplete` and keeps it only when killed: pull resumes from it."""
+    theirs = killed_midway(hub, tmp_path, [sys.executable, "-c", HF_DOWNLOAD], "*.*.incomplete")
+    kept = theirs.stat().st_size
+    resumed = dflash(hub, "pull", "test/tiny")
+    assert resumed.returncode == 0, resumed.stderr
+    assert weight_ranges(hub)[-1] == kept
+    weights = snapshot(tmp_path, "test/tiny") / "model.safetensors"
+    assert weights.read_bytes() == (MODELS / "target" / "model.safetensors").read_bytes()
+    assert part_files(tmp_path, "test/tiny") == []
+
+
+def test_huggingface_hub_sees_and_finishes_what_a_killed_pull_left(hub, tmp_path):
+    """A pull's partial is an incomplete download to huggingface_hub's cache tools (`hf cache prune` clears it), and
+    hf_hub_download completes the file in the same cache (2.4.0 starts over: it resumes no partial, its own
+    included), after which pull finds the weights whole and downloads nothing."""
+    from huggingface_hub import hf_hub_download, scan_cache_dir
+
+    ours = killed_midway(hub, tmp_path, [sys.executable, "-m", "dflash_local", "pull", "test/tiny"], "*.incomplete")
+    cache = tmp_path / "hf" / "hub"  # huggingface_hub read HF_HOME and HF_ENDPOINT when this process imported it
+    assert [f.file_path for f in scan_cache_dir(cache).incomplete_files] == [ours]
+    path = hf_hub_download("test/tiny", "model.safetensors", cache_dir=cache, endpoint=hub.url)
+    assert Path(path).read_bytes() == (MODELS / "target" / "model.safetensors").read_bytes()
+    fetched = weight_ranges(hub)
+    assert fetched[-1] == 0  # huggingface_hub 2.4.0 fetched the whole file again
+    again = dflash(hub, "pull", "test/tiny")
+    assert again.returncode == 0, again.stderr
+    assert weight_ranges(hub) == fetched  # the weights were whole: pull verified them and fetched nothing
+    assert (snapshot(tmp_path, "test/tiny") / "model.safetensors").resolve() == Path(path).resolve()
 
 
 def test_corrupted_and_truncated_cache_files_are_detected_and_fetched_again(hub, tmp_path):
@@ -310,7 +347,7 @@ def test_not_enough_disk_space_stops_before_downloading(hub, monkeypatch):
     monkeypatch.setattr(hub_module.shutil, "disk_usage", lambda _: usage)
     needed = hub_module.human_size(sum(len(data) for data in hub.repos["test/tiny"].values()) - 18 - 8)
     with pytest.raises(DFlashError, match=rf"Not enough disk space in .*: {needed} to download, 1\.0 MB free\."):
-        hub_module.pull(hub_module.HubSource("test/tiny"))
+        hub_pull.pull(hub_module.HubSource("test/tiny"))
     assert hub.downloads() == []
 
 
@@ -321,18 +358,18 @@ def test_disk_full_mid_download_leaves_nothing_that_loads_and_keeps_the_part(hub
         handle.write(b"x" * 1000)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(hub_module, "_append", fill_disk)
+    monkeypatch.setattr(hub_pull, "_append", fill_disk)
     source = hub_module.HubSource("test/tiny")
     with pytest.raises(DFlashError, match=r"The disk holding .* is full: free some space and pull again"):
-        hub_module.pull(source)
+        hub_pull.pull(source)
     assert hub_module.cached_folder(source) is None
     snapshots = hub_module.repo_folder("test/tiny") / "snapshots"
     assert not snapshots.exists() or not any(snapshots.rglob("*.safetensors"))
-    parts = list((hub_module.repo_folder("test/tiny") / "blobs").glob("*.part"))
+    parts = list((hub_module.repo_folder("test/tiny") / "blobs").glob("*.incomplete"))
     assert [p.stat().st_size for p in parts] == [1000]  # kept: the next pull resumes from it
 
 
-def test_dropped_and_stalled_connections_resume_from_the_part_file(hub, tmp_path):
+def test_dropped_and_stalled_connections_resume_from_the_partial_file(hub, tmp_path):
     # five failed tries in a row, but each brings new bytes: the pull goes on and the sixth GET finishes the file
     hub.faults = [
         Fault("drop", TARGET_WEIGHTS, after=1_500_000, times=4),
@@ -443,3 +480,34 @@ def test_a_gguf_catalog_entry_pulls_one_quantization_and_chats(hub, tmp_path):
     assert result.returncode == 0, result.stderr
     assert "tok/s" in result.stderr and "tau" in result.stderr  # on a pipe, the status line goes to stderr
     assert [p.name for p in snapshot(tmp_path, "test/tiny-gguf").iterdir()] == ["tiny-Q8_0.gguf"]
+
+
+def test_files_kept_in_xet_go_through_hf_xet_into_the_partial_file(hub, tmp_path, monkeypatch):
+    """Where the Hub names a file's Xet hash, huggingface_hub's xet_get (with its real signature; hf-xet itself, which
+    needs the Hub's storage service, replaced) writes the `.incomplete` file, which is verified like any other."""
+    from unittest import mock
+
+    import huggingface_hub.file_download
+
+    def fetch(*, incomplete_path, xet_file_data, **_):
+        found = [d for files in hub.repos.values() for d in files.values() if sha256(d) == xet_file_data.file_hash]
+        incomplete_path.write_bytes(found[0])
+
+    xet_get = mock.create_autospec(huggingface_hub.file_download.xet_get, side_effect=fetch)
+    monkeypatch.setattr(huggingface_hub.file_download, "xet_get", xet_get)
+    hub.xet = True
+    result = dflash(hub, "pull", "tiny-hub")
+    assert result.returncode == 0, result.stderr
+    written = sorted(Path(call.kwargs["incomplete_path"]).name for call in xet_get.call_args_list)
+    weights = [sha256((MODELS / f / "model.safetensors").read_bytes()) for f in ("target", "drafter")]
+    assert written == sorted(f"{digest}.incomplete" for digest in weights)
+    assert not any(r.path.endswith(".safetensors") for r in hub.downloads())  # no HTTP GET of a Xet file
+    for repo, folder in (("test/tiny", "target"), ("test/tiny-drafter", "drafter")):
+        pulled = snapshot(tmp_path, repo) / "model.safetensors"
+        assert pulled.read_bytes() == (MODELS / folder / "model.safetensors").read_bytes()
+
+
+def sha256(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()

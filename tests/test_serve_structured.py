@@ -97,13 +97,15 @@ def test_the_openai_clients_parse_with_a_pydantic_model_and_json_object(client):
         model="tiny", messages=MESSAGES, temperature=0, max_tokens=100, response_format=Pet
     )
     assert isinstance(parsed.choices[0].message.parsed, Pet)
-    for temperature in (0, 1):
-        answer = openai_client.chat.completions.create(
-            model="tiny", messages=MESSAGES, temperature=temperature, seed=3, max_tokens=100,
+    answers = [
+        openai_client.chat.completions.create(
+            model="tiny", messages=MESSAGES, temperature=1, seed=seed, max_tokens=40,
             response_format={"type": "json_object"},
-        )  # fmt: skip
-        if answer.choices[0].finish_reason == "stop":
-            assert isinstance(json.loads(answer.choices[0].message.content), dict)
+        ).choices[0]
+        for seed in range(8)
+    ]  # fmt: skip
+    closed = [answer.message.content for answer in answers if answer.finish_reason == "stop"]
+    assert closed and all(isinstance(json.loads(content), dict) for content in closed)  # the rest ran out of tokens
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "lookup"}}])
@@ -155,9 +157,10 @@ def test_ollamas_format_takes_json_and_a_schema(client):
     options = {"temperature": 0, "num_predict": 100}
     answer = local.chat(model="tiny", messages=MESSAGES, format=PET, options=options)
     Pet.model_validate_json(answer.message.content)
-    generated = local.generate(model="tiny", prompt="A pet:", format="json", options=options)
-    if generated.done_reason == "stop":
-        assert isinstance(json.loads(generated.response), dict)
+    sampled = [{"temperature": 1, "seed": seed, "num_predict": 40} for seed in range(6)]
+    generated = [local.generate(model="tiny", prompt="A pet:", format="json", options=o) for o in sampled]
+    closed = [answer.response for answer in generated if answer.done_reason == "stop"]
+    assert closed and all(isinstance(json.loads(response), dict) for response in closed)  # the rest ran out of tokens
     with pytest.raises(ollama.ResponseError) as caught:
         local.chat(model="tiny", messages=MESSAGES, format={"type": 3}, options=options)
     assert caught.value.status_code == 400 and "'format'" in caught.value.error

@@ -88,6 +88,7 @@ def test_distilled_soft_labels_are_the_targets_top_logits(setup, tmp_path):
         assert torch.allclose(shard["soft_logits"][row, first:length].float(), values, rtol=1e-2, atol=1e-2)
         if not bool(shard["sampled"][row]):
             assert shard["soft_ids"][row, first:length, 0].tolist() == ids[0, first:].tolist()
+    assert not bool(shard["sampled"].all())  # greedy rows were among them: the check above ran
 
 
 def test_soft_weight_changes_the_loss_and_needs_soft_shards(setup, tmp_path):

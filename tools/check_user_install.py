@@ -5,7 +5,7 @@ bundled pair, and pulls from a Hub. Run after `./install.sh` (which also built t
     .venv/bin/python -m tools.check_user_install                       # after ./install.sh
     python -m tools.check_user_install --venv /tmp/wheel-venv --wheel   # pip install 'dist/*.whl[gguf]' there
 
-Run from the repository root; uses the standard library only. `dflash pull` runs against tests/hub_server.py's
+Run from the repository root; uses the standard library only. `dflash pull` runs against tools/hub_server.py's
 loopback Hub serving the bundled drafter, then with that Hub stopped, then against an address nothing listens on with
 an empty cache. Prints one line per check; exit 1 on any failure.
 """
@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tests.hub_server import FakeHub, repo_of
+from tools.hub_server import FakeHub, repo_of
 
 REPO = Path(__file__).resolve().parent.parent
 VENV = REPO / ".venv"

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-from typing import Optional
 
 import typer
 
 from ..errors import DFlashError
 from .app import user_errors
 from .files import check_storage
+from .options import Offline, Token
 
 
 def _hub_sources(name: str) -> tuple[list, bool]:
@@ -25,17 +25,16 @@ def _hub_sources(name: str) -> tuple[list, bool]:
 
 def pull(
     name: str = typer.Argument(..., help="A model name (dflash models) or a Hub repo: owner/name[:QUANT]."),
-    offline: bool = typer.Option(False, "--offline", help="Do not download: check what is already pulled."),
-    token: Optional[str] = typer.Option(
-        None, "--token", help="Hugging Face token for gated repos (default: HF_TOKEN)."
-    ),
+    offline: Offline = False,
+    token: Token = None,
 ) -> None:
     """Download a model (target + drafter) into the Hugging Face cache: resumable, verified, only needed files."""
     with user_errors():
         from rich.console import Console
 
         from ..downloads import Downloader
-        from ..hub import HubUnreachable, cached_folder, human_size, local_size
+        from ..hub import cached_folder, human_size, local_size
+        from ..hub_access import HubUnreachable
 
         sources, bundled = _hub_sources(name)
         if bundled:

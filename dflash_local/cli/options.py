@@ -39,6 +39,10 @@ Threads = Annotated[
     Optional[int], typer.Option("--threads", envvar="DFLASH_THREADS", help="CPU threads (default: torch's).")
 ]
 
+# The options `dflash pull` shares with the model options.
+Offline = Annotated[bool, typer.Option("--offline", help="Use only models already pulled.")]
+Token = Annotated[Optional[str], typer.Option("--token", help="Hugging Face token (default: HF_TOKEN).")]
+
 
 # The environment variables give the model options' defaults.
 @dataclass(frozen=True)
@@ -70,14 +74,14 @@ class ModelOptions:
         bool, typer.Option("--cpu-moe", help="GGUFs on a GPU: keep MoE expert tensors in host memory.")
     ] = False
     max_context: Annotated[int, typer.Option("--max-context", help="KV cache length in tokens.")] = 4096
-    offline: Annotated[bool, typer.Option("--offline", help="Use only models already pulled.")] = False
+    offline: Offline = False
     quantize: Annotated[
         str, typer.Option("--quantize", help="Torch targets: auto (model's default), none, int4, nf4.")
     ] = "auto"
     drafter_quantize: Annotated[str, typer.Option("--drafter-quantize", help="Drafter linears: none, int8 or nf4.")] = (
         "none"
     )
-    token: Annotated[Optional[str], typer.Option("--token", help="Hugging Face token (default: HF_TOKEN).")] = None
+    token: Token = None
     progress: Optional[Callable[[str], None]] = None  # no option: the status line's show() that main() passes, if any
 
     def __post_init__(self) -> None:

@@ -8,11 +8,12 @@ from typing import TYPE_CHECKING, Optional
 
 import typer
 
+from ..train.settings import DistillSettings, TrainRequest, TrainSettings
 from . import values
 from .app import user_errors
 from .options import Device, Seed, Threads
 
-# The options that are TrainSettings' fields under the same names.
+# The options that are TrainSettings' fields under the same names (their defaults are those fields').
 TRAIN_OPTIONS = (
     "layers", "block_size", "steps", "batch_size", "anchors", "lr", "warmup", "eval_every", "seed", "gamma",
     "soft_weight",
@@ -31,42 +32,56 @@ def train(
     corpus: list[Path] = typer.Option(..., "--corpus", help="Prompt corpus: text files, folders, JSONL chats."),
     out: Path = typer.Option(..., "--out", help="Where to write the drafter (config.json + model.safetensors)."),
     work: Optional[Path] = typer.Option(None, "--work", help="Shards and checkpoints (default: OUT.work)."),
-    layers: int = typer.Option(2, "--layers", help="Drafter depth."),
-    block_size: int = typer.Option(16, "--block-size"),
+    layers: int = typer.Option(TrainSettings.layers, "--layers", help="Drafter depth."),
+    block_size: int = typer.Option(TrainSettings.block_size, "--block-size"),
     target_layer_ids: Optional[str] = typer.Option(None, "--target-layer-ids", help="e.g. 1,3,5 (default: spread)."),
     mask_token_id: Optional[int] = typer.Option(None, "--mask-token-id", help="Default: <|mask|> or the last id."),
-    prompt_tokens: int = typer.Option(64, "--prompt-tokens", help="Window length of text prompts."),
+    prompt_tokens: int = typer.Option(
+        TrainRequest.prompt_tokens, "--prompt-tokens", help="Window length of text prompts."
+    ),
     max_prompts: Optional[int] = typer.Option(None, "--max-prompts", help="Use at most this many prompts."),
-    new_tokens: int = typer.Option(192, "--new-tokens", help="Tokens the target writes per prompt."),
-    sampled_fraction: float = typer.Option(0.25, "--sampled-fraction", help="Share of sampled (not greedy) data."),
-    steps: int = typer.Option(2000, "--steps"),
-    batch_size: int = typer.Option(8, "--batch-size", help="Sequences per optimisation step."),
-    anchors: int = typer.Option(16, "--anchors", help="Blocks per sequence per step."),
-    lr: float = typer.Option(6e-4, "--lr"),
-    warmup: int = typer.Option(100, "--warmup", help="Steps of linear learning-rate warm-up."),
-    eval_every: int = typer.Option(100, "--eval-every"),
-    seed: Seed = 0,
+    new_tokens: int = typer.Option(
+        DistillSettings.new_tokens, "--new-tokens", help="Tokens the target writes per prompt."
+    ),
+    sampled_fraction: float = typer.Option(
+        DistillSettings.sampled_fraction, "--sampled-fraction", help="Share of sampled (not greedy) data."
+    ),
+    steps: int = typer.Option(TrainSettings.steps, "--steps"),
+    batch_size: int = typer.Option(TrainSettings.batch_size, "--batch-size", help="Sequences per optimisation step."),
+    anchors: int = typer.Option(TrainSettings.anchors, "--anchors", help="Blocks per sequence per step."),
+    lr: float = typer.Option(TrainSettings.lr, "--lr"),
+    warmup: int = typer.Option(TrainSettings.warmup, "--warmup", help="Steps of linear learning-rate warm-up."),
+    eval_every: int = typer.Option(TrainSettings.eval_every, "--eval-every"),
+    seed: Seed = TrainSettings.seed,
     draft_vocab: Optional[int] = typer.Option(
         None, "--draft-vocab", help="Draft over the N ids most frequent in the data only (default: all)."
     ),
-    distill_batch: int = typer.Option(32, "--distill-batch", help="Prompts the target continues at once."),
+    distill_batch: int = typer.Option(
+        DistillSettings.batch_size, "--distill-batch", help="Prompts the target continues at once."
+    ),
     threads: Threads = None,
-    resume: bool = typer.Option(False, "--resume", help="Continue from the checkpoint in the work folder."),
+    resume: bool = typer.Option(
+        TrainRequest.resume, "--resume", help="Continue from the checkpoint in the work folder."
+    ),
     device: Device = "auto",
     init: Optional[str] = typer.Option(
         None, "--init", help="Start from 'target' (its last layers) or a drafter folder (fine-tune it); default random."
     ),
-    soft_top_k: int = typer.Option(0, "--soft-top-k", help="Keep the target's top-k logits per token (soft labels)."),
-    soft_weight: float = typer.Option(0.0, "--soft-weight", help="Share of the loss on the soft labels (0..1)."),
-    gamma: Optional[float] = typer.Option(None, "--gamma", help="Loss decay over block offsets (default 7*B/16)."),
+    soft_top_k: int = typer.Option(
+        DistillSettings.soft_top_k, "--soft-top-k", help="Keep the target's top-k logits per token (soft labels)."
+    ),
+    soft_weight: float = typer.Option(
+        TrainSettings.soft_weight, "--soft-weight", help="Share of the loss on the soft labels (0..1)."
+    ),
+    gamma: Optional[float] = typer.Option(
+        TrainSettings.gamma, "--gamma", help="Loss decay over block offsets (default 7*B/16)."
+    ),
 ) -> None:
     """Train a DFlash drafter for a target by self-distillation."""
     given = locals()
     with user_errors():
         from ..runtime import pick_device
-        from ..train.pipeline import TrainRequest, run_training
-        from ..train.selfdistill import DistillSettings
-        from ..train.trainer import TrainSettings
+        from ..train.pipeline import run_training
 
         request = TrainRequest(
             target=target,

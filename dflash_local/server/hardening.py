@@ -1,5 +1,9 @@
-"""What a client may hold, bounded: body bytes and seconds, header seconds, open connections; bodies read as JSON with
-one sentence for each way they can be unusable; the listening socket and uvicorn's connection protocol."""
+"""What a client may hold, bounded: body bytes and seconds, header seconds and bytes, open connections; bodies read as
+JSON with one sentence for each way they can be unusable; the listening socket and uvicorn's connection protocol.
+
+uvicorn's settings bound what they can (the header bytes h11 buffers, the idle keep-alive time); what no setting
+offers (a deadline for a request's headers, a connection cap answered in the OpenAI shape, malformed HTTP answered in
+it, a lingering close) overrides H11Protocol's methods: tests/test_server_internals.py checks each internal it uses."""
 
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from ..errors import DFlashError
 from .protocol import BadRequest, Refused, error_response
 
 RETRY_AFTER_S = 5
+MAX_HEADER_BYTES = 16 * 2**10  # of an unfinished request head (uvicorn's h11_max_incomplete_event_size)
 
 
 @dataclass(frozen=True)
@@ -185,7 +190,7 @@ class BoundedH11(H11Protocol):
         self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
-        self._answer(400, "The request is not valid HTTP/1.1 (or its headers are over 16 KiB).")
+        self._answer(400, f"The request is not valid HTTP/1.1 (or its headers are over {MAX_HEADER_BYTES >> 10} KiB).")
         self.transport.close()
 
     def _answer(self, status: int, message: str) -> None:
@@ -212,7 +217,10 @@ def _too_many_connections(cap: int) -> JSONResponse:
 def uvicorn_server(app: ASGIApp, limits: Limits = Limits()) -> Uvicorn:
     """uvicorn over app with the limits' connection protocol (warnings and errors logged, no access log)."""
     protocol = type("BoundedH11", (BoundedH11,), {"limits": limits})
-    return Uvicorn(Config(app, http=protocol, log_level="warning", access_log=False))
+    config = Config(
+        app, http=protocol, h11_max_incomplete_event_size=MAX_HEADER_BYTES, log_level="warning", access_log=False
+    )
+    return Uvicorn(config)
 
 
 def run_server(app: ASGIApp, sock: socket.socket, limits: Limits = Limits()) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import gguf
@@ -24,34 +24,10 @@ from ..tokenizer import TextTokenizer, stop_token_ids
 from ..weights import read_config
 from . import warm_start
 from .corpus import corpus_files, load_prompts
-from .selfdistill import Continuer, DistillSettings, generate_shards, load_shards, torch_continuer
-from .trainer import Sequences, TrainEvent, TrainSettings, default_layer_ids, draft_vocabulary, drafter_config, train
+from .selfdistill import Continuer, generate_shards, load_shards, torch_continuer
+from .settings import TrainRequest
+from .trainer import Sequences, TrainEvent, default_layer_ids, draft_vocabulary, drafter_config, train
 from .warm_start import LayerReader, WarmStart, gguf_layer_reader, torch_layer_reader
-
-
-@dataclass(frozen=True)
-class TrainRequest:
-    """Everything `dflash train` was asked to do."""
-
-    target: Path
-    corpus: list[Path]
-    out: Path
-    work: Path | None = None
-    prompt_tokens: int = 64
-    max_prompts: int | None = None
-    mask_token_id: int | None = None
-    target_layer_ids: list[int] | None = None
-    draft_vocab: int | None = None  # draft over the most frequent ids of the data only (None: all of them)
-    threads: int | None = None
-    resume: bool = False
-    device: str = "cpu"
-    init: str | None = None  # "target" (its last layers) or an existing drafter's folder; None: random
-    distill: DistillSettings = field(default_factory=DistillSettings)
-    train: TrainSettings = field(default_factory=TrainSettings)
-
-    @property
-    def work_dir(self) -> Path:
-        return self.work or self.out.with_name(self.out.name + ".work")
 
 
 @dataclass

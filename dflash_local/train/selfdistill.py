@@ -16,19 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from ..sampling import SamplingParams, pick
 from ..targets.torch_llama import LlamaModel
-
-
-@dataclass(frozen=True)
-class DistillSettings:
-    """How much to generate and how."""
-
-    new_tokens: int = 192
-    batch_size: int = 32
-    shard_size: int = 256
-    sampled_fraction: float = 0.25
-    temperature: float = 0.8
-    seed: int = 0
-    soft_top_k: int = 0  # keep the target's k likeliest ids and their logits before each written token (0: none)
+from .settings import DistillSettings
 
 
 @dataclass

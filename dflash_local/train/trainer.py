@@ -22,27 +22,7 @@ from ..runtime import bf16_is_fast
 from ..targets.torch_llama import TargetConfig
 from .evaluate import evaluate, label_map_of
 from .objective import block_loss, make_blocks
-
-
-@dataclass(frozen=True)
-class TrainSettings:
-    """Drafter shape and optimisation settings."""
-
-    layers: int = 2
-    block_size: int = 16
-    steps: int = 2000
-    batch_size: int = 8
-    anchors: int = 16
-    lr: float = 6e-4
-    warmup: int = 100
-    weight_decay: float = 0.01
-    heldout_fraction: float = 0.03
-    eval_every: int = 100
-    eval_sequences: int = 32
-    checkpoint_every: int = 200
-    seed: int = 0
-    gamma: float | None = None  # position-weight decay over block offsets (None: 7 * block_size / 16)
-    soft_weight: float = 0.0  # share of the loss on the target's top-k distribution (needs soft-label shards)
+from .settings import TrainSettings
 
 
 @dataclass

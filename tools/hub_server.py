@@ -1,7 +1,8 @@
 """A loopback stand-in for the Hugging Face Hub: the endpoints huggingface_hub calls to list and download files.
 
-Tests can script the faults of a real network (`Fault`: error answers, dropped connections, stalls, corrupted
-bytes) and send LFS files through a second server on another port, the way the Hub redirects them to its CDN.
+The tests and tools/check_user_install.py serve from it (standard library only). Tests can script the faults of a
+real network (`Fault`: error answers, dropped connections, stalls, corrupted bytes) and send LFS files through a
+second server on another port, the way the Hub redirects them to its CDN.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class FakeHub:
     log: list[Request] = field(default_factory=list)
     faults: list[Fault] = field(default_factory=list)
     cdn: bool = False  # True: LFS files answer 302 to the CDN server (another port), as the real Hub does
+    xet: bool = False  # True: LFS files' answers name their Xet hash and token route, as for a repo kept in Xet
 
     def __post_init__(self) -> None:
         self.server = _server(self, "hub")
@@ -118,9 +120,12 @@ class FakeHub:
         if self.cdn and name.endswith(LFS_SUFFIXES):
             linked = {"X-Linked-Etag": f'"{etag}"', "X-Linked-Size": str(len(files[name])), "X-Repo-Commit": COMMIT}
             return _reply(handler, 302, {**linked, "Location": f"{self.cdn_url}/cdn/{etag}?signed=1"}, b"")
-        self._send_file(handler, files[name], etag, fault)
+        xet = {"X-Xet-Hash": etag, "X-Xet-Refresh-Route": f"{self.url}/api/models/{repo}/xet-read-token/{COMMIT}"}
+        self._send_file(handler, files[name], etag, fault, xet if self.xet and name.endswith(LFS_SUFFIXES) else {})
 
-    def _send_file(self, handler: BaseHTTPRequestHandler, data: bytes, etag: str, fault: Fault | None) -> None:
+    def _send_file(
+        self, handler: BaseHTTPRequestHandler, data: bytes, etag: str, fault: Fault | None, extra: dict | None = None
+    ) -> None:
         start = 0
         requested = handler.headers.get("Range")
         if requested and (match := re.fullmatch(r"bytes=(\d+)-", requested)):
@@ -129,6 +134,8 @@ class FakeHub:
         handler.send_header("X-Repo-Commit", COMMIT)
         handler.send_header("ETag", f'"{etag}"')
         handler.send_header("Accept-Ranges", "bytes")
+        for key, value in (extra or {}).items():
+            handler.send_header(key, value)
         handler.send_header("Content-Length", str(len(data) - start))
         if start:
             handler.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
