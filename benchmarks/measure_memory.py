@@ -31,7 +31,7 @@ import sys, time, llama_cpp
 from dflash_local.targets.llamacpp import model_params  # as LlamaCppTarget loads it
 llama_cpp.llama_backend_init()
 began = time.perf_counter()
-model = llama_cpp.llama_model_load_from_file(sys.argv[1].encode(), model_params("cpu"))
+model = llama_cpp.llama_model_load_from_file(sys.argv[1].encode(), model_params().params)
 params = llama_cpp.llama_context_default_params()
 params.n_ctx = int(sys.argv[2])
 params.n_threads = params.n_threads_batch = int(sys.argv[3])

@@ -121,17 +121,20 @@ class _BuftOverride(ctypes.Structure):
 
 
 class ModelParams:
-    """llama.cpp's model parameters for a placement, holding the C arrays they point to for as long as it lives."""
+    """llama.cpp's model parameters for a placement, holding the C arrays they point to for as long as it lives (on
+    the CPU there are none: no main GPU means no device at all, so `.params` alone may be kept)."""
 
     def __init__(self, placement: Placement, llama_cpp) -> None:
         params = llama_cpp.llama_model_default_params()
-        on_device = placement.device is not None
-        self._devices = (ctypes.c_void_p * 2)(device_handle(placement.device.name) if on_device else None, None)
-        params.devices = ctypes.cast(self._devices, ctypes.c_void_p)  # that device alone, or none: the CPU only
-        params.n_gpu_layers = placement.gpu_layers if on_device else 0
         params.split_mode = llama_cpp.LLAMA_SPLIT_MODE_NONE
-        params.main_gpu = 0
-        self._overrides = None
+        self._devices = self._overrides = None
+        if placement.device is None:
+            params.main_gpu = -1  # llama.cpp keeps no device: the CPU alone, whatever the library offers
+            params.n_gpu_layers = 0
+        else:
+            self._devices = (ctypes.c_void_p * 2)(device_handle(placement.device.name), None)
+            params.devices = ctypes.cast(self._devices, ctypes.c_void_p)  # that device alone
+            params.main_gpu, params.n_gpu_layers = 0, placement.gpu_layers
         if placement.cpu_moe:
             self._pattern = EXPERTS.encode()
             pair = (_BuftOverride(self._pattern, cpu_buffer_type()), _BuftOverride(None, None))

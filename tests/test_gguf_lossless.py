@@ -36,7 +36,7 @@ def llamacpp_greedy(path: Path, prompts: list[list[int]], monkeypatch, new_token
     token after the prompt went through llama_decode alone."""
     from llama_cpp import Llama, llama_cpp
 
-    monkeypatch.setattr(llama_cpp, "llama_model_default_params", lambda: model_params("cpu"))
+    monkeypatch.setattr(llama_cpp, "llama_model_default_params", lambda: model_params().params)
     own = Llama(str(path), n_ctx=512, n_threads=1, n_threads_batch=1, flash_attn=True, verbose=False)
     sizes: list[int] = []
     decode = own._ctx.decode

@@ -147,7 +147,7 @@ def llamacpp_model(path: Path):
     from llama_cpp import Llama, llama_cpp
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(llama_cpp, "llama_model_default_params", lambda: model_params("cpu"))
+        patch.setattr(llama_cpp, "llama_model_default_params", lambda: model_params().params)
         return Llama(
             str(path), n_ctx=64, n_threads=1, n_threads_batch=1, flash_attn=True, logits_all=True, verbose=False
         )

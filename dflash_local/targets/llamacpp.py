@@ -32,10 +32,10 @@ HEAD_CHUNK = 512  # output-head rows dequantized at a time when the head is firs
 # int and float intermediates several times the rows' fp32 size: 2048 rows of a 1B head peaked 0.3 GB above the rest)
 
 
-def model_params(spec: LoadSpec) -> ModelParams:
+def model_params(spec: LoadSpec | None = None) -> ModelParams:
     """llama.cpp's model parameters for a target or its native drafter: the planned placement (the CPU alone where
     none was planned), the CPU's weights unrepacked."""
-    params = ModelParams(spec.placement or Placement(), llama_cpp)
+    params = ModelParams(spec.placement if spec and spec.placement else Placement(), llama_cpp)
     # Read into llama.cpp's own buffers (memory-mapped weights that llama.cpp repacked would count twice).
     params.params.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE
     # No repacking for the CPU's kernels (Q4_0 and Q4_K on AVX2): repacked Q4_K computes a batch (gemm) and one

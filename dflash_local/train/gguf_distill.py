@@ -41,7 +41,7 @@ class ParallelTarget:
             raise DFlashError(f"Target layer ids {layer_ids} must lie in 0..{self.info.dims.layers - 2} for a GGUF.")
         quiet_llama_logs()
         llama_cpp.llama_backend_init()
-        model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params("cpu"))
+        model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params().params)
         if not model:
             raise DFlashError(f"llama.cpp could not load {path} ({first_llama_error() or 'no reason given'}).")
         params = llama_cpp.llama_context_default_params()
