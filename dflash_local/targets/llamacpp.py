@@ -28,6 +28,7 @@ FIXED_ROWS = 8  # a verify forward's rows on a GPU backend: every verify and eve
 # exactly this many rows (padded past the block, the padding dropped after), so that a row meets the same kernels (GPU
 # backends choose matrix and attention kernels by row count) and the same KV cell count in plain decoding as in DFlash;
 # 8 is the widest batch llama.cpp's CUDA and Vulkan matrix-vector kernels take, where 8 rows cost about what one does
+GPU_UNDRAFTED = ("qwen35", "qwen35moe", "qwen3next")  # taps on a GPU backend corrupt memory in llama.cpp's decode
 HEAD_CHUNK = 512  # output-head rows dequantized at a time when the head is first built (gguf-py dequantizes via
 # int and float intermediates several times the rows' fp32 size: 2048 rows of a 1B head peaked 0.3 GB above the rest)
 
@@ -103,6 +104,7 @@ class LlamaCppTarget:
         self._head: torch.Tensor | Int8Matrix | None = None
         self.int8_head = False  # materialize the head as packed int8 rows (for a torch drafter on the CPU)
         self.fixed_rows: int | None = None  # FIXED_ROWS where verification runs on a GPU backend, else any width
+        self.on_gpu = False  # some of its layers run on a GPU backend
 
     @classmethod
     def load(cls, path: str | Path, spec: LoadSpec) -> LlamaCppTarget:
@@ -135,6 +137,7 @@ class LlamaCppTarget:
         target.int8_head = spec.int8_head
         on_gpu = spec.placement is not None and spec.placement.device is not None and spec.placement.gpu_layers > 0
         target.fixed_rows = FIXED_ROWS if on_gpu and not target.recurrent else None
+        target.on_gpu = on_gpu
         return target
 
     @property
@@ -164,6 +167,12 @@ class LlamaCppTarget:
             raise DFlashError(
                 f"{name} holds a '{arch}' model, whose layer features this libllama does not read, so DFlash cannot "
                 f"draft for it; plain decoding works (--no-draft){hint if arch == 'gemma3' else ''}."
+            )
+        if self.on_gpu and arch in GPU_UNDRAFTED:
+            raise DFlashError(
+                f"{name} holds a '{arch}' model, whose drafting on a GPU backend crashed llama.cpp's decode here "
+                "(Vulkan, a tapped hybrid), so DFlash does not draft for it there; use --device cpu, or plain "
+                "decoding (--no-draft)."
             )
         if self.recurrent and llama_cpp.llama_n_rs_seq(self._ctx) == 0:
             raise DFlashError(
