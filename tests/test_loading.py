@@ -82,7 +82,7 @@ def test_loading_the_bundled_pair_never_imports_torch_dynamo() -> None:
 TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"
 
 
-def test_the_plan_decides_device_backend_and_drafter_kind_once() -> None:
+def test_the_plan_decides_device_backend_and_drafter_kind_once(tiny_gguf) -> None:
     """runtime.plan_load: a folder runs on torch with the torch drafter (whatever --drafter-kind says); a GGUF file
     on the CPU runs on llama.cpp with the native drafter unless the drafter is quantized or torch is asked for; an
     explicit --backend torch on a GGUF keeps the torch drafter; a planned spec plans to itself."""
@@ -97,10 +97,11 @@ def test_the_plan_decides_device_backend_and_drafter_kind_once() -> None:
 
     assert planned("folder") == ("cpu", "torch", "torch")
     assert planned("folder", kind="native") == ("cpu", "torch", "torch")
-    assert planned("m.gguf") == ("cpu", "llamacpp", "native")
-    assert planned("m.gguf", quantize="int8") == ("cpu", "llamacpp", "torch")
-    assert planned("m.gguf", kind="torch") == ("cpu", "llamacpp", "torch")
-    assert planned("m.gguf", backend="torch") == ("cpu", "torch", "torch")
+    gguf = str(tiny_gguf["q8_0"])
+    assert planned(gguf) == ("cpu", "llamacpp", "native")
+    assert planned(gguf, quantize="int8") == ("cpu", "llamacpp", "torch")
+    assert planned(gguf, kind="torch") == ("cpu", "llamacpp", "torch")
+    assert planned(gguf, backend="torch") == ("cpu", "torch", "torch")
 
 
 def test_loading_reports_its_phases_to_the_spec_and_leaves_the_target_as_planned(tmp_path: Path) -> None:
