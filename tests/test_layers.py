@@ -13,7 +13,7 @@ LAYERS = (
     ("errors", "atomic", "paths", "dimensions", "shapes", "llama_lib", "tap_probe", "kernels", "gguf"),  # gguf: init
     ("local_models", "hub", "downloads", "catalog", "memory_estimate", "prompt_sets", "weights", "gguf.file"),  # files
     ("chat_template", "runtime", "layers", "quant", "cuda_graphs", "sampling", "gguf.shape", "gguf.tensors"),  # blocks
-    ("targets", "tokenizer", "gguf.tokenizer", "grammar"),  # the target backends, their vocabularies, grammars
+    ("targets", "tokenizer", "gguf.tokenizer", "grammar", "reasoning"),  # the targets, vocabularies, grammars, <think>
     ("drafters", "gguf.convert"),  # what builds on a target
     ("block_policy", "session", "decode"),  # the decode loop
     ("generation", "handoff", "doctor", "chat", "bench", "server", "model_list", "train", "cli", "__main__"),  # fronts

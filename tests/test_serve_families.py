@@ -23,7 +23,7 @@ from dflash_local.generation import load_models
 from dflash_local.runtime import LoadSpec, RuntimeConfig
 from dflash_local.server import engine as engine_module
 from dflash_local.server import ollama_api
-from dflash_local.server.channels import GEMMA4, HARMONY, PLAIN, ReplyReader, read_reply, reply_family
+from dflash_local.server.channels import GEMMA4, HARMONY, PLAIN, THINK, ReplyReader, read_reply, reply_family
 from dflash_local.server.engine import Engine
 from dflash_local.server.openai_api import Shape
 
@@ -53,7 +53,9 @@ def config(template: str) -> dict:
     [
         ("openai-gpt-oss-120b.jinja", HARMONY),
         ("google-gemma-4-31B-it.jinja", GEMMA4),
-        ("Qwen-Qwen3-0.6B.jinja", PLAIN),
+        ("Qwen-Qwen3-0.6B.jinja", THINK),
+        ("Qwen3.5-4B.jinja", THINK),
+        ("Qwen3-Coder.jinja", PLAIN),
         ("meta-llama-Llama-3.1-8B-Instruct.jinja", PLAIN),
         ("google-gemma-2-2b-it.jinja", PLAIN),
     ],

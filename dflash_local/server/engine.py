@@ -15,6 +15,7 @@ from ..decode import Settings, Stats
 from ..errors import DFlashError
 from ..generation import OUT_OF_MEMORY, GenerationRequest, LoadedModels, out_of_memory, stream
 from ..grammar import compile_grammar, prepare_tokenizer
+from ..reasoning import held, opens_thinking
 from .protocol import Sampling
 
 log = logging.getLogger("dflash.serve")
@@ -40,10 +41,7 @@ class StopCutter:
             at, self.hit = min(found)
             self.text = self.text[:at]
             return self.flush()
-        unsent = len(self.text) - self.sent  # only unsent text can be held back, so a long stop string costs no more
-        stops = ((s, range(1, min(len(s), unsent + 1))) for s in self.stops)
-        keep = max((n for s, sizes in stops for n in sizes if self.text.endswith(s[:n])), default=0)
-        end = max(self.sent, len(self.text) - keep)
+        end = len(self.text) - held(self.text[self.sent :], self.stops)  # only unsent text can be held back
         out, self.sent = self.text[self.sent : end], end
         return out
 
@@ -83,6 +81,7 @@ class Job:
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     sent: bool = False  # whether any text went out (a failure after it is the server's, a 500)
+    opened: bool = False  # whether the rendered prompt opened a <think> (set before the first event)
 
     def emit(self, event: Event) -> None:
         """Hand an event to the request's coroutine (thread-safe)."""
@@ -182,6 +181,7 @@ class Engine:
         sampling = job.sampling
         cutter = StopCutter(sampling.stop + (() if sampling.ignore_eos else self.eos_texts))
         ids = job.prompt(self.models)
+        job.opened = opens_thinking(self.models.tokenizer.decode(ids[-8:]))
         stats = Stats()
         try:
             with closing(stream(self.models, GenerationRequest(ids, self.settings(sampling, len(ids))))) as chunks:
