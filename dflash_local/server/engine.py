@@ -53,11 +53,12 @@ class StopCutter:
 
 @dataclass(frozen=True)
 class Ending:
-    """How a generation ended: "stop" or "length", its prompt's length and the loop's own stats."""
+    """How a generation ended: "stop" or "length", its prompt's length, the loop's own stats and the stop string."""
 
     finish_reason: str
     prompt_tokens: int
     stats: Stats
+    stop_sequence: str | None = None  # the request's stop string that ended it, if one did
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,9 @@ class Job:
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     sent: bool = False  # whether any text went out (a failure after it is the server's, a 500)
+    count_only: bool = False  # render and count the prompt's tokens, generate nothing
     opened: bool = False  # whether the rendered prompt opened a <think> (set before the first event)
+    prompt_tokens: int = 0  # the rendered prompt's length (set before the first event)
 
     def emit(self, event: Event) -> None:
         """Hand an event to the request's coroutine (thread-safe)."""
@@ -182,7 +185,10 @@ class Engine:
         cutter = StopCutter(sampling.stop + (() if sampling.ignore_eos else self.eos_texts))
         ids = job.prompt(self.models)
         job.opened = opens_thinking(self.models.tokenizer.decode(ids[-8:]))
+        job.prompt_tokens = len(ids)
         stats = Stats()
+        if job.count_only:
+            return Ending("stop", len(ids), stats)
         try:
             with closing(stream(self.models, GenerationRequest(ids, self.settings(sampling, len(ids))))) as chunks:
                 for chunk in chunks:
@@ -199,4 +205,4 @@ class Engine:
             raise out_of_memory(what, self.models.target.device.type) from None
         job.emit(cutter.flush())
         finish = "stop" if cutter.hit is not None or stats.finish_reason == "stop" else "length"
-        return Ending(finish, len(ids), stats)
+        return Ending(finish, len(ids), stats, cutter.hit if cutter.hit in sampling.stop else None)
