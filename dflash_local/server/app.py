@@ -11,13 +11,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from . import ollama_api, openai_api
+from . import anthropic_api, ollama_api, openai_api
 from .engine import Engine
 from .exchange import Server
 from .hardening import Limits
 from .protocol import error_response
 
-PATHS = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health and Ollama's /api/*"
+PATHS = (
+    "POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, POST /v1/messages, GET /v1/models, "
+    "GET /health and Ollama's /api/*"
+)
 
 
 def _http_error(request: Request, exc: HTTPException) -> Response:
@@ -49,7 +52,8 @@ def create_app(
         state = {"status": "ok", "model": model, "busy": engine.busy, "queued": engine.jobs.qsize()}
         return JSONResponse(state | engine.counts)
 
-    routes = [*openai_api.routes(server), *ollama_api.routes(server), Route("/health", health, methods=["GET"])]
+    routes = [*openai_api.routes(server), *anthropic_api.routes(server), *ollama_api.routes(server)]
+    routes.append(Route("/health", health, methods=["GET"]))
     cors = [Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"], allow_headers=["*"])]
     app = Starlette(
         routes=routes,
