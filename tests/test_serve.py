@@ -215,7 +215,7 @@ def test_the_stop_cutter_never_sends_text_after_a_stop_string():
 
 def test_a_full_queue_refuses_instead_of_waiting():
     release = threading.Event()
-    models = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids: ""), stop_ids=frozenset())
+    models = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids: "", config={}), stop_ids=frozenset())
     engine = Engine(models, None, None, size=2)
     loop = SimpleNamespace(call_soon_threadsafe=lambda *args: None)
     busy = Job(lambda models: release.wait() and [], Sampling(), loop)

@@ -31,6 +31,11 @@ Device = Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")]
 Threads = Annotated[
     Optional[int], typer.Option("--threads", envvar="DFLASH_THREADS", help="CPU threads (default: torch's).")
 ]
+# `dflash serve` and `dflash chat`: a chat template in place of the model's.
+ChatTemplate = Annotated[
+    Optional[str],
+    typer.Option("--chat-template", help="chatml or a Jinja file, in place of the model's template (base models)."),
+]
 
 
 # The environment variables give the model options' defaults.

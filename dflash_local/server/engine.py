@@ -11,6 +11,7 @@ from collections.abc import Callable
 from contextlib import closing
 from dataclasses import dataclass, field
 
+from ..chat_template import TURN_ENDS, template_source
 from ..decode import Settings, Stats
 from ..errors import DFlashError
 from ..generation import OUT_OF_MEMORY, GenerationRequest, LoadedModels, out_of_memory, stream
@@ -113,6 +114,8 @@ class Engine:
         self.counts = {"served": 0, "cancelled": 0, "failed": 0}
         self.busy = False
         self.eos_texts = tuple(t for t in (models.tokenizer.decode([i]) for i in sorted(models.stop_ids)) if t)
+        template = template_source(models.tokenizer.config) or ""
+        self.eos_texts += tuple(end for end in TURN_ENDS if end in template and end not in self.eos_texts)
         threading.Thread(target=self._work, name="dflash-generation", daemon=True).start()
         threading.Thread(target=self._prepare_grammar, name="dflash-grammar", daemon=True).start()
 
