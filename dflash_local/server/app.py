@@ -51,7 +51,7 @@ def create_app(
     server = Server(engine, model, api_key, limits)
 
     async def health(request: Request) -> Response:
-        state = {"status": "ok", "model": model, "busy": engine.busy, "queued": engine.jobs.qsize()}
+        state = {"status": "ok", "model": model, "busy": engine.busy, "queued": engine.queued()}
         return JSONResponse(state | engine.counts)
 
     routes = [*openai_api.routes(server), *responses_api.routes(server), *anthropic_api.routes(server)]

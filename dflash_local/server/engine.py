@@ -1,12 +1,13 @@
-"""The one worker thread: takes jobs from a bounded queue in arrival order, iterates `generation.stream` for each and
-stops by checking (the client went away, a stop string appeared), handing text and the ending to the event loop."""
+"""The one worker thread: takes jobs from a bounded queue in arrival order (a cancelled job gives up its place),
+iterates `generation.stream` for each and stops by checking (the client went away, a stop string appeared), handing
+text and the ending to the event loop."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
+from collections import deque
 from collections.abc import Callable
 from contextlib import closing
 from dataclasses import dataclass, field
@@ -110,7 +111,7 @@ class Engine:
         self.block_size = block_size
         self.max_new_tokens = max_new_tokens
         self.thinking = thinking  # the drafter's thinking mode: what chat templates render unless a request says
-        self.jobs: queue.Queue[Job] = queue.Queue(maxsize=size)
+        self.size, self.waiting, self.arrived = size, deque[Job](), threading.Condition()
         self.counts = {"served": 0, "cancelled": 0, "failed": 0}
         self.busy = False
         self.eos_texts = tuple(t for t in (models.tokenizer.decode([i]) for i in sorted(models.stop_ids)) if t)
@@ -129,16 +130,26 @@ class Engine:
             log.warning("the grammar tokenizer could not be built ahead", exc_info=True)
 
     def submit(self, job: Job) -> bool:
-        """Queue the job; False when the queue is full."""
-        try:
-            self.jobs.put_nowait(job)
-        except queue.Full:
-            return False
+        """Queue the job after those waiting; False when `size` are waiting (a cancelled one gives up its place)."""
+        with self.arrived:
+            live = deque(j for j in self.waiting if not j.cancelled.is_set())
+            self.counts["cancelled"] += len(self.waiting) - len(live)
+            self.waiting = live
+            if len(live) >= self.size:
+                return False
+            self.waiting.append(job)
+            self.arrived.notify()
         return True
+
+    def queued(self) -> int:
+        """How many jobs wait (cancelled ones included until the next submit or their turn)."""
+        return len(self.waiting)
 
     def _work(self) -> None:
         while True:
-            job = self.jobs.get()
+            with self.arrived:
+                self.arrived.wait_for(lambda: self.waiting)
+                job = self.waiting.popleft()
             self.busy = True
             try:
                 self._serve(job)
