@@ -181,9 +181,10 @@ def test_hostile_bodies_get_anthropics_error_shape_and_the_server_stays_up(url, 
 
 def test_keys_are_taken_as_x_api_key_or_bearer_and_a_wrong_one_is_a_401(url):
     body = json.dumps({"messages": ASK, "max_tokens": 2}).encode()
-    assert (
-        post(url, "/v1/messages", body, {"Authorization": f"Bearer {KEY}", "anthropic-version": "2023-06-01"})[0] == 200
-    )
+    bearer = {"Authorization": f"Bearer {KEY}", "anthropic-version": "2023-06-01"}  # the anthropic client's way
+    assert post(url, "/v1/messages", body, bearer)[0] == 200
+    claude_code = {"x-api-key": KEY, "anthropic-beta": "claude-code-20250219"}
+    assert post(url, "/v1/messages?beta=true", body, claude_code)[0] == 200
     status, answer = post(url, "/v1/messages?beta=true", body, {"x-api-key": "wrong", "anthropic-beta": "x-2025"})
     assert status == 401 and answer["error"]["type"] == "authentication_error"
     with pytest.raises(anthropic.AuthenticationError):
