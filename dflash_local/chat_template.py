@@ -36,7 +36,7 @@ CHATML = (
     "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 BUILT_IN = {"chatml": CHATML}  # --chat-template's names
-TURN_ENDS = ("<|im_end|>",)  # a built-in's turn end, a stop string where the model has no such token
+TURN_ENDS = ("<|im_end|>", "<|im_start|>")  # ChatML's turn markers: stop strings where the model has no such tokens
 MAX_TEMPLATE_BYTES = 1 << 20
 RENDER_SECONDS = 2.0
 RENDER_MEMORY = 512 * 2**20

@@ -212,7 +212,7 @@ class Engine:
                     text = cutter.add(chunk.text)
                     if text or not job.sent:
                         job.emit(text)
-                    if cutter.hit in sampling.stop:
+                    if cutter.hit is not None:
                         break
         except OUT_OF_MEMORY:
             what = f"A decoding step at {len(ids) + stats.new_tokens} tokens of context"
