@@ -20,7 +20,7 @@ from .constrained import forced_call_grammar
 from .engine import Ending, Event, Failure
 from .exchange import Server
 from .protocol import BadRequest, Refused, Sampling, flag, number, stop_strings, whole
-from .request import REASONING, Blocks, ChatRequest, Reading, chat_job, dflash_stats, one_system
+from .request import REASONING, Blocks, ChatRequest, Reading, Step, chat_job, dflash_stats, one_system
 from .tools import parse_tools
 
 log = logging.getLogger("dflash.serve")
@@ -187,10 +187,8 @@ def _content(parts: Parts) -> list[dict]:
 
 def _tool_use(call: dict) -> dict:
     """An OpenAI tool call as a tool_use block."""
-    arguments = json.loads(call["function"]["arguments"])
-    return {"type": "tool_use", "id": f"toolu_{call['id'].removeprefix('call_')}", "name": call["function"]["name"]} | {
-        "input": arguments
-    }
+    function, named = call["function"], f"toolu_{call['id'].removeprefix('call_')}"
+    return {"type": "tool_use", "id": named, "name": function["name"], "input": json.loads(function["arguments"])}
 
 
 def _event(kind: str, body: dict) -> str:
@@ -211,11 +209,8 @@ class Reply:
         return error_response(status, message, headers)
 
     def _message(self, content: list[dict], stop: str | None, sequence: str | None, usage: dict) -> dict:
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content} | {
-            "stop_reason": stop,
-            "stop_sequence": sequence,
-            "usage": usage,
-        }
+        head = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content}
+        return head | {"stop_reason": stop, "stop_sequence": sequence, "usage": usage}
 
     def whole(self, text: str, ending: Ending) -> dict:
         parts = self.reading.whole(text)
@@ -230,33 +225,27 @@ class Reply:
             if isinstance(event, Parts):
                 calls += event.calls
                 for step in blocks.add(event):
-                    yield from_step(step)
+                    yield _from_step(step)
             elif isinstance(event, Failure):
                 yield _event("error", {"error": {"type": "api_error", "message": event.message}})
             else:
                 for step in blocks.close():
-                    yield from_step(step)
+                    yield _from_step(step)
                 stop, sequence = _stop(calls, event)
                 delta = {"delta": {"stop_reason": stop, "stop_sequence": sequence}, "usage": _usage(event)}
                 yield _event("message_delta", delta)
                 yield _event("message_stop", {})
 
 
-def from_step(step: tuple[str, int, str, Any]) -> str:
+def _from_step(step: Step) -> str:
     """One block step as Anthropic's events (a tool call: its block's start, its input as one delta, its stop)."""
     action, index, kind, value = step
+    thinking = kind == REASONING
     if action == "open":
-        block = {"type": "thinking", "thinking": "", "signature": ""} if kind == REASONING else {"type": "text"}
-        return _event(
-            "content_block_start",
-            {"index": index, "content_block": block | ({"text": ""} if kind != REASONING else {})},
-        )
+        block = {"type": "thinking", "thinking": "", "signature": ""} if thinking else {"type": "text", "text": ""}
+        return _event("content_block_start", {"index": index, "content_block": block})
     if action == "delta":
-        delta = (
-            {"type": "thinking_delta", "thinking": value}
-            if kind == REASONING
-            else {"type": "text_delta", "text": value}
-        )
+        delta = {"type": "thinking_delta", "thinking": value} if thinking else {"type": "text_delta", "text": value}
         return _event("content_block_delta", {"index": index, "delta": delta})
     if action == "close":
         return _event("content_block_stop", {"index": index})

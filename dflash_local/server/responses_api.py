@@ -21,7 +21,7 @@ from .constrained import forced_call_grammar, response_format_grammar
 from .engine import Ending, Event, Failure
 from .exchange import Server
 from .protocol import BadRequest, Sampling, error_response, flag, number, top_p, whole
-from .request import REASONING, Blocks, ChatRequest, Reading, chat_job, dflash_stats, one_system
+from .request import REASONING, Blocks, ChatRequest, Reading, Step, chat_job, dflash_stats, one_system
 from .tools import parse_tools
 
 log = logging.getLogger("dflash.serve")
@@ -244,7 +244,7 @@ class Reply:
                 done = self._response("completed", output, event)
                 yield self._emit(f"response.{done['status']}", {"response": done})
 
-    def _step(self, step: tuple[str, int, str, Any], output: list[dict]) -> str:
+    def _step(self, step: Step, output: list[dict]) -> str:
         """One block step as Responses events; finished items join output."""
         action, index, kind, value = step
         item_id = self._item(kind, index, "")["id"] if action != "call" else None
