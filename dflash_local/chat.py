@@ -18,6 +18,7 @@ from .chat_template import template_source, uses_thinking
 from .decode import Settings, Stats
 from .errors import DFlashError
 from .generation import GenerationRequest, LoadedModels, stream
+from .reasoning import ANSWER, Piece, ThinkSplit, opens_thinking
 from .sampling import SamplingParams
 
 HELP = """commands:
@@ -62,64 +63,11 @@ def status_line(stats: Stats, draft: bool, thinking: bool | None = None) -> str:
     return " · ".join(parts)
 
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-
-Piece = tuple[str, bool]  # streamed text, and whether it is thinking (tags included)
-
-
-class ThinkSplitter:
-    """Splits streamed answer text into thinking (<think> ... </think>) and answer pieces, holding back a tail that
-    may be the start of a tag; collects the answer without the thinking, as Qwen3's template stores a turn."""
-
-    def __init__(self, thinking: bool = False) -> None:
-        self.thinking = thinking
-        self.thought = thinking
-        self.held = ""
-        self.answer_parts: list[str] = []
-
-    def feed(self, delta: str) -> list[Piece]:
-        """The pieces of held text + delta that are sure to be outside a partial tag."""
-        text, self.held, pieces = self.held + delta, "", []
-        while text:
-            tag = THINK_CLOSE if self.thinking else THINK_OPEN
-            at = text.find(tag)
-            if at < 0:
-                keep = next((n for n in range(len(tag) - 1, 0, -1) if text.endswith(tag[:n])), 0)
-                text, self.held = text[: len(text) - keep], text[len(text) - keep :]
-                self._add(pieces, text, self.thinking)
-                break
-            if self.thinking:
-                self._add(pieces, text[:at] + tag, True)
-            else:
-                self._add(pieces, text[:at], False)
-                self._add(pieces, tag, True)
-            self.thinking, self.thought, text = not self.thinking, True, text[at + len(tag) :]
-        return pieces
-
-    def flush(self) -> list[Piece]:
-        """The held tail, at the end of the answer."""
-        pieces: list[Piece] = []
-        self._add(pieces, self.held, self.thinking)
-        self.held = ""
-        return pieces
-
-    def _add(self, pieces: list[Piece], text: str, thinking: bool) -> None:
-        if text:
-            pieces.append((text, thinking))
-            if not thinking:
-                self.answer_parts.append(text)
-
-    def answer(self) -> str:
-        """The answer so far without its thinking (and, after thinking, without the newlines that began it)."""
-        text = "".join(self.answer_parts) + ("" if self.thinking else self.held)
-        return text.lstrip("\n") if self.thought else text
-
-
 def styled(pieces: list[Piece]) -> Text:
-    """Pieces as rich text, thinking dimmed."""
+    """Pieces as rich text, thinking (and its tags) dimmed."""
     text = Text()
-    for piece, thinking in pieces:
-        text.append(piece, style="dim" if thinking else "")
+    for piece, kind in pieces:
+        text.append(piece, style="" if kind == ANSWER else "dim")
     return text
 
 
@@ -251,7 +199,7 @@ class Chat:
         messages, ids = self.fit(candidate)
         settings, stats = self.state.settings, Stats()
         prompt_tail = self.models.tokenizer.decode(ids[-8:])  # a template may open the thinking itself
-        splitter = ThinkSplitter(prompt_tail.rfind(THINK_OPEN) > prompt_tail.rfind(THINK_CLOSE))
+        splitter, answer = ThinkSplit(opens_thinking(prompt_tail)), []
         view = TerminalAnswer(self.console) if self.console.is_terminal else PipedAnswer(self.console, self.notes)
         turn: dict[str, str] | None = None
         # the stop token's text never shows, even with --ignore-eos (which generates past it)
@@ -264,12 +212,14 @@ class Chat:
                             turn = self.commit(messages, (len(candidate) - len(messages)) // 2)
                         stats = chunk.stats
                         status = status_line(stats, settings.draft, self.state.thinking)
-                        view.update(splitter.feed(chunk.text), status)
-                view.update(splitter.flush(), status_line(stats, settings.draft, self.state.thinking))
+                        view.update(_kept(splitter.add(chunk.text), answer), status)
+                status = status_line(stats, settings.draft, self.state.thinking)
+                view.update(_kept(splitter.add("", last=True), answer), status)
             finally:
                 view.close()
                 if turn is not None:
-                    turn["content"] = splitter.answer()
+                    text = "".join(answer) + ("" if splitter.inside else splitter.pending)
+                    turn["content"] = text.lstrip("\n") if splitter.thought else text
         except KeyboardInterrupt:
             if turn is None:
                 raise
@@ -347,6 +297,12 @@ class Chat:
             f"  steps by block size k (1 = plain): {blocks or '-'}\n"
             f"session: {self.state.session_tokens} tokens · {session_rate:.1f} tok/s"
         )
+
+
+def _kept(pieces: list[Piece], answer: list[str]) -> list[Piece]:
+    """pieces, their answer text (the turn the history keeps: no thinking) added to answer."""
+    answer.extend(text for text, kind in pieces if kind == ANSWER)
+    return pieces
 
 
 def _number(text: str, kind: type, message: str):

@@ -31,6 +31,13 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .errors import DFlashError
 
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + "
+    "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+BUILT_IN = {"chatml": CHATML}  # --chat-template's names
+TURN_ENDS = ("<|im_end|>", "<|im_start|>")  # ChatML's turn markers: stop strings where the model has no such tokens
+MAX_TEMPLATE_BYTES = 1 << 20
 RENDER_SECONDS = 2.0
 RENDER_MEMORY = 512 * 2**20
 MAX_OUTPUT = 1_000_000
@@ -137,6 +144,26 @@ def _deadline(seconds: float) -> Iterator[None]:
         raise _OutOfTime
 
 
+def read_template(choice: str) -> str:
+    """--chat-template's template: a built-in's name (chatml), or a Jinja file's text, checked to compile."""
+    if choice in BUILT_IN:
+        return BUILT_IN[choice]
+    path = Path(choice).expanduser()
+    names = " or ".join(BUILT_IN)
+    if not path.is_file():
+        raise DFlashError(f"--chat-template must be {names} or a Jinja file, and {choice} is neither.")
+    if path.stat().st_size > MAX_TEMPLATE_BYTES:
+        raise DFlashError(f"--chat-template {path} is over {MAX_TEMPLATE_BYTES >> 20} MB: not a chat template.")
+    try:
+        source = path.read_text(encoding="utf-8")
+        _compile(source)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DFlashError(f"--chat-template {path} cannot be read ({exc}).") from None
+    except TemplateError as exc:
+        raise DFlashError(f"--chat-template {path} is not a Jinja template ({exc}).") from None
+    return source
+
+
 def template_source(tokenizer_config: dict[str, Any]) -> str | None:
     """The default chat template string of a tokenizer_config.json, if any."""
     template = tokenizer_config.get("chat_template")
@@ -184,7 +211,11 @@ def render_chat(
     enable_thinking and tools, when given, are passed as those template variables (None leaves them out)."""
     source = template_source(tokenizer_config)
     if source is None:
-        raise DFlashError("The model has no chat template (tokenizer_config.json has no chat_template).")
+        where = tokenizer_config.get("chat_template_file", "tokenizer_config.json")
+        raise DFlashError(
+            f"The model has no chat template ({where} has none): give one with --chat-template chatml or "
+            "--chat-template FILE.jinja."
+        )
     variables = {
         "messages": messages,
         "add_generation_prompt": add_generation_prompt,
@@ -209,6 +240,13 @@ def render_chat(
     except Exception as exc:  # the template is untrusted code: whatever it raises is its failure
         detail = re.sub(r"\.\s+", "; ", " ".join(str(exc).split())).rstrip(".") or type(exc).__name__
         raise DFlashError(f"The chat template failed to render: {detail}.") from None
+
+
+def use_template(config: dict[str, Any], source: str | None, model: Path) -> dict[str, Any]:
+    """A tokenizer config with --chat-template's source in place of the model's own (None: keep it), and the
+    file the template comes from (named when there is none): the model's .gguf or tokenizer_config.json."""
+    where = str(model) if model.suffix == ".gguf" else str(model / "tokenizer_config.json")
+    return config | ({"chat_template": source} if source is not None else {}) | {"chat_template_file": where}
 
 
 class ChatEncoder:

@@ -24,6 +24,7 @@ from dflash_local.chat import Chat, piped_lines
 from dflash_local.decode import Settings, Step, run
 from dflash_local.errors import DFlashError
 from dflash_local.generation import load_models
+from dflash_local.reasoning import ANSWER, TAG, THINKING, ThinkSplit
 from dflash_local.runtime import LoadSpec, RuntimeConfig
 from dflash_local.tokenizer import TextTokenizer
 
@@ -359,13 +360,14 @@ def test_thinking_is_dimmed_and_kept_out_of_the_history(models, monkeypatch):
 
 
 def test_tags_split_across_deltas():
-    splitter, text = chat_module.ThinkSplitter(), THOUGHT + "Use <b> a + b.<thi"
-    pieces = [piece for n in range(0, len(text), 2) for piece in splitter.feed(text[n : n + 2])] + splitter.flush()
+    splitter, text = ThinkSplit(), THOUGHT + "Use <b> a + b.<thi"
+    pieces = [piece for n in range(0, len(text), 2) for piece in splitter.add(text[n : n + 2])]
+    pieces += splitter.add("", last=True)
     assert "".join(p for p, _ in pieces) == text
-    assert "".join(p for p, thinking in pieces if thinking) == "<think>\nThey want a sum.\n</think>"
-    assert splitter.answer() == "Use <b> a + b.<thi"
-    opened = chat_module.ThinkSplitter(thinking=True)  # the template opened the thinking in the prompt
-    assert opened.feed("hmm</think>\n\nok") == [("hmm</think>", True), ("\n\nok", False)] and opened.answer() == "ok"
+    assert "".join(p for p, kind in pieces if kind != ANSWER) == "<think>\nThey want a sum.\n</think>"
+    assert "".join(p for p, kind in pieces if kind == ANSWER) == "\n\nUse <b> a + b.<thi"
+    opened = ThinkSplit(inside=True)  # the template opened the thinking in the prompt
+    assert opened.add("hmm</think>\n\nok") == [("hmm", THINKING), ("</think>", TAG), ("\n\nok", ANSWER)]
 
 
 def test_the_catalog_says_how_the_drafter_thinks(tmp_path, monkeypatch):

@@ -122,3 +122,37 @@ def test_enable_thinking_reaches_templates_that_read_it():
     assert render_chat(config, MESSAGES, enable_thinking=True) == render_chat(config, MESSAGES) == off[:-19]
     assert chat_template.uses_thinking(config) and not chat_template.uses_thinking(TINY_CONFIG)
     assert render_chat(TINY_CONFIG, MESSAGES, enable_thinking=False) == "<|user|>hi<|end|><|assistant|>"
+
+
+def test_chat_template_names_a_built_in_or_a_jinja_file_and_refuses_the_rest(tmp_path):
+    assert chat_template.read_template("chatml") == chat_template.CHATML
+    assert render("{{ x }}") == ""  # (a file's text renders the same way as the model's own)
+    good = tmp_path / "mine.jinja"
+    good.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+    assert render_chat({"chat_template": chat_template.read_template(str(good))}, MESSAGES) == "[user] hi\n"
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}")
+    with pytest.raises(DFlashError, match=rf"^--chat-template {broken} is not a Jinja template \(.*\)\.$"):
+        chat_template.read_template(str(broken))
+    with pytest.raises(DFlashError, match=r"^--chat-template must be chatml or a Jinja file, and chatmI is neither\.$"):
+        chat_template.read_template("chatmI")
+    huge = tmp_path / "huge.jinja"
+    huge.write_text("x" * (chat_template.MAX_TEMPLATE_BYTES + 1))
+    with pytest.raises(DFlashError, match=r"is over 1 MB: not a chat template\.$"):
+        chat_template.read_template(str(huge))
+
+
+def test_chatml_renders_as_chatml_models_expect():
+    messages = [{"role": "system", "content": "Be brief."}, *MESSAGES]
+    assert render_chat({"chat_template": chat_template.CHATML}, messages) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_the_no_template_error_names_the_file_looked_in(tmp_path):
+    gguf, folder = tmp_path / "base.gguf", tmp_path / "model"
+    for model, named in ((gguf, str(gguf)), (folder, str(folder / "tokenizer_config.json"))):
+        config = chat_template.use_template({"bos_token": "<s>"}, None, model)
+        with pytest.raises(DFlashError, match=rf"^The model has no chat template \({named} has none\): give one with"):
+            render_chat(config, MESSAGES)
+        assert chat_template.use_template(config, "T", model)["chat_template"] == "T"

@@ -22,7 +22,7 @@ LAYERS = (
         *("chat_template", "offload", "runtime", "layers", "quant", "cuda_graphs", "sampling", "gguf.shape"),
         *("gguf.tensors",),
     ),
-    ("targets", "tokenizer", "gguf.tokenizer", "grammar"),  # the target backends, their vocabularies, grammars
+    ("targets", "tokenizer", "gguf.tokenizer", "grammar", "reasoning"),  # the targets, vocabularies, grammars, <think>
     ("drafters", "gguf.convert"),  # what builds on a target
     ("block_policy", "session", "decode"),  # the decode loop
     ("generation", "handoff", "doctor", "chat", "bench", "server", "model_list", "train", "cli", "__main__"),  # fronts

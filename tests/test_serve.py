@@ -215,7 +215,7 @@ def test_the_stop_cutter_never_sends_text_after_a_stop_string():
 
 def test_a_full_queue_refuses_instead_of_waiting():
     release = threading.Event()
-    models = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids: ""), stop_ids=frozenset())
+    models = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids: "", config={}), stop_ids=frozenset())
     engine = Engine(models, None, None, size=2)
     loop = SimpleNamespace(call_soon_threadsafe=lambda *args: None)
     busy = Job(lambda models: release.wait() and [], Sampling(), loop)
@@ -228,6 +228,31 @@ def test_a_full_queue_refuses_instead_of_waiting():
     assert engine.submit(Job(lambda models: [], Sampling(), loop))
     assert not engine.submit(Job(lambda models: [], Sampling(), loop))
     release.set()
+
+
+def test_the_queue_serves_in_arrival_order_and_a_cancelled_job_gives_up_its_place():
+    release, served = threading.Event(), []
+    models = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids: "", config={}), stop_ids=frozenset())
+    engine = Engine(models, None, None, size=2)
+    loop = SimpleNamespace(call_soon_threadsafe=lambda *args: None)
+
+    def job(name: str) -> Job:
+        return Job(lambda models: served.append(name) or (release.wait() and []), Sampling(), loop)
+
+    assert engine.submit(job("first"))
+    deadline = time.monotonic() + 30
+    while not engine.busy:
+        assert time.monotonic() < deadline, "the worker never took the first job"
+        time.sleep(0.01)
+    gone, second = job("gone"), job("second")
+    assert engine.submit(gone) and engine.submit(second) and not engine.submit(job("refused"))
+    gone.cancelled.set()  # its client disconnected while it waited
+    assert engine.submit(job("third")) and engine.queued() == 2
+    release.set()
+    while served != ["first", "second", "third"]:
+        assert time.monotonic() < deadline, f"served {served}"
+        time.sleep(0.01)
+    assert engine.counts["cancelled"] == 1
 
 
 @pytest.mark.parametrize(

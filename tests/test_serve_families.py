@@ -23,9 +23,10 @@ from dflash_local.generation import load_models
 from dflash_local.runtime import LoadSpec, RuntimeConfig
 from dflash_local.server import engine as engine_module
 from dflash_local.server import ollama_api
-from dflash_local.server.channels import GEMMA4, HARMONY, PLAIN, ReplyReader, read_reply, reply_family
+from dflash_local.server.channels import GEMMA4, HARMONY, PLAIN, THINK, ReplyReader, read_reply, reply_family
 from dflash_local.server.engine import Engine
 from dflash_local.server.openai_api import Shape
+from dflash_local.server.request import Reading
 
 NAMES = [WEATHER]
 HARMONY_CALL = (
@@ -53,7 +54,9 @@ def config(template: str) -> dict:
     [
         ("openai-gpt-oss-120b.jinja", HARMONY),
         ("google-gemma-4-31B-it.jinja", GEMMA4),
-        ("Qwen-Qwen3-0.6B.jinja", PLAIN),
+        ("Qwen-Qwen3-0.6B.jinja", THINK),
+        ("Qwen3.5-4B.jinja", THINK),
+        ("Qwen3-Coder.jinja", PLAIN),
         ("meta-llama-Llama-3.1-8B-Instruct.jinja", PLAIN),
         ("google-gemma-2-2b-it.jinja", PLAIN),
     ],
@@ -182,7 +185,10 @@ def chunks_of(family: str, pieces: list[str], tools: list[dict] | None) -> list[
         yield ENDING
 
     async def collect() -> list[str]:
-        return [line async for line in Shape(True, "m", tools=tools, family=family).stream(events())]
+        return [
+            line
+            async for line in Shape("m", reading=Reading(family, tools, SimpleNamespace(opened=False))).stream(events())
+        ]
 
     return [json.loads(line.removeprefix("data: ")) for line in asyncio.run(collect())[:-1]]
 
@@ -269,7 +275,7 @@ def test_a_reply_the_reader_cannot_read_is_answered_as_text_never_a_500(scripted
 
 
 def test_ollama_reply_shape_carries_thinking():
-    reply = ollama_api.Reply(True, "m", None, HARMONY).whole(HARMONY_ANSWER, ENDING)
+    reply = ollama_api.Reply("m", Reading(HARMONY, None, SimpleNamespace(opened=False))).whole(HARMONY_ANSWER, ENDING)
     parsed = ollama.ChatResponse.model_validate(reply)
     assert (parsed.message.thinking, parsed.message.content) == ("It is sunny, say so.", "18 C and sunny in Paris.")
 

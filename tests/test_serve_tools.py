@@ -8,6 +8,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import ollama
 import openai
@@ -19,9 +20,11 @@ from dflash_local.decode import Stats
 from dflash_local.generation import load_models
 from dflash_local.runtime import LoadSpec, RuntimeConfig
 from dflash_local.server import ollama_api
+from dflash_local.server.channels import PLAIN
 from dflash_local.server.engine import Ending, Engine
 from dflash_local.server.openai_api import Shape
 from dflash_local.server.protocol import BadRequest, parse_messages
+from dflash_local.server.request import Reading
 from dflash_local.server.tools import conversation, parse_calls, parse_tools
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -133,7 +136,12 @@ def streamed(pieces: list[str], tools: list[dict] | None = None) -> list[dict]:
         yield ENDING
 
     async def collect() -> list[str]:
-        return [line async for line in Shape(True, "tiny", tools=tools).stream(events())]
+        return [
+            line
+            async for line in Shape("tiny", reading=Reading(PLAIN, tools, SimpleNamespace(opened=False))).stream(
+                events()
+            )
+        ]
 
     lines = asyncio.run(collect())
     assert lines[-1] == "data: [DONE]\n\n"
@@ -209,7 +217,8 @@ def test_the_openai_client_sends_tools_and_tool_history_and_reads_text_back(tool
 
 def test_ollama_replies_carry_the_calls_in_ollamas_shape_whole_and_streamed():
     text = 'Sure.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
-    whole = ollama.ChatResponse.model_validate(ollama_api.Reply(True, "tiny", [WEATHER]).whole(text, ENDING))
+    reply = ollama_api.Reply("tiny", Reading(PLAIN, [WEATHER], SimpleNamespace(opened=False)))
+    whole = ollama.ChatResponse.model_validate(reply.whole(text, ENDING))
     assert whole.message.content == "Sure." and whole.done
     assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == [
         ("get_weather", {"city": "Paris"})
@@ -221,7 +230,7 @@ def test_ollama_replies_carry_the_calls_in_ollamas_shape_whole_and_streamed():
         yield ENDING
 
     async def lines() -> list[str]:
-        return [line async for line in ollama_api.Reply(True, "tiny", [WEATHER]).stream(events())]
+        return [line async for line in reply.stream(events())]
 
     parts = [ollama.ChatResponse.model_validate_json(line) for line in asyncio.run(lines())]
     assert "".join(p.message.content for p in parts) == "Sure."

@@ -7,7 +7,7 @@ import typer
 from . import values
 from .app import user_errors
 from .files import resolve
-from .options import DecodeOptions, ModelOptions, Own, decode_options, model_options
+from .options import ChatTemplate, DecodeOptions, ModelOptions, Own, decode_options, model_options
 
 
 @model_options(2048)
@@ -23,6 +23,7 @@ from .options import DecodeOptions, ModelOptions, Own, decode_options, model_opt
 )
 def chat(
     model: str = typer.Argument("tiny", help="A model name (dflash models), a Hub repo, a folder or a .gguf file."),
+    chat_template: ChatTemplate = None,
     *,
     decode: DecodeOptions,
     options: ModelOptions,
@@ -33,10 +34,13 @@ def chat(
         block_size = decode.block()
 
         from ..chat import run_chat
+        from ..chat_template import read_template, use_template
         from ..generation import memory_guard
 
         decode.sampling()  # checks them before anything loads
+        template = None if chat_template is None else read_template(chat_template)
         resolved = resolve(model, decode.drafter, options.offline, options.token)
         models = options.load(resolved, resolved.drafter, resolved.backend, block_size is None)
+        models.tokenizer.config = use_template(models.tokenizer.config, template, resolved.target)
         with memory_guard("Answering in this conversation", models.target.device.type):
             run_chat(models, decode.settings(models), thinking=resolved.thinking)

@@ -38,6 +38,11 @@ Device = Annotated[
 Threads = Annotated[
     Optional[int], typer.Option("--threads", envvar="DFLASH_THREADS", help="CPU threads (default: torch's).")
 ]
+# `dflash serve` and `dflash chat`: a chat template in place of the model's.
+ChatTemplate = Annotated[
+    Optional[str],
+    typer.Option("--chat-template", help="chatml or a Jinja file, in place of the model's template (base models)."),
+]
 
 # The options `dflash pull` shares with the model options.
 Offline = Annotated[bool, typer.Option("--offline", help="Use only models already pulled.")]

@@ -1,4 +1,4 @@
-"""`dflash serve`: the OpenAI-compatible server (server.py), or the launch command of vLLM/SGLang for the same pair."""
+"""`dflash serve`: the HTTP server (dflash_local/server), or the launch command of vLLM/SGLang for the same pair."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from ..errors import DFlashError
 from . import values
 from .app import user_errors
 from .files import check_storage, resolve
-from .options import DecodeOptions, ModelOptions, Own, decode_options, model_options
+from .options import ChatTemplate, DecodeOptions, ModelOptions, Own, decode_options, model_options
 
 
 @model_options()
@@ -29,7 +29,10 @@ def serve(
     api_key: Optional[str] = typer.Option(
         None, "--api-key", envvar="DFLASH_API_KEY", help="Require Authorization: Bearer KEY on /v1 requests."
     ),
-    queue_size: int = typer.Option(16, "--queue-size", help="Requests that may wait; more are answered 503."),
+    max_queue: int = typer.Option(
+        16, "--max-queue", "--queue-size", help="Requests that may wait; more are answered 429 (Anthropic: 529)."
+    ),
+    chat_template: ChatTemplate = None,
     max_body: int = typer.Option(4 * 2**20, "--max-body", help="Largest request body in bytes; more is a 413."),
     read_timeout: float = typer.Option(
         30.0, "--read-timeout", help="Seconds a client has to send its request's headers, then its body (else 408)."
@@ -46,7 +49,8 @@ def serve(
     decode: DecodeOptions,
     options: ModelOptions,
 ) -> None:
-    """Serve a model over an OpenAI-compatible HTTP API (or print a vLLM/SGLang command for the same pair)."""
+    """Serve a model over OpenAI's, Anthropic's and Ollama's HTTP APIs (or print a vLLM/SGLang command for the
+    same pair)."""
     with user_errors():
         block_size = decode.block()
         if engine is not None:
@@ -56,7 +60,7 @@ def serve(
             raise DFlashError("--exec runs an engine's command: use it with --engine vllm or --engine sglang.")
         max_new_tokens = decode.max_new_tokens
         values.check_numbers(1 if max_new_tokens is None else max_new_tokens, options.max_context)
-        counts = {"--queue-size": queue_size, "--max-body": max_body, "--max-connections": max_connections}
+        counts = {"--max-queue": max_queue, "--max-body": max_body, "--max-connections": max_connections}
         for flag, value in counts.items():
             if value < 1:
                 raise DFlashError(f"{flag} must be at least 1, got {value}.")
@@ -65,19 +69,23 @@ def serve(
         if not 0 <= port < 2**16:
             raise DFlashError(f"--port must be from 0 to 65535, got {port}.")
 
+        from ..chat_template import read_template, use_template
         from ..server import Engine, Limits, create_app, exposure_warning, listen, run_server
 
+        template = None if chat_template is None else read_template(chat_template)
         sock = listen(host, port)  # before loading: a taken port fails at once
         resolved = resolve(model, decode.drafter, options.offline, options.token)
         drafter = None if decode.no_draft else resolved.drafter
         models = options.load(resolved, drafter, resolved.backend, block_size is None)
-        worker = Engine(models, block_size, max_new_tokens, queue_size, resolved.thinking)
+        models.tokenizer.config = use_template(models.tokenizer.config, template, resolved.target)
+        worker = Engine(models, block_size, max_new_tokens, max_queue, resolved.thinking)
         warning = exposure_warning(host, api_key)
         if warning:
             typer.echo(warning, err=True)
         address = sock.getsockname()
         shown = f"[{address[0]}]" if ":" in address[0] else address[0]
-        typer.echo(f"serving {model} on http://{shown}:{address[1]}/v1 (OpenAI API; Ctrl-C stops)", err=True)
+        apis = "OpenAI, Anthropic and Ollama APIs"
+        typer.echo(f"serving {model} on http://{shown}:{address[1]}/v1 ({apis}; Ctrl-C stops)", err=True)
         limits = Limits(max_body, read_timeout, max_connections)
         run_server(create_app(worker, model, api_key, limits, tuple(cors_origins)), sock, limits)
 

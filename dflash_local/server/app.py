@@ -1,5 +1,6 @@
-"""The Starlette app: OpenAI's and Ollama's routes over one engine, /health, CORS for the origins given, and every
-refusal (no such path, wrong method, a bug) in OpenAI's error shape."""
+"""The Starlette app: OpenAI's (chat completions, completions, Responses), Anthropic's and Ollama's routes over one
+engine, /health, CORS for the origins given, and every refusal the routes do not answer themselves (no such path,
+wrong method, a bug) in OpenAI's error shape."""
 
 from __future__ import annotations
 
@@ -11,13 +12,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from . import ollama_api, openai_api
+from . import anthropic_api, ollama_api, openai_api, responses_api
 from .engine import Engine
 from .exchange import Server
 from .hardening import Limits
 from .protocol import error_response
 
-PATHS = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health and Ollama's /api/*"
+PATHS = (
+    "POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, POST /v1/messages, GET /v1/models, "
+    "GET /health and Ollama's /api/*"
+)
 
 
 def _http_error(request: Request, exc: HTTPException) -> Response:
@@ -42,14 +46,17 @@ def create_app(
     limits: Limits = Limits(),
     cors_origins: tuple[str, ...] = (),
 ) -> Starlette:
-    """The app: OpenAI's /v1 routes, Ollama's /api routes and /health; browsers from cors_origins only."""
+    """The app: OpenAI's and Anthropic's /v1 routes, Ollama's /api routes and /health; browsers from cors_origins
+    only."""
     server = Server(engine, model, api_key, limits)
 
     async def health(request: Request) -> Response:
-        state = {"status": "ok", "model": model, "busy": engine.busy, "queued": engine.jobs.qsize()}
+        state = {"status": "ok", "model": model, "busy": engine.busy, "queued": engine.queued()}
         return JSONResponse(state | engine.counts)
 
-    routes = [*openai_api.routes(server), *ollama_api.routes(server), Route("/health", health, methods=["GET"])]
+    routes = [*openai_api.routes(server), *responses_api.routes(server), *anthropic_api.routes(server)]
+    routes += ollama_api.routes(server)
+    routes.append(Route("/health", health, methods=["GET"]))
     cors = [Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"], allow_headers=["*"])]
     app = Starlette(
         routes=routes,

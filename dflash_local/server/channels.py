@@ -1,5 +1,6 @@
-"""A chat reply read the way its model family writes it: reasoning apart from the answer, and the family's own tool
-calls (gpt-oss's harmony messages, Gemma 4's `<|tool_call>` blocks), text by text as it streams. Which family is
+"""A chat reply read the way its model family writes it: reasoning apart from the answer (`<think>` blocks, harmony's
+analysis channel, Gemma 4's thought channel), and the family's own tool calls (gpt-oss's harmony messages, Gemma 4's
+`<|tool_call>` blocks), text by text as it streams. Which family is
 chosen once per served model, from the markers of its chat template; the answer then goes through tools.ToolText,
 which reads the Hermes-style `<tool_call>` JSON that every family may write (a forced call's grammar writes it)."""
 
@@ -11,18 +12,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..chat_template import template_source
-from .tools import ToolText, held, make_call, tool_names
+from ..reasoning import TAG, THINK_CLOSE, THINK_OPEN, THINKING, ThinkSplit, held
+from .tools import ToolText, make_call, tool_names
 
-HARMONY, GEMMA4, PLAIN = "harmony", "gemma4", "plain"
+HARMONY, GEMMA4, THINK, PLAIN = "harmony", "gemma4", "think", "plain"
 
 
 def reply_family(tokenizer_config: dict[str, Any]) -> str:
-    """The family a chat template writes replies in: harmony (gpt-oss), gemma4, or plain (the rest)."""
+    """The family a chat template writes replies in: harmony (gpt-oss), gemma4, think (`<think>` reasoning: Qwen3,
+    Qwen3.5/3.6, DeepSeek-style), or plain (the rest)."""
     source = template_source(tokenizer_config) or ""
     if "<|channel|>" in source and "<|message|>" in source:
         return HARMONY
     if "<|tool_call>" in source and "<|channel>" in source:
         return GEMMA4
+    if THINK_OPEN in source and THINK_CLOSE in source:
+        return THINK
     return PLAIN
 
 
@@ -228,6 +233,29 @@ def _skip(text: str, at: int) -> int:
     return at
 
 
+class Think:
+    """`<think>...</think>` is reasoning, the rest the answer (`inside`: the prompt opened the thinking); the
+    newlines that begin each part are dropped, as templates write them after the tags."""
+
+    def __init__(self, inside: bool) -> None:
+        self.split, self.strip = ThinkSplit(inside), True
+
+    def add(self, delta: str, last: bool = False) -> Parts:
+        """Read delta; return what is known now (last: the reply ended, nothing is held back)."""
+        out = Parts()
+        for text, kind in self.split.add(delta, last):
+            if kind == TAG:
+                self.strip = True
+                continue
+            text = text.lstrip("\n") if self.strip else text
+            self.strip = self.strip and not text
+            if kind == THINKING:
+                out.reasoning += text
+            else:
+                out.content += text
+        return out
+
+
 class Plain:
     """A family that writes its reply as it is: all of it the answer."""
 
@@ -244,9 +272,10 @@ FAMILIES = {HARMONY: Harmony, GEMMA4: Gemma4, PLAIN: Plain}
 class ReplyReader:
     """One chat reply, streamed: the family's reading of it, then (with tools) Hermes-style calls in its answer."""
 
-    def __init__(self, family: str, tools: list[dict] | None) -> None:
+    def __init__(self, family: str, tools: list[dict] | None, inside: bool = False) -> None:
+        """inside: the prompt opened a <think> (the think family's reply begins in its reasoning)."""
         names = tool_names(tools or [])
-        self.family = FAMILIES[family](names)
+        self.family = Think(inside) if family == THINK else FAMILIES[family](names)
         self.tools = ToolText(tools) if tools else None
 
     def add(self, delta: str) -> Parts:
@@ -267,9 +296,9 @@ class ReplyReader:
         return parts
 
 
-def read_reply(family: str, tools: list[dict] | None, text: str) -> Parts:
+def read_reply(family: str, tools: list[dict] | None, text: str, inside: bool = False) -> Parts:
     """A whole reply read at once (the same reading as streamed): reasoning, answer, calls."""
-    reader = ReplyReader(family, tools)
+    reader = ReplyReader(family, tools, inside)
     parts = reader.add(text)
     parts += reader.finish()
     if parts.calls:

@@ -1,20 +1,23 @@
-"""The one worker thread: takes jobs from a bounded queue in arrival order, iterates `generation.stream` for each and
-stops by checking (the client went away, a stop string appeared), handing text and the ending to the event loop."""
+"""The one worker thread: takes jobs from a bounded queue in arrival order (a cancelled job gives up its place),
+iterates `generation.stream` for each and stops by checking (the client went away, a stop string appeared), handing
+text and the ending to the event loop."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
+from collections import deque
 from collections.abc import Callable
 from contextlib import closing
 from dataclasses import dataclass, field
 
+from ..chat_template import TURN_ENDS, template_source
 from ..decode import Settings, Stats
 from ..errors import DFlashError
 from ..generation import OUT_OF_MEMORY, GenerationRequest, LoadedModels, out_of_memory, stream
 from ..grammar import compile_grammar, prepare_tokenizer
+from ..reasoning import held, opens_thinking
 from .protocol import Sampling
 
 log = logging.getLogger("dflash.serve")
@@ -40,10 +43,7 @@ class StopCutter:
             at, self.hit = min(found)
             self.text = self.text[:at]
             return self.flush()
-        unsent = len(self.text) - self.sent  # only unsent text can be held back, so a long stop string costs no more
-        stops = ((s, range(1, min(len(s), unsent + 1))) for s in self.stops)
-        keep = max((n for s, sizes in stops for n in sizes if self.text.endswith(s[:n])), default=0)
-        end = max(self.sent, len(self.text) - keep)
+        end = len(self.text) - held(self.text[self.sent :], self.stops)  # only unsent text can be held back
         out, self.sent = self.text[self.sent : end], end
         return out
 
@@ -55,11 +55,12 @@ class StopCutter:
 
 @dataclass(frozen=True)
 class Ending:
-    """How a generation ended: "stop" or "length", its prompt's length and the loop's own stats."""
+    """How a generation ended: "stop" or "length", its prompt's length, the loop's own stats and the stop string."""
 
     finish_reason: str
     prompt_tokens: int
     stats: Stats
+    stop_sequence: str | None = None  # the request's stop string that ended it, if one did
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,9 @@ class Job:
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     sent: bool = False  # whether any text went out (a failure after it is the server's, a 500)
+    count_only: bool = False  # render and count the prompt's tokens, generate nothing
+    opened: bool = False  # whether the rendered prompt opened a <think> (set before the first event)
+    prompt_tokens: int = 0  # the rendered prompt's length (set before the first event)
 
     def emit(self, event: Event) -> None:
         """Hand an event to the request's coroutine (thread-safe)."""
@@ -107,10 +111,12 @@ class Engine:
         self.block_size = block_size
         self.max_new_tokens = max_new_tokens
         self.thinking = thinking  # the drafter's thinking mode: what chat templates render unless a request says
-        self.jobs: queue.Queue[Job] = queue.Queue(maxsize=size)
+        self.size, self.waiting, self.arrived = size, deque[Job](), threading.Condition()
         self.counts = {"served": 0, "cancelled": 0, "failed": 0}
         self.busy = False
         self.eos_texts = tuple(t for t in (models.tokenizer.decode([i]) for i in sorted(models.stop_ids)) if t)
+        template = template_source(models.tokenizer.config) or ""
+        self.eos_texts += tuple(end for end in TURN_ENDS if end in template and end not in self.eos_texts)
         threading.Thread(target=self._work, name="dflash-generation", daemon=True).start()
         threading.Thread(target=self._prepare_grammar, name="dflash-grammar", daemon=True).start()
 
@@ -124,16 +130,26 @@ class Engine:
             log.warning("the grammar tokenizer could not be built ahead", exc_info=True)
 
     def submit(self, job: Job) -> bool:
-        """Queue the job; False when the queue is full."""
-        try:
-            self.jobs.put_nowait(job)
-        except queue.Full:
-            return False
+        """Queue the job after those waiting; False when `size` are waiting (a cancelled one gives up its place)."""
+        with self.arrived:
+            live = deque(j for j in self.waiting if not j.cancelled.is_set())
+            self.counts["cancelled"] += len(self.waiting) - len(live)
+            self.waiting = live
+            if len(live) >= self.size:
+                return False
+            self.waiting.append(job)
+            self.arrived.notify()
         return True
+
+    def queued(self) -> int:
+        """How many jobs wait (cancelled ones included until the next submit or their turn)."""
+        return len(self.waiting)
 
     def _work(self) -> None:
         while True:
-            job = self.jobs.get()
+            with self.arrived:
+                self.arrived.wait_for(lambda: self.waiting)
+                job = self.waiting.popleft()
             self.busy = True
             try:
                 self._serve(job)
@@ -182,7 +198,11 @@ class Engine:
         sampling = job.sampling
         cutter = StopCutter(sampling.stop + (() if sampling.ignore_eos else self.eos_texts))
         ids = job.prompt(self.models)
+        job.opened = opens_thinking(self.models.tokenizer.decode(ids[-8:]))
+        job.prompt_tokens = len(ids)
         stats = Stats()
+        if job.count_only:
+            return Ending("stop", len(ids), stats)
         try:
             with closing(stream(self.models, GenerationRequest(ids, self.settings(sampling, len(ids))))) as chunks:
                 for chunk in chunks:
@@ -192,11 +212,11 @@ class Engine:
                     text = cutter.add(chunk.text)
                     if text or not job.sent:
                         job.emit(text)
-                    if cutter.hit in sampling.stop:
+                    if cutter.hit is not None:
                         break
         except OUT_OF_MEMORY:
             what = f"A decoding step at {len(ids) + stats.new_tokens} tokens of context"
             raise out_of_memory(what, self.models.target.device.type) from None
         job.emit(cutter.flush())
         finish = "stop" if cutter.hit is not None or stats.finish_reason == "stop" else "length"
-        return Ending(finish, len(ids), stats)
+        return Ending(finish, len(ids), stats, cutter.hit if cutter.hit in sampling.stop else None)

@@ -15,8 +15,8 @@ from .engine import Ending, Engine, Event, Failure, Job
 from .hardening import RETRY_AFTER_S, Limits, read_json
 from .protocol import Refused
 
-BUSY = "The server is busy: the request queue is full; retry later."
-NO_KEY = "Missing or wrong API key: send it as Authorization: Bearer KEY."
+BUSY = "The server is busy: the request queue is full (--max-queue); retry later."
+NO_KEY = "Missing or wrong API key: send it as Authorization: Bearer KEY (or x-api-key: KEY)."
 
 
 class Reply(Protocol):
@@ -67,11 +67,13 @@ class Server:
         self.engine, self.model, self.api_key, self.limits = engine, model, api_key, limits
 
     def authorized(self, request: Request) -> bool:
-        """Authorization: Bearer KEY (the scheme in any case), the key compared in constant time."""
+        """Authorization: Bearer KEY (the scheme in any case) or x-api-key: KEY (Anthropic's), compared in constant
+        time."""
         if self.api_key is None:
             return True
         scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self.api_key.encode())
+        given = given.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "").strip()
+        return bool(given) and hmac.compare_digest(given.encode(), self.api_key.encode())
 
     def endpoint(
         self,
@@ -94,7 +96,7 @@ class Server:
     async def answer(self, request: Request, job: Job, reply: Reply) -> Response:
         """Queue the job, wait for its first event, then stream or collect the rest."""
         if not self.engine.submit(job):
-            return reply.error(503, BUSY, headers={"Retry-After": str(RETRY_AFTER_S)})
+            return reply.error(429, BUSY, headers={"Retry-After": str(RETRY_AFTER_S)})
         disconnect = asyncio.ensure_future(_disconnected(request))
         try:
             event = await _next_event(job, disconnect)

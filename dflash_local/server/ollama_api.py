@@ -14,15 +14,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from ..chat_template import takes_tools, uses_thinking
+from ..chat_template import uses_thinking
 from ..generation import LoadedModels
 from ..sampling import SamplingParams
-from .channels import PLAIN, Parts, ReplyReader, read_reply, reply_family
+from .channels import PLAIN, Parts, reply_family
 from .constrained import ollama_format_grammar
 from .engine import Ending, Event, Failure, Job
 from .exchange import Server
 from .protocol import BadRequest, Refused, Sampling, flag, number, parse_messages, stop_strings, whole
-from .tools import conversation, parse_tools
+from .request import ChatRequest, Reading, chat_job, plain_parts
+from .tools import parse_tools
 
 log = logging.getLogger("dflash.serve")
 
@@ -72,8 +73,9 @@ class Reply:
 
     media_type = "application/x-ndjson"
 
-    def __init__(self, chat: bool, model: str, tools: list[dict] | None = None, family: str = PLAIN) -> None:
-        self.chat, self.model, self.tools, self.family = chat, model, tools, family
+    def __init__(self, model: str, reading: Reading | None = None) -> None:
+        """reading: how a chat's reply is read (None: /api/generate's text as it is)."""
+        self.chat, self.model, self.reading = reading is not None, model, reading
         self.started = time.monotonic()
 
     def error(self, status: int, message: str, headers: dict[str, str] | None = None) -> Response:
@@ -96,7 +98,7 @@ class Reply:
         return body | {"message": message, "done": done}
 
     def whole(self, text: str, ending: Ending) -> dict:
-        return self._last(read_reply(self.family, self.tools, text), ending)  # generate: plain, no tools
+        return self._last(self.reading.whole(text) if self.reading else Parts(content=text), ending)
 
     def _last(self, parts: Parts, ending: Ending) -> dict:
         """The last line: done, why, the counts and the durations in nanoseconds."""
@@ -114,20 +116,16 @@ class Reply:
     async def stream(self, events: AsyncIterator[Event]) -> AsyncIterator[str]:
         """NDJSON lines: each text (a chat's reasoning as thinking; tool calls held back and sent with the last
         line), then the last line."""
-        reader = ReplyReader(self.family, self.tools)  # generate: plain, no tools
         calls: list[dict] = []
-        async for event in events:
-            if isinstance(event, str):
-                parts = reader.add(event)
-                calls += parts.calls
-                if parts.content or parts.reasoning:
-                    yield json.dumps(self.piece(parts.content, thinking=parts.reasoning)) + "\n"
+        async for event in self.reading.parts(events) if self.reading else plain_parts(events):
+            if isinstance(event, Parts):
+                if event.content or event.reasoning:
+                    yield json.dumps(self.piece(event.content, thinking=event.reasoning)) + "\n"
+                calls += event.calls
             elif isinstance(event, Failure):
                 yield json.dumps({"error": event.message}) + "\n"
             else:
-                last = reader.finish()
-                last.calls = calls + last.calls
-                yield json.dumps(self._last(last, event)) + "\n"
+                yield json.dumps(self._last(Parts(calls=calls), event)) + "\n"
 
 
 DETAILS = {"format": "", "family": "dflash", "families": ["dflash"], "parameter_size": "", "quantization_level": ""}
@@ -146,21 +144,15 @@ def routes(server: Server) -> list[Route]:
         if think is not None and not isinstance(think, bool):
             raise BadRequest("'think' must be true or false.", "think")
 
-        def render(models: LoadedModels) -> list[int]:
-            enable = engine.thinking if think is None else think
-            turns, shown = conversation(messages, tools, takes_tools(models.tokenizer.config))
-            return models.tokenizer.encode_chat(turns, True, enable, shown)
-
-        return await server.answer(
-            request, Job(render, sampling, asyncio.get_running_loop()), Reply(True, model, tools, family)
-        )
+        job = chat_job(engine, ChatRequest(messages, tools, sampling, think))
+        return await server.answer(request, job, Reply(model, Reading(family, tools, job)))
 
     async def generate(request: Request, body: dict) -> Response:
         prompt, system, sampling = body.get("prompt") or "", body.get("system") or "", parse_options(body)
         if not isinstance(prompt, str) or not isinstance(system, str):
             raise BadRequest("'prompt' and 'system' must be strings.", "prompt")
         if not prompt:  # Ollama's way to load a model: nothing to generate
-            return JSONResponse(Reply(False, model).piece("", True) | {"done_reason": "load"})
+            return JSONResponse(Reply(model).piece("", True) | {"done_reason": "load"})
         raw = flag(body, "raw")
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
 
@@ -169,7 +161,7 @@ def routes(server: Server) -> list[Route]:
                 return models.tokenizer.encode(prompt)
             return models.tokenizer.encode_chat(messages, add_generation_prompt=True, enable_thinking=engine.thinking)
 
-        return await server.answer(request, Job(render, sampling, asyncio.get_running_loop()), Reply(False, model))
+        return await server.answer(request, Job(render, sampling, asyncio.get_running_loop()), Reply(model))
 
     async def tags(request: Request, body: None) -> Response:
         card = {"name": model, "model": model, "modified_at": _now(), "size": 0, "digest": "", "details": DETAILS}

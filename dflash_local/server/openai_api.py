@@ -14,14 +14,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..chat_template import takes_tools
 from ..generation import LoadedModels
-from .channels import PLAIN, Parts, ReplyReader, read_reply, reply_family
+from .channels import Parts, reply_family
 from .constrained import forced_call_grammar, response_format_grammar
 from .engine import Ending, Event, Failure, Job
 from .exchange import Server
 from .protocol import error_response, parse_messages, parse_prompt, parse_sampling, parse_thinking
-from .tools import conversation, parse_tools
+from .request import ChatRequest, Reading, chat_job, dflash_stats, plain_parts
+from .tools import parse_tools
 
 
 def usage(ending: Ending) -> dict:
@@ -31,13 +31,7 @@ def usage(ending: Ending) -> dict:
         "prompt_tokens": ending.prompt_tokens,
         "completion_tokens": stats.new_tokens,
         "total_tokens": ending.prompt_tokens + stats.new_tokens,
-        "dflash": {
-            "tau": stats.tau,
-            "acceptance_lengths": stats.acceptance_lengths,
-            "block_sizes": stats.block_sizes,
-            "decode_tokens_per_s": stats.decode_tokens_per_s,
-            "prefill_tokens": stats.prefill_tokens,
-        },
+        "dflash": dflash_stats(stats),
     }
 
 
@@ -50,16 +44,10 @@ class Shape:
 
     media_type = "text/event-stream"
 
-    def __init__(
-        self,
-        chat: bool,
-        model: str,
-        include_usage: bool = False,
-        tools: list[dict] | None = None,
-        family: str = PLAIN,
-    ) -> None:
-        self.chat, self.model, self.include_usage, self.tools, self.family = chat, model, include_usage, tools, family
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    def __init__(self, model: str, include_usage: bool = False, reading: Reading | None = None) -> None:
+        """reading: how a chat's reply is read (None: a completion, its text as it is)."""
+        self.chat, self.model, self.include_usage, self.reading = reading is not None, model, include_usage, reading
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
     def _object(self, kind: str, choices: list, usage: dict | None = None) -> dict:
@@ -74,7 +62,7 @@ class Shape:
         if not self.chat:
             choice = {"index": 0, "text": text, "finish_reason": ending.finish_reason}
             return self._object("text_completion", [choice], usage(ending))
-        parts, finish = read_reply(self.family, self.tools, text), ending.finish_reason
+        parts, finish = self.reading.whole(text), ending.finish_reason
         message = {"role": "assistant", "content": parts.content or (None if parts.calls else "")}
         if parts.reasoning:
             message["reasoning_content"] = parts.reasoning  # where llama-server and vLLM put it; clients read it there
@@ -112,19 +100,17 @@ class Shape:
     async def stream(self, events: AsyncIterator[Event]) -> AsyncIterator[str]:
         """SSE chunks: the chat's role chunk, each text (a chat's reasoning apart; tool calls as deltas at the end),
         the finish reason, usage if asked, then [DONE]."""
-        reader = ReplyReader(self.family, self.tools)  # completions: plain, no tools
         calls: list[dict] = []
         if self.chat:
             yield _sse(self.chunk(None))
-        async for event in events:
+        async for event in self.reading.parts(events) if self.reading else plain_parts(events):
             if isinstance(event, Failure):
                 yield _sse({"error": {"message": event.message, "type": "server_error", "param": None, "code": None}})
-                continue
-            parts = reader.add(event) if isinstance(event, str) else reader.finish()
-            calls += parts.calls
-            for chunk in self._parts(parts):
-                yield chunk
-            if not isinstance(event, str):
+            elif isinstance(event, Parts):
+                calls += event.calls
+                for chunk in self._parts(event):
+                    yield chunk
+            else:
                 if calls:
                     yield _sse(self._calls_chunk(calls))
                 yield _sse(self.chunk("", "tool_calls" if calls else event.finish_reason))
@@ -142,15 +128,8 @@ def routes(server: Server) -> list[Route]:
         messages, sampling, thinking = parse_messages(body), parse_sampling(body), parse_thinking(body)
         tools = parse_tools(body)
         grammar = forced_call_grammar(body, tools) or response_format_grammar(body)
-        sampling = replace(sampling, grammar=grammar)
-
-        def render(models: LoadedModels) -> list[int]:
-            enable = engine.thinking if thinking is None else thinking
-            turns, shown = conversation(messages, tools, takes_tools(models.tokenizer.config))
-            return models.tokenizer.encode_chat(turns, True, enable, shown)
-
-        job = Job(render, sampling, asyncio.get_running_loop())
-        return await server.answer(request, job, Shape(True, model, sampling.include_usage, tools, family))
+        job = chat_job(engine, ChatRequest(messages, tools, replace(sampling, grammar=grammar), thinking))
+        return await server.answer(request, job, Shape(model, sampling.include_usage, Reading(family, tools, job)))
 
     async def completions(request: Request, body: dict) -> Response:
         prompt = parse_prompt(body)
@@ -160,7 +139,7 @@ def routes(server: Server) -> list[Route]:
             return models.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
 
         job = Job(encode, sampling, asyncio.get_running_loop())
-        return await server.answer(request, job, Shape(False, model, sampling.include_usage))
+        return await server.answer(request, job, Shape(model, sampling.include_usage))
 
     async def models(request: Request, body: None) -> Response:
         card = {"id": model, "object": "model", "created": 0, "owned_by": "dflash-local"}

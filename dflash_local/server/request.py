@@ -1,0 +1,130 @@
+"""The one inside shape of a chat request, whichever API brought it (OpenAI's chat completions, Ollama's /api/chat,
+Anthropic's Messages, OpenAI's Responses): the messages as templates take them, the function tools, the sampling and
+the thinking switch; the job that renders it; and its reply read back as one stream of reasoning, answer and calls,
+which each API writes in its own shape."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from ..chat_template import takes_tools
+from ..decode import Stats
+from ..generation import LoadedModels
+from .channels import Parts, ReplyReader, read_reply
+from .engine import Ending, Engine, Event, Failure, Job
+from .protocol import Sampling
+from .tools import conversation
+
+SYSTEM_ROLES = ("system", "developer")
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A chat request inside: messages in OpenAI's shape (tool calls' arguments as objects), OpenAI function tools
+    (None: none), the checked sampling (with any grammar) and the thinking switch (None: the server's default)."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict] | None
+    sampling: Sampling
+    thinking: bool | None = None
+
+
+def chat_job(engine: Engine, request: ChatRequest, count_only: bool = False) -> Job:
+    """The job that renders the request with the model's chat template (the generic tool prompt where the template
+    renders no tools) and generates its reply (count_only: only counts the prompt's tokens)."""
+
+    def render(models: LoadedModels) -> list[int]:
+        enable = engine.thinking if request.thinking is None else request.thinking
+        turns, shown = conversation(request.messages, request.tools, takes_tools(models.tokenizer.config))
+        return models.tokenizer.encode_chat(turns, True, enable, shown)
+
+    return Job(render, request.sampling, asyncio.get_running_loop(), count_only=count_only)
+
+
+def one_system(messages: list[dict[str, Any]], system: str = "") -> list[dict[str, Any]]:
+    """The messages with `system` and every system or developer turn, wherever it stands, joined into one system
+    message at the start (most templates take a system message only there)."""
+    texts = [system] if system else []
+    texts += [m["content"] for m in messages if m["role"] in SYSTEM_ROLES and m["content"]]
+    rest = [m for m in messages if m["role"] not in SYSTEM_ROLES]
+    return ([{"role": "system", "content": "\n\n".join(texts)}] if texts else []) + rest
+
+
+def dflash_stats(stats: Stats) -> dict:
+    """The decode loop's own numbers, as every API's usage carries them: tau, acceptance lengths, block sizes,
+    decode tokens/s, prefilled tokens."""
+    return {
+        "tau": stats.tau,
+        "acceptance_lengths": stats.acceptance_lengths,
+        "block_sizes": stats.block_sizes,
+        "decode_tokens_per_s": stats.decode_tokens_per_s,
+        "prefill_tokens": stats.prefill_tokens,
+    }
+
+
+@dataclass(frozen=True)
+class Reading:
+    """How a job's reply is read: the served model's family, the request's tools, and the job (whose prompt may
+    have opened the thinking)."""
+
+    family: str
+    tools: list[dict] | None
+    job: Job
+
+    def whole(self, text: str) -> Parts:
+        """The whole reply read at once."""
+        return read_reply(self.family, self.tools, text, self.job.opened)
+
+    async def parts(self, events: AsyncIterator[Event]) -> AsyncIterator[Parts | Ending | Failure]:
+        """The reply's parts as they stream (all calls with the last), then its Ending or a Failure."""
+        reader: ReplyReader | None = None
+        async for event in events:
+            reader = reader or ReplyReader(self.family, self.tools, self.job.opened)
+            if isinstance(event, str):
+                yield reader.add(event)
+            else:
+                if isinstance(event, Ending):
+                    yield reader.finish()
+                yield event
+
+
+async def plain_parts(events: AsyncIterator[Event]) -> AsyncIterator[Parts | Ending | Failure]:
+    """A completion's events as parts (all of its text the answer), as Reading.parts gives a chat's."""
+    async for event in events:
+        yield Parts(content=event) if isinstance(event, str) else event
+
+
+REASONING, TEXT = "reasoning", "text"
+Step = tuple[str, int, str, Any]  # "open", "delta", "close" or "call"; the block's index; its kind; text or call
+
+
+class Blocks:
+    """A streamed reply as numbered blocks, as Anthropic's and OpenAI's Responses streams write them: reasoning and
+    text blocks opened, extended and closed as parts come, each tool call a block of its own."""
+
+    def __init__(self) -> None:
+        self.index, self.kind, self.text = -1, "", ""
+
+    def add(self, parts: Parts) -> Iterator[Step]:
+        """The steps for one part of the reply."""
+        for kind, text in ((REASONING, parts.reasoning), (TEXT, parts.content)):
+            if text:
+                if self.kind != kind:
+                    yield from self.close()
+                    self.index, self.kind, self.text = self.index + 1, kind, ""
+                    yield ("open", self.index, kind, "")
+                self.text += text
+                yield ("delta", self.index, kind, text)
+        for call in parts.calls:
+            yield from self.close()
+            self.index += 1
+            yield ("call", self.index, "call", call)
+
+    def close(self) -> Iterator[Step]:
+        """Close the open block, if any (its whole text with it)."""
+        if self.kind:
+            yield ("close", self.index, self.kind, self.text)
+        self.kind, self.text = "", ""
