@@ -23,6 +23,7 @@ from .block_policy import (
 from .decode import Settings, Stats, Step, generate
 from .drafters import load_drafter, native_runs
 from .drafters.base import Drafter
+from .drafters.lookup import LOOKUP_BLOCK
 from .errors import DFlashError
 from .runtime import LoadSpec, plan_load
 from .session import Session
@@ -97,8 +98,8 @@ def load_models(
             drafter = load_drafter(drafter_path, target, spec)
         drafter.check_target(target)
     policy, warnings = None, ()
-    if drafter is not None and auto_block:
-        costs = costs_file(path, Path(drafter_path), target, drafter, spec)
+    if auto_block:  # with no drafter, lookup's block policy
+        costs = costs_file(path, None if drafter is None else Path(drafter_path), target, drafter, spec)
         warning = unwritable_warning(costs)
         warnings = () if warning is None else (warning,)
         policy = _block_policy(target, drafter, costs, spec)
@@ -113,22 +114,24 @@ def load_models(
     return LoadedModels(target, drafter, TextTokenizer.load(path), stop_token_ids(path), policy, warnings=warnings)
 
 
-def _block_policy(target: Target, drafter: Drafter, costs: Path, spec: LoadSpec) -> BlockPolicy:
-    """The pair's block policy from its cached costs, measured first where none are cached (or they are found off)."""
+def _block_policy(target: Target, drafter: Drafter | None, costs: Path, spec: LoadSpec) -> BlockPolicy:
+    """The pair's block policy (with no drafter, lookup's) from its cached costs, measured first where none are cached
+    (or they are found off)."""
 
     def calibrate() -> CostTable:
         spec.progress("calibrating: timing each block size on this machine (a first load, or a cached table found off)")
         return measure_costs(target, drafter)
 
+    block = LOOKUP_BLOCK if drafter is None else drafter.block_size
     return load_policy(
-        costs, drafter.block_size, calibrate, lambda sizes: time_steps(target, drafter, sizes, CHECK_ROUNDS)
+        costs, block, calibrate, lambda sizes: time_steps(target, drafter, sizes, CHECK_ROUNDS), drafter is not None
     )
 
 
 def recalibrate(models: LoadedModels) -> BlockPolicy:
     """Measure the pair's costs per block size afresh (bench --calibrate) and keep them for later loads."""
-    if models.policy is None or models.drafter is None:
-        raise DFlashError("Calibration needs a drafter and --block-size auto.")
+    if models.policy is None:
+        raise DFlashError("Calibration needs --block-size auto.")
     models.session.invalidate()  # the measurement runs its own forwards through both caches
     models.policy.costs = measure_costs(models.target, models.drafter)
     models.policy.save()

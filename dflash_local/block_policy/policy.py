@@ -15,8 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..drafters.suffix_index import Match
 from .acceptance import DECAY, HISTORY_DECAY, AcceptanceEstimate, expected_tokens
-from .costs import CostTable, Samples, inconsistencies
+from .costs import COST_WEIGHT, CostTable, Samples, inconsistencies
+from .lookup import LookupAcceptance, fastest_lookup
 from .store import read_policy, write_policy
 
 PRIOR_RATE = 0.8  # acceptance assumed for a drafter with no history: optimistic, so drafting is tried (small k
@@ -35,6 +37,7 @@ class BlockPolicy:
     costs: CostTable
     history: AcceptanceEstimate
     path: Path | None = None
+    drafts: bool = True  # False: no drafter, only lookup and plain steps
     current: AcceptanceEstimate = field(init=False)
     plain_run: int = field(default=0, init=False)
     probes: int = field(default=0, init=False)
@@ -43,8 +46,11 @@ class BlockPolicy:
     unsettled_s: float = field(default=0.0, init=False)
     unsettled_fastest: float = field(default=float("inf"), init=False)
     explore_run: int = field(default=0, init=False)  # drafting choices since the last exploring step
+    lookup: LookupAcceptance = field(init=False)  # lookup's acceptance per matched length, kept across generations
+    lookup_s: float = field(default=0.0, init=False)  # a lookup step's drafting time (the index, the choice), running
 
     def __post_init__(self) -> None:
+        self.lookup = LookupAcceptance(self.block_size - 1)
         self.start()
 
     def start(self) -> None:
@@ -94,6 +100,28 @@ class BlockPolicy:
             self.probes += 1
             return min(probe, self.trial_limit())
         return 1
+
+    def choose_step(self, limit: int, match: Match | None) -> tuple[str, int]:
+        """The next step's source and verify size, at most `limit`: "lookup" (the match's tokens) where its expected
+        speed (see fastest_lookup) beats the drafter's choice (see choose), else "dflash" (the drafter's block) or
+        "plain" (k = 1)."""
+        if self.drafts:
+            k = self.choose(limit)
+        else:
+            self.settle()
+            k = 1
+        top = min(self.block_size, limit, len(match.tokens) + 1) if match is not None else 1
+        if top >= 2:
+            length, speed = fastest_lookup(self.lookup.rates(match.length), self.costs, top, self.lookup_s)
+            if speed > self.speed(k):
+                return "lookup", length
+        return ("dflash" if k > 1 else "plain"), k
+
+    def speed(self, k: int) -> float:
+        """Expected tokens per second of a step of k by the drafter (k = 1: a plain step)."""
+        if k == 1:
+            return 1 / self.costs.step_s(1)
+        return expected_tokens(self.rates(), k)[k] / self.costs.step_s(k)
 
     def speeds(self, top: int) -> tuple[list[float], list[float]]:
         """Expected tokens and tokens per second of the costs for each k = 0..top (index k)."""
@@ -150,6 +178,14 @@ class BlockPolicy:
         self.current.observe(k - 1, accepted)
         self.history.observe(k - 1, accepted)
 
+    def observe_lookup(self, length: int, k: int, accepted: int, draft_s: float, target_s: float) -> None:
+        """Learn from one lookup step: the matched length, its verify size, the drafts accepted and its costs (the
+        target's; the drafter's stay)."""
+        self.settle()
+        self.costs.observe(k, self.costs.draft_s[k], target_s)
+        self.lookup.observe(length, k - 1, accepted)
+        self.lookup_s += COST_WEIGHT * (draft_s - self.lookup_s)
+
     def settle(self) -> None:
         """Learn from the plain steps seen since the last time: their mean cost, and the fading of this text's
         evidence."""
@@ -173,11 +209,12 @@ def load_policy(
     block_size: int,
     calibrate: Callable[[], CostTable],
     check: Callable[[list[int]], tuple[Samples, Samples]] | None = None,
+    drafts: bool = True,
 ) -> BlockPolicy:
     """The policy saved at path for this pair and machine, its costs checked: consistent in themselves (see
     inconsistencies) and, given `check` (timings of the sizes it is passed, taken now), with this machine now (see
     CostTable.verify, at checked_sizes()). Otherwise one calibrated afresh now; the drafter's history is
-    kept either way."""
+    kept either way. drafts: False where no drafter drafts (lookup and plain steps only)."""
     history, reason = AcceptanceEstimate.empty(block_size - 1, HISTORY_DECAY), ""
     try:
         cached = read_policy(path, block_size)
@@ -185,13 +222,13 @@ def load_policy(
             costs, history = cached
             problems = inconsistencies(costs)
             costs.stale = set(costs.target_s) - {1}
-            policy = BlockPolicy(block_size, costs, history, path)
+            policy = BlockPolicy(block_size, costs, history, path, drafts)
             if not problems and (check is None or costs.verify(*check(policy.checked_sizes()))):
                 return policy
             reason = f"calibrated afresh at load: {problems[0] if problems else costs.check}"
     except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
         pass
-    policy = BlockPolicy(block_size, calibrate(), history, path)
+    policy = BlockPolicy(block_size, calibrate(), history, path, drafts)
     policy.costs.check = reason
     policy.save()
     return policy

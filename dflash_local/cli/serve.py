@@ -70,7 +70,7 @@ def serve(
         sock = listen(host, port)  # before loading: a taken port fails at once
         resolved = resolve(model, decode.drafter, options.offline, options.token)
         drafter = None if decode.no_draft else resolved.drafter
-        models = options.load(resolved, drafter, resolved.backend, block_size is None)
+        models = options.load(resolved, drafter, resolved.backend, block_size is None and not decode.no_draft)
         worker = Engine(models, block_size, max_new_tokens, queue_size, resolved.thinking)
         warning = exposure_warning(host, api_key)
         if warning:

@@ -37,6 +37,7 @@ def usage(ending: Ending) -> dict:
             "block_sizes": stats.block_sizes,
             "decode_tokens_per_s": stats.decode_tokens_per_s,
             "prefill_tokens": stats.prefill_tokens,
+            "tokens_by_source": stats.tokens_by_source,
         },
     }
 
