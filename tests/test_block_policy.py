@@ -303,3 +303,31 @@ def test_an_abandoned_turn_leaves_no_stale_features():
     assert given
     for start, features in given:
         torch.testing.assert_close(features, whole[start - len(features) : start], atol=1e-4, rtol=1e-4)
+
+
+def test_lookup_length_follows_the_match_and_what_its_length_has_shown():
+    """Verify costs 1 + 0.5 per extra row and a drafter at 10%: a 32-token match with no history yet is verified in
+    a longer block (prior 0.94), a 1-token one is not (prior 0.33, plain wins); after a 32-token match failed at its
+    first draft many times, plain steps win for it too, while 16-token matches keep their prior."""
+    from dflash_local.drafters.suffix_index import Match
+
+    policy = policy_with(linear(1.0, 0.5), linear(0.05, 0.0, first=2), rate=0.1)
+    long, short = Match(list(range(15)), 32, 3), Match(list(range(15)), 1, 40)
+    source, k = policy.choose_step(100, long)
+    assert source == "lookup" and 4 <= k < 16, (source, k)  # long, yet short of what costs more than it makes
+    assert policy.choose_step(100, short) == ("plain", 1)
+    assert policy.choose_step(100, Match([5, 6], 32, 1)) == ("lookup", 3)  # never past the match's tokens
+    for _ in range(30):
+        policy.observe_lookup(32, 16, 0, 0.0, 4.0)
+    assert policy.choose_step(100, long) == ("plain", 1)
+    assert policy.choose_step(100, Match(list(range(15)), 16, 2))[0] == "lookup"
+
+
+def test_without_a_drafter_only_lookup_and_plain_steps():
+    """Free verification: a drafter's optimistic prior would draft; with no drafter, plain steps or lookup's."""
+    from dflash_local.drafters.suffix_index import Match
+
+    costs = CostTable(linear(1.0, 0.0), linear(0.0001, 0.0, first=2))
+    policy = BlockPolicy(16, costs, AcceptanceEstimate.empty(15, 1.0), drafts=False)
+    assert policy.choose_step(100, None) == ("plain", 1)
+    assert policy.choose_step(100, Match(list(range(15)), 4, 1)) == ("lookup", 16)

@@ -6,7 +6,9 @@ per-position acceptance rates, each conditional on the positions before it being
 E[k] = 1 + sum_{i<k} prod_{j<=i} p_j. The policy picks the k with the most expected tokens per second of measured
 cost; when plain steps win it still probes the drafter now and then, at a bounded share of the decode time. A
 drafter with no history on this machine is tried with small blocks first, growing as its steps are seen. Stale sizes
-that could beat the best are tried within PROBE_SHARE of the time. docs/block-size.md has the design.
+that could beat the best are tried within PROBE_SHARE of the time. Each step may instead verify lookup's tokens (the
+suffix index's match, see choose_step) where their expected speed, from the match length's acceptance (lookup.py)
+and the target's cost, beats the drafter's choice. docs/block-size.md has the design.
 """
 
 from __future__ import annotations
