@@ -30,10 +30,12 @@ class LookupAcceptance:
         self.levels[length].observe(drafts, accepted)
 
 
-def fastest_lookup(rates: list[float], costs: CostTable, top: int, lookup_s: float) -> tuple[int, float]:
-    """The verify size k in 2..top with the most expected tokens per second (the target's cost of k plus lookup's),
-    and that speed."""
+def fastest_lookup(
+    rates: list[float], costs: CostTable, top: int, lookup_s: float, scale: float = 1.0
+) -> tuple[int, float]:
+    """The verify size k in 2..top with the most expected tokens per second (the target's cost of k times `scale`,
+    plus lookup's), and that speed."""
     tokens = expected_tokens(rates, top)
-    speeds = {k: tokens[k] / (costs.target_s[k] + lookup_s) for k in range(2, top + 1)}
+    speeds = {k: tokens[k] / (scale * costs.target_s[k] + lookup_s) for k in range(2, top + 1)}
     best = max(speeds, key=speeds.__getitem__)
     return best, speeds[best]

@@ -50,6 +50,7 @@ class BlockPolicy:
     explore_run: int = field(default=0, init=False)  # drafting choices since the last exploring step
     lookup: LookupAcceptance = field(init=False)  # lookup's acceptance per matched length, kept across generations
     lookup_s: float = field(default=0.0, init=False)  # a lookup step's drafting time (the index, the choice), running
+    lookup_scale: float = field(default=1.0, init=False)  # lookup steps' verify time over the table's cost, running
 
     def __post_init__(self) -> None:
         self.lookup = LookupAcceptance(self.block_size - 1)
@@ -114,7 +115,8 @@ class BlockPolicy:
             k = 1
         top = min(self.block_size, limit, len(match.tokens) + 1) if match is not None else 1
         if top >= 2:
-            length, speed = fastest_lookup(self.lookup.rates(match.length), self.costs, top, self.lookup_s)
+            rates = self.lookup.rates(match.length)
+            length, speed = fastest_lookup(rates, self.costs, top, self.lookup_s, self.lookup_scale)
             if speed > self.speed(k):
                 return "lookup", length
         return ("dflash" if k > 1 else "plain"), k
@@ -181,12 +183,14 @@ class BlockPolicy:
         self.history.observe(k - 1, accepted)
 
     def observe_lookup(self, length: int, k: int, accepted: int, draft_s: float, target_s: float) -> None:
-        """Learn from one lookup step: the matched length, its verify size, the drafts accepted and its costs (the
-        target's; the drafter's stay)."""
+        """Learn from one lookup step: the matched length, its verify size, the drafts accepted, and its costs: its
+        drafting time, and its verify time over the table's cost of k (the calibration's shape over k can be off for
+        real contexts, and the table keeps it; one stall moves the scale little, as the table's levels)."""
         self.settle()
-        self.costs.observe(k, self.costs.draft_s[k], target_s)
         self.lookup.observe(length, k - 1, accepted)
         self.lookup_s += COST_WEIGHT * (draft_s - self.lookup_s)
+        ratio = min(max(target_s / self.costs.target_s[k], 0.5 * self.lookup_scale), 2.0 * self.lookup_scale)
+        self.lookup_scale += COST_WEIGHT * (ratio - self.lookup_scale)
 
     def settle(self) -> None:
         """Learn from the plain steps seen since the last time: their mean cost, and the fading of this text's
