@@ -166,8 +166,8 @@ class Chunk:
 
 
 def block_policy(models: LoadedModels, settings: Settings, drafter: Drafter | None) -> BlockPolicy | None:
-    """The policy that picks each step's block size: the models' one for --block-size auto with their own drafter
-    (prompt lookup drafts its own block), else none."""
+    """The policy that picks each step's source and block size: the models' one (their drafter's, or with none
+    lookup's) for --block-size auto with their own drafter, else none."""
     return models.policy if settings.block_size is None and drafter is models.drafter else None
 
 
@@ -180,8 +180,8 @@ def stream(
 ) -> Iterator[Chunk]:
     """Generate, one chunk per step: the one path from every front-end to the decode loop.
 
-    With block_size None the models' policy picks each step's size (auto); another drafter than the models' (prompt
-    lookup) drafts its own block without one. The models' session reuses the caches' longest common prefix with the
+    With block_size None the models' policy picks each step's source and size (auto); another drafter than the
+    models' drafts its own block without one. The models' session reuses the caches' longest common prefix with the
     prompt; pass a fresh Session to start from empty caches. stop_text False leaves the stop tokens' text out."""
     settings = request.settings
     drafter = models.drafter if drafter is None else drafter
