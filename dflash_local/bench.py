@@ -1,4 +1,5 @@
-"""Benchmarks: autoregressive vs DFlash (vs prompt lookup) on the same target, side by side per prompt."""
+"""Benchmarks: autoregressive decoding vs the default mode (the DFlash drafter and lookup, as the block policy picks)
+on the same target, side by side per prompt."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 from .block_policy import CostTable
 from .decode import Settings, Stats, collect
-from .drafters.lookup import PromptLookupDrafter
+from .drafters.lookup import LOOKUP_BLOCK
 from .errors import DFlashError
 from .generation import GenerationRequest, LoadedModels, block_policy, stream
 from .session import Session
@@ -53,22 +54,21 @@ def _summary(stats: Stats) -> dict:
         "acceptance_rate_by_position": acceptance_rates(stats),
         "draft_time_share": stats.draft_s / stats.decode_s if stats.decode_s else 0.0,
         "block_histogram": stats.block_histogram(),
+        "tokens_by_source": stats.tokens_by_source,
+        "source_shares": stats.source_shares(),
     }
 
 
-def run_bench(
-    models: LoadedModels, prompts: list[tuple[str, list[int]]], settings: Settings, lookup: bool = True
-) -> dict:
-    """Per prompt: AR, DFlash and (optionally) prompt lookup, one after another; then means."""
-    if models.drafter is None:
-        raise DFlashError("The benchmark needs a drafter to compare against autoregressive decoding.")
-    block = settings.block_size or models.drafter.block_size
+def run_bench(models: LoadedModels, prompts: list[tuple[str, list[int]]], settings: Settings) -> dict:
+    """Per prompt: AR and the settings' drafting ("dflash": the drafter, lookup or both), one after the other; then
+    means, and each source's share of the drafting mode's tokens."""
+    if not settings.draft:
+        raise DFlashError("The benchmark compares drafting with autoregressive decoding: drop --no-draft.")
+    block = settings.block_size or (models.drafter.block_size if models.drafter else LOOKUP_BLOCK)
     methods = {
         "autoregressive": (models.drafter, replace(settings, draft=False)),
         "dflash": (models.drafter, settings),
     }
-    if lookup:
-        methods["prompt_lookup"] = (PromptLookupDrafter(block), replace(settings, block_size=None))
     warm_up = GenerationRequest(prompts[0][1], replace(settings, max_new_tokens=8, block_size=block))
     collect(chunk.step for chunk in stream(models, warm_up, session=Session()))
     rows = []
@@ -90,6 +90,10 @@ def run_bench(
         for name in methods
     }
     mean["speedup"] = mean["dflash"]["decode_tokens_per_s"] / max(mean["autoregressive"]["decode_tokens_per_s"], 1e-9)
+    by_source: dict[str, int] = {}
+    for row in rows:
+        for source, count in row["dflash"]["tokens_by_source"].items():
+            by_source[source] = by_source.get(source, 0) + count
     histogram = {
         length: sum(r["dflash"]["acceptance_histogram"][length] for r in rows) for length in range(1, block + 1)
     }
@@ -107,6 +111,7 @@ def run_bench(
         "dflash_acceptance_histogram": histogram,
         "dflash_acceptance_by_position": by_position,  # of drafting steps: share that accepted at least j drafts
         "all_identical": all(r["identical"] for r in rows),
+        "source_shares": {source: count / max(sum(by_source.values()), 1) for source, count in by_source.items()},
     }
 
 

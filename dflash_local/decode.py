@@ -1,7 +1,9 @@
-"""The speculative decode loop (DFlash) and, with drafting off, the autoregressive baseline.
+"""The speculative decode loop and, with drafting off, the autoregressive baseline.
 
-`generate` yields one `Step` per target forward: the tokens it made final and how long
-drafting and verifying took. `Stats` folds steps into tau, histograms and tokens/s.
+Each step drafts from one source: the DFlash drafter's block, or lookup (what followed the longest earlier match of
+the text's end in the session's suffix index, as point masses), or none (a plain step). `generate` yields one `Step`
+per target forward: the tokens it made final, their source and how long drafting and verifying took. `Stats` folds
+steps into tau, histograms, each source's tokens and tokens/s.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import torch
 
 from .block_policy import BlockPolicy
 from .drafters.base import Drafter
+from .drafters.lookup import LOOKUP_BLOCK, point_logits, point_masses
+from .drafters.suffix_index import Match
 from .errors import DFlashError
 from .grammar import Grammar
 from .runtime import StepClock
@@ -24,8 +28,8 @@ from .targets.base import Target, TargetOutput
 
 @dataclass(frozen=True)
 class Settings:
-    """What to generate: length, sampling, block size, stop tokens, whether to draft at all, and a grammar the
-    output must follow (its stop ids end the output too)."""
+    """What to generate: length, sampling, block size, stop tokens, whether to draft at all and whether lookup drafts
+    too, and a grammar the output must follow (its stop ids end the output too)."""
 
     max_new_tokens: int = 128
     sampling: SamplingParams = SamplingParams()
@@ -34,6 +38,7 @@ class Settings:
     stop_ids: frozenset[int] = frozenset()
     seed: int | None = None
     grammar: Grammar | None = None
+    lookup: bool = True
 
 
 @dataclass
@@ -47,6 +52,8 @@ class Step:
     block_size: int  # tokens this step verified (1: a plain step)
     finish_reason: str | None = None
     prefill_tokens: int = 0  # prompt tokens the prefill step forwarded (the rest came from the session's caches)
+    source: str = "plain"  # where the drafts came from: "dflash", "lookup" or "plain" (none)
+    drafted: int = 0  # of token_ids, the leading ones that were the source's drafts (the rest the target's)
 
 
 @dataclass
@@ -62,9 +69,14 @@ class Stats:
     block_size: int = 1
     new_tokens: int = 0
     finish_reason: str | None = None
+    tokens_by_source: dict[str, int] = field(default_factory=dict)  # new tokens by who proposed them: the target
+    # ("target": plain steps, bonus tokens and the prefill's), the drafter ("dflash") or lookup ("lookup")
 
     def add(self, step: Step) -> None:
         self.new_tokens += len(step.token_ids)
+        for source, count in ((step.source, step.drafted), ("target", len(step.token_ids) - step.drafted)):
+            if count:
+                self.tokens_by_source[source] = self.tokens_by_source.get(source, 0) + count
         self.block_size = max(self.block_size, step.block_size)
         self.finish_reason = step.finish_reason or self.finish_reason
         if step.acceptance_length is None:
@@ -120,19 +132,26 @@ class Stats:
             "target_s": self.target_s,
             "draft_time_share": self.draft_s / self.decode_s if self.decode_s else 0.0,
             "finish_reason": self.finish_reason,
+            "tokens_by_source": self.tokens_by_source,
+            "source_shares": self.source_shares(),
         }
+
+    def source_shares(self) -> dict[str, float]:
+        """Each source's share of the new tokens (see tokens_by_source)."""
+        return {source: count / self.new_tokens for source, count in self.tokens_by_source.items()}
 
 
 def _block_size(drafter: Drafter | None, settings: Settings) -> int:
+    """The most a step verifies: the drafter's trained block (with none, lookup's) or the one asked for; 1 where
+    drafting is off."""
     if not settings.draft:
         return 1
-    if drafter is None:
+    if drafter is None and not settings.lookup:
         raise DFlashError("Drafting is on but no drafter was given (pass a drafter or turn drafting off).")
-    size = drafter.block_size if settings.block_size is None else settings.block_size
-    if not 2 <= size <= drafter.block_size:
-        raise DFlashError(
-            f"The block size must be between 2 and the drafter's trained {drafter.block_size}, not {size}."
-        )
+    top, whose = (LOOKUP_BLOCK, "lookup's") if drafter is None else (drafter.block_size, "the drafter's trained")
+    size = top if settings.block_size is None else settings.block_size
+    if not 2 <= size <= top:
+        raise DFlashError(f"The block size must be between 2 and {whose} {top}, not {size}.")
     return size
 
 
@@ -149,11 +168,6 @@ def _check_prompt(target: Target, prompt_ids: list[int], settings: Settings) -> 
         raise DFlashError(f"The prompt ({len(prompt_ids)} tokens) does not fit the {target.max_context}-token context.")
 
 
-def _next_size(policy: BlockPolicy | None, block_size: int, left: int) -> int:
-    """The next step's verify size: the policy's choice, or the fixed block (fewer near the end)."""
-    return policy.choose(left) if policy is not None else min(block_size, left)
-
-
 class _Decoding:
     """One generation's state between its steps, and the four things a step does: prefill (once), draft, verify,
     commit. tokens[: start + 1] are final; the token at start is not fed to the target yet."""
@@ -166,6 +180,7 @@ class _Decoding:
         session: Session,
         prompt_ids: list[int],
         settings: Settings,
+        lookup: bool,
     ) -> None:
         self.target, self.drafter, self.sampler, self.session = target, drafter, sampler, session
         self.stop_ids = settings.stop_ids
@@ -184,6 +199,9 @@ class _Decoding:
         self.max_length, self.length_reason = self.start + settings.max_new_tokens, "length"
         if self.max_length > target.max_context:
             self.max_length, self.length_reason = target.max_context, "context"
+        self.index = session.index if lookup else None  # the session's suffix index, over self.tokens
+        if self.index is not None:
+            self.index.sync(self.tokens)
 
     def prefill(self) -> list[int]:
         """Forward the prompt past what the caches hold; pick the first new token."""
@@ -196,19 +214,39 @@ class _Decoding:
         if self.matcher is not None and first not in self.stop_ids:  # (a stop ends the generation: nothing to match)
             self.matcher.consume(first)
         self.tokens.append(first)
+        if self.index is not None:
+            self.index.extend([first])
         if out.features is not None:
             self.pending.append(out.features)
         self.session.record(self.tokens, self.start, self.drafted_to, self.pending)
         return [first]
 
-    def draft(self, verify_size: int, draft_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The block to verify, [tokens[start], verify_size - 1 drafts], and the drafts' probabilities (None where
-        the sampler keeps none); the drafter drafts draft_size positions, taking the pending features first."""
+    def choose(self, policy: BlockPolicy | None, block_size: int) -> tuple[str, int, Match | None]:
+        """The next step's source, verify size (fewer near the end) and the index's match (None: none, or lookup is
+        off): the policy's choice; without one, the drafter's fixed block, or with none, lookup's where it matches."""
+        top = min(block_size, self.max_length - self.start)
+        match = self.index.match(top - 1) if self.index is not None else None
+        if policy is not None:
+            source, size = policy.choose_step(top, match)
+        elif self.drafter is not None:
+            source, size = "dflash", top
+        else:
+            source, size = ("lookup", top) if match is not None else ("plain", 1)
+        return (source, size, match) if size > 1 else ("plain", 1, match)
+
+    def draft(
+        self, source: str, verify_size: int, draft_size: int, match: Match | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The block to verify, [tokens[start], verify_size - 1 drafts from the source], and the drafts'
+        probabilities (None where the sampler keeps none); the drafter drafts draft_size positions, taking the pending
+        features first."""
         block = torch.full((verify_size,), self.tokens[self.start], dtype=torch.long, device=self.target.device)
         if self.matcher is not None:
             self.masks, self.consumed = self.matcher.forbidden(block.device)[None], 0
         if verify_size == 1:
             return block, None
+        if source == "lookup":
+            return self._lookup_draft(block, match.tokens[: verify_size - 1])
         pending = self.pending
         new_features = (pending[0] if len(pending) == 1 else torch.cat(pending)) if pending else None
         logits = self.drafter.propose(self.target, new_features, self.tokens, self.start, draft_size, verify_size - 1)
@@ -217,6 +255,14 @@ class _Decoding:
             return self._draft_in_grammar(block, logits)
         block[1:], draft_probs = self.sampler.draft(logits)
         return block, draft_probs
+
+    def _lookup_draft(self, block: torch.Tensor, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The block with lookup's tokens as drafts, each a point mass (through the grammar as a drafter's rows)."""
+        vocab, device = self.target.vocab_size, block.device
+        if self.matcher is not None:
+            return self._draft_in_grammar(block, point_logits(tokens, vocab, device))
+        block[1:] = torch.tensor(tokens, dtype=torch.long, device=device)
+        return block, None if self.sampler.greedy else point_masses(tokens, vocab, device)
 
     def _draft_in_grammar(self, block: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft row by row from the drafter's scores masked by the grammar, the matcher consuming each draft. The
@@ -269,6 +315,8 @@ class _Decoding:
             for token in made[accepted:]:
                 self.matcher.consume(token)
         self.tokens.extend(made)
+        if self.index is not None:
+            self.index.extend(made)
         self.start += len(made)
         self.target.rollback(self.start)
         if features is not None:
@@ -293,14 +341,18 @@ def generate(
 ) -> Iterator[Step]:
     """Yield the steps of one generation; their token_ids concatenated are the new tokens.
 
-    With a policy (and drafting on) each step's verify size comes from it, the drafter drafting its trained block;
-    without one every step drafts and verifies the fixed block size (fewer near the end). With a session, the
-    prefill forwards only what follows the longest common prefix of the prompt and the caches' ids, and the
-    session records the caches' state after every step; without one, both caches start empty."""
+    With a policy each step's source and verify size come from it, the drafter drafting its trained block; without
+    one every step drafts and verifies the fixed block size (fewer near the end) from the drafter, or with none from
+    lookup where the index matches. A policy made for a drafter needs that drafter (lookup's, none). With a session,
+    the prefill forwards only what follows the longest common prefix of the prompt and the caches' ids, the session's
+    suffix index is reused, and the session records the caches' state after every step; without one, all start
+    empty."""
     block_size = _block_size(drafter, settings)
     _check_prompt(target, prompt_ids, settings)
     drafter = drafter if block_size > 1 else None
-    policy = policy if drafter is not None else None
+    lookup = block_size > 1 and settings.lookup
+    if policy is not None and (policy.drafts != (drafter is not None) or not (drafter is not None or lookup)):
+        policy = None
     if drafter is not None:
         drafter.check_target(target)
         target.set_feature_layers(drafter.target_layer_ids)
@@ -310,10 +362,10 @@ def generate(
     if settings.seed is not None:
         generator = torch.Generator(device=target.device).manual_seed(settings.seed)
     sampler = make_sampler(settings.sampling, generator, target.kernels)
-    decoding = _Decoding(target, drafter, sampler, Session() if session is None else session, prompt_ids, settings)
+    session = Session() if session is None else session
+    decoding = _Decoding(target, drafter, sampler, session, prompt_ids, settings, lookup)
     timer = StepClock(target.device)
     began = timer.mark()
-    verify_size = _next_size(policy, block_size, decoding.max_length - decoding.start)
     first = decoding.prefill()
     reason = decoding.finish_reason(first[0] in decoding.stop_ids)
     yield Step(
@@ -322,21 +374,23 @@ def generate(
 
     while reason is None:
         t0 = timer.mark()
-        block, draft_probs = decoding.draft(verify_size, block_size if policy is not None else verify_size)
+        source, verify_size, match = decoding.choose(policy, block_size)
+        block, draft_probs = decoding.draft(source, verify_size, block_size if policy else verify_size, match)
         verify_size = block.shape[0]  # fewer where a grammar ended the draft early
+        source = source if verify_size > 1 else "plain"
         t1 = timer.mark()
         accepted, made, out = decoding.verify(block, draft_probs)
         made, stopped = decoding.commit(made, out.features)
         t2 = timer.mark()
         draft_s, target_s = timer.seconds(t0, t1), timer.seconds(t1, t2)
-        if policy is not None:
+        if policy is not None and source == "lookup":
+            policy.observe_lookup(match.length, verify_size, accepted, draft_s, target_s)
+        elif policy is not None:
             policy.observe(verify_size, accepted, draft_s, target_s)
         reason = decoding.finish_reason(stopped)
-        step_size = verify_size
-        if reason is None:
-            verify_size = _next_size(policy, block_size, decoding.max_length - decoding.start)
-        choice_s = timer.seconds(t2, timer.mark())  # learning from this step and choosing the next: drafting's share
-        yield Step(made, len(made), draft_s + choice_s, target_s, step_size, reason)
+        learn_s = timer.seconds(t2, timer.mark())  # the policy's learning from this step: drafting's share
+        drafted = min(accepted, len(made))
+        yield Step(made, len(made), draft_s + learn_s, target_s, verify_size, reason, source=source, drafted=drafted)
     if policy is not None:
         policy.save()
 

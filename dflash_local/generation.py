@@ -23,6 +23,7 @@ from .block_policy import (
 from .decode import Settings, Stats, Step, generate
 from .drafters import load_drafter, native_runs
 from .drafters.base import Drafter
+from .drafters.lookup import LOOKUP_BLOCK
 from .errors import DFlashError
 from .offload import file_bytes
 from .runtime import LoadSpec, plan_load
@@ -100,8 +101,8 @@ def load_models(
             drafter = load_drafter(drafter_path, target, spec)
         drafter.check_target(target)
     policy, warnings = None, ()
-    if drafter is not None and auto_block:
-        costs = costs_file(path, Path(drafter_path), target, drafter, spec)
+    if auto_block:  # with no drafter, lookup's block policy
+        costs = costs_file(path, None if drafter is None else Path(drafter_path), target, drafter, spec)
         warning = unwritable_warning(costs)
         warnings = () if warning is None else (warning,)
         policy = _block_policy(target, drafter, costs, spec)
@@ -127,22 +128,24 @@ def placed_on(spec: LoadSpec, drafting: bool) -> dict:
     return {"target": target, "drafter": drafter if drafting else None}
 
 
-def _block_policy(target: Target, drafter: Drafter, costs: Path, spec: LoadSpec) -> BlockPolicy:
-    """The pair's block policy from its cached costs, measured first where none are cached (or they are found off)."""
+def _block_policy(target: Target, drafter: Drafter | None, costs: Path, spec: LoadSpec) -> BlockPolicy:
+    """The pair's block policy (with no drafter, lookup's) from its cached costs, measured first where none are cached
+    (or they are found off)."""
 
     def calibrate() -> CostTable:
         spec.progress("calibrating: timing each block size on this machine (a first load, or a cached table found off)")
         return measure_costs(target, drafter)
 
+    block = LOOKUP_BLOCK if drafter is None else drafter.block_size
     return load_policy(
-        costs, drafter.block_size, calibrate, lambda sizes: time_steps(target, drafter, sizes, CHECK_ROUNDS)
+        costs, block, calibrate, lambda sizes: time_steps(target, drafter, sizes, CHECK_ROUNDS), drafter is not None
     )
 
 
 def recalibrate(models: LoadedModels) -> BlockPolicy:
     """Measure the pair's costs per block size afresh (bench --calibrate) and keep them for later loads."""
-    if models.policy is None or models.drafter is None:
-        raise DFlashError("Calibration needs a drafter and --block-size auto.")
+    if models.policy is None:
+        raise DFlashError("Calibration needs --block-size auto.")
     models.session.invalidate()  # the measurement runs its own forwards through both caches
     models.policy.costs = measure_costs(models.target, models.drafter)
     models.policy.save()
@@ -177,8 +180,8 @@ class Chunk:
 
 
 def block_policy(models: LoadedModels, settings: Settings, drafter: Drafter | None) -> BlockPolicy | None:
-    """The policy that picks each step's block size: the models' one for --block-size auto with their own drafter
-    (prompt lookup drafts its own block), else none."""
+    """The policy that picks each step's source and block size: the models' one (their drafter's, or with none
+    lookup's) for --block-size auto with their own drafter, else none."""
     return models.policy if settings.block_size is None and drafter is models.drafter else None
 
 
@@ -191,8 +194,8 @@ def stream(
 ) -> Iterator[Chunk]:
     """Generate, one chunk per step: the one path from every front-end to the decode loop.
 
-    With block_size None the models' policy picks each step's size (auto); another drafter than the models' (prompt
-    lookup) drafts its own block without one. The models' session reuses the caches' longest common prefix with the
+    With block_size None the models' policy picks each step's source and size (auto); another drafter than the
+    models' drafts its own block without one. The models' session reuses the caches' longest common prefix with the
     prompt; pass a fresh Session to start from empty caches. stop_text False leaves the stop tokens' text out."""
     settings = request.settings
     drafter = models.drafter if drafter is None else drafter

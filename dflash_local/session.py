@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .drafters.suffix_index import SuffixIndex
+
 if TYPE_CHECKING:
     from .drafters.base import Drafter
     from .targets.base import Target
@@ -22,6 +24,7 @@ class Session:
     features the drafter has not taken yet."""
 
     def __init__(self) -> None:
+        self.index = SuffixIndex()  # lookup's index over the session's tokens (it syncs itself to each prompt)
         self.invalidate()
 
     def invalidate(self) -> None:

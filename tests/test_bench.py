@@ -16,7 +16,7 @@ def test_bench_json_and_plot(tmp_path):
     report = json.loads(result.stdout)
     assert report["block_size"] == 16 and len(report["prompts"]) == 2
     for row in report["prompts"]:
-        for method in ("autoregressive", "dflash", "prompt_lookup"):
+        for method in ("autoregressive", "dflash"):
             assert row[method]["new_tokens"] == 24
             assert row[method]["decode_tokens_per_s"] > 0
         assert len(row["dflash"]["acceptance_rate_by_position"]) == 15
@@ -33,7 +33,10 @@ def test_bench_json_and_plot(tmp_path):
     by_position = report["dflash_acceptance_by_position"]
     assert len(by_position) == 15 and by_position == sorted(by_position, reverse=True)
     assert by_position[0] == accepted_one / drafting
-    assert set(report["mean"]) == {"autoregressive", "dflash", "prompt_lookup", "speedup"}
+    assert set(report["mean"]) == {"autoregressive", "dflash", "speedup"}
+    shares = report["source_shares"]  # the drafting mode's tokens by source: the target's and the drafters'
+    assert set(shares) <= {"target", "dflash", "lookup"} and abs(sum(shares.values()) - 1) < 1e-9, shares
+    assert shares.get("dflash", 0) > 0, shares
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -135,7 +135,7 @@ CASES = {
     "id outside vocab": (["--no-draft", "--prompt-ids", "1,64"], "Prompt token id 64 is outside the vocabulary"),
     "empty prompt ids": (["--no-draft", "--prompt-ids", ""], "The prompt is empty."),
     "prompt without tokenizer": (["--no-draft", "--prompt", "hello"], "has no tokenizer.json"),
-    "missing drafter": ([], "Pass --drafter DIR, or --no-draft"),
+    "missing drafter": (["--no-lookup"], "Pass --drafter DIR, drop --no-lookup, or --no-draft"),
     "bad block size": (["--drafter", "good_drafter", "--block-size", "40"], "between 2 and the drafter's trained 16"),
 }
 
@@ -147,7 +147,7 @@ def test_bad_input_is_one_clear_sentence(case, bad_files, llama_target):
     flags: list[str] = []
     it = iter(extra)
     for arg in it:
-        if arg.startswith("--") and arg not in ("--no-draft",):
+        if arg.startswith("--") and arg not in ("--no-draft", "--no-lookup"):
             value = next(it)
             args[arg] = str(bad_files.get(value, value))
         else:

@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from dflash_local.block_policy import AcceptanceEstimate, BlockPolicy, CostTable
 from dflash_local.decode import Settings, run
 from dflash_local.drafters.torch_drafter import DFlashDrafter
 from dflash_local.errors import DFlashError
@@ -133,24 +134,50 @@ def test_block_size_outside_trained_range(target, bad_block):
         run(target, drafter, [1, 2], Settings(block_size=bad_block))
 
 
-@pytest.mark.parametrize("block_size", [4, 16])
-def test_prompt_lookup_is_lossless(target, block_size):
-    from dflash_local.drafters.lookup import PromptLookupDrafter
+def scripted_policy(block: int, drafts: bool) -> BlockPolicy:
+    """--block-size auto's policy with costs that stay: a plain step 1, a verify of k tokens 0.9 + 0.1 k, a draft 0.1
+    (so that both lookup and the drafter win steps)."""
+    costs = CostTable({k: 0.9 + 0.1 * k for k in range(1, block + 1)}, dict.fromkeys(range(2, block + 1), 0.1))
+    costs.observe = lambda *args, **kwargs: None
+    return BlockPolicy(block, costs, AcceptanceEstimate.empty(block - 1, 0.999), drafts=drafts)
 
-    drafter = PromptLookupDrafter(block_size)
-    taus = []
+
+@pytest.mark.parametrize("block_size", [4, 16, None])
+def test_lookup_without_a_drafter_is_lossless(target, block_size):
+    """No drafter: lookup drafts (fixed blocks where the index matches, or auto's choice) and the ids equal plain
+    decoding's; on repeated prompts most tokens are lookup's."""
+    policy = scripted_policy(16, drafts=False) if block_size is None else None
+    taus, sources = [], {}
     for prompt in PROMPTS[:8]:
         prompt = prompt * 3  # repetition gives the lookup something to find
         expected = _autoregressive(target, prompt, 40)
-        ids, stats = run(target, drafter, prompt, Settings(max_new_tokens=40))
+        ids, stats = run(target, None, prompt, Settings(max_new_tokens=40, block_size=block_size), policy)
         assert ids == expected
         taus.append(stats.tau)
-    assert sum(taus) / len(taus) > 2.0, taus  # repeated prompts: measured 3.3 (block 4) and 7 (block 16)
+        for source, count in stats.tokens_by_source.items():
+            sources[source] = sources.get(source, 0) + count
+    assert sum(taus) / len(taus) > 2.0, taus
+    assert set(sources) == {"lookup", "target"} and sources["lookup"] > sources["target"], sources
 
 
-def test_prompt_lookup_continuation():
-    from dflash_local.drafters.lookup import PromptLookupDrafter
+def test_lookup_beside_a_drafter_is_lossless(target):
+    """A drafter that errs half the time and lookup, the policy picking per step: the ids equal plain decoding's and
+    both sources' drafts are kept; with --no-lookup only the drafter's are."""
+    policy = scripted_policy(16, drafts=True)
+    used: dict[str, int] = {}
+    for seed, prompt in enumerate(PROMPTS[:8]):
+        prompt = prompt * 2
+        expected = _autoregressive(target, prompt, 40)
+        drafter = OracleDrafter(prompt + expected, target.vocab_size, 0.5, seed)
+        ids, stats = run(target, drafter, prompt, Settings(max_new_tokens=40), policy)
+        assert ids == expected
+        for source, count in stats.tokens_by_source.items():
+            used[source] = used.get(source, 0) + count
+        ids, stats = run(target, drafter, prompt, Settings(max_new_tokens=40, lookup=False), policy)
+        assert ids == expected and "lookup" not in stats.tokens_by_source
+    assert used.get("lookup", 0) > 0 and used.get("dflash", 0) > 0, used
 
-    lookup = PromptLookupDrafter(max_ngram=2)
-    assert lookup.continuation([1, 2, 3, 4, 9, 1, 2], 3) == [3, 4, 9]
-    assert lookup.continuation([5, 6, 7], 3) == []
+
+def test_no_drafter_and_no_lookup_is_one_sentence(target):
+    with pytest.raises(DFlashError, match="no drafter was given"):
+        run(target, None, [1, 2], Settings(lookup=False))

@@ -232,11 +232,13 @@ def test_sampled_continuations_follow_the_independent_distribution(name, params,
     counts: dict[tuple[int, ...], int] = {}
     lengths: dict[str, list[int]] = {"fixed": [], "auto": []}
     full: dict[str, int] = {"fixed": 0, "auto": 0}
+    lookup_kept = 0  # auto's tokens that were lookup's drafts
     for seed in range(samples):
         mode = "auto" if seed % 2 else "fixed"
         settings = Settings(NEW_TOKENS, params, None if mode == "auto" else FIXED_BLOCK, seed=seed)
         ids, stats = run(kind.target, drafter, PROMPT, settings, policy if mode == "auto" else None)
         counts[tuple(ids)] = counts.get(tuple(ids), 0) + 1
+        lookup_kept += stats.tokens_by_source.get("lookup", 0)
         steps = list(zip(stats.acceptance_lengths, stats.block_sizes, strict=True))
         lengths[mode] += [n for n, k in steps if k > 1]
         full[mode] += sum(n == k > 1 for n, k in steps)  # all drafts accepted and the bonus kept
@@ -247,6 +249,7 @@ def test_sampled_continuations_follow_the_independent_distribution(name, params,
         assert sum(lengths[mode]) / len(lengths[mode]) > 1.3, (mode, lengths[mode])
         assert full[mode] > samples / 20, (mode, full[mode])
     assert 2 in used, set(used)  # auto verified short blocks of its trained block's drafts
+    assert lookup_kept > samples / 20, lookup_kept  # and lookup's drafts (point masses) were kept among them
 
 
 @pytest.mark.parametrize("name", ["int4", "gguf-torch"])

@@ -100,6 +100,7 @@ def test_greedy_chat_whole_and_streamed_equals_dflash_generate(client, expected)
     assert len(stats["acceptance_lengths"]) == len(stats["block_sizes"]) > 0
     assert stats["tau"] > 0 and stats["decode_tokens_per_s"] > 0
     assert 1 <= stats["prefill_tokens"] <= usage.prompt_tokens
+    assert sum(stats["tokens_by_source"].values()) == usage.completion_tokens  # the target's, the drafter's, lookup's
 
     chunks = list(
         client.chat.completions.create(

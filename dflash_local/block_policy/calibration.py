@@ -10,6 +10,8 @@ from functools import partial
 
 import torch
 
+from ..drafters.lookup import LOOKUP_BLOCK
+from ..drafters.suffix_index import SuffixIndex
 from ..runtime import StepClock
 from .costs import CostTable, Samples, fit, interpolate
 
@@ -38,29 +40,45 @@ def median_ms(call: Callable[[], object], device: torch.device | str, repeats: i
     return statistics.median(timed(clock, call) for _ in range(repeats)) * 1000
 
 
-def _verify_step(target, block: torch.Tensor) -> None:
-    """What a step's verify costs the target: the forward of the block, then the rollback a step makes (it keeps
-    the first token at least; on a hybrid target the rollback restores recurrent state)."""
-    target.forward(block)
+def _verify_step(target, block: torch.Tensor, features: bool) -> None:
+    """What a step's verify costs the target: the forward of the block (with the drafter's features where one
+    drafts), then the rollback a step makes (it keeps the first token at least; on a hybrid target the rollback
+    restores recurrent state)."""
+    target.forward(block, features=features)
     target.rollback(CALIBRATION_CONTEXT + 1)
 
 
-def time_steps(target, drafter, sizes: list[int], rounds: int, steady: int = 0) -> tuple[Samples, Samples]:
-    """Seconds of the target's forward of k tokens and of the drafter's step for k-1 rows (k > 1), per k in sizes,
-    on a short random context: a warm-up round, then rounds over every size (a burst of load lengthens a few rounds
-    of each size, not every timing of one), `rounds` of them and on until `steady` rounds in a row left every fit
-    (see fit) within STEADY_CHANGE, within MAX_ROUNDS and CALIBRATION_MAX_S. Both models are reset afterwards."""
-    block = drafter.block_size
-    generator = torch.Generator().manual_seed(0)
-    context = torch.randint(0, target.vocab_size, (CALIBRATION_CONTEXT + block,), generator=generator)
-    ids = context.to(target.device)
+def _draft_step(target, drafter, context: torch.Tensor) -> Callable[[int], Callable[[], object]]:
+    """The drafting step of k - 1 rows, per k, after the drafter took the context's features: the drafter's, or with
+    none, the suffix index's match over the context (lookup)."""
+    tokens = context.tolist()
+    if drafter is None:
+        index = SuffixIndex()
+        index.extend(tokens[:CALIBRATION_CONTEXT])
+        return lambda k: partial(index.match, k - 1)
     target.set_feature_layers(drafter.target_layer_ids)
     drafter.reset()
     target.reset()
-    features = target.forward(ids[:CALIBRATION_CONTEXT], all_logits=False).features
-    tokens = context.tolist()
+    features = target.forward(context[:CALIBRATION_CONTEXT].to(target.device), all_logits=False).features
+    block = drafter.block_size
     drafter.propose(target, features, tokens, CALIBRATION_CONTEXT, block, 1)
-    no_features = features[:0]
+    return lambda k: partial(drafter.propose, target, features[:0], tokens, CALIBRATION_CONTEXT, block, k - 1)
+
+
+def time_steps(target, drafter, sizes: list[int], rounds: int, steady: int = 0) -> tuple[Samples, Samples]:
+    """Seconds of the target's forward of k tokens and of the drafter's step for k-1 rows (k > 1; with no drafter,
+    lookup's), per k in sizes, on a short random context: a warm-up round, then rounds over every size (a burst of
+    load lengthens a few rounds of each size, not every timing of one), `rounds` of them and on until `steady` rounds
+    in a row left every fit (see fit) within STEADY_CHANGE, within MAX_ROUNDS and CALIBRATION_MAX_S. Both models are
+    reset afterwards."""
+    block = drafter.block_size if drafter is not None else LOOKUP_BLOCK
+    generator = torch.Generator().manual_seed(0)
+    context = torch.randint(0, target.vocab_size, (CALIBRATION_CONTEXT + block,), generator=generator)
+    ids = context.to(target.device)
+    draft_step = _draft_step(target, drafter, context)
+    if drafter is None:
+        target.reset()
+        target.forward(ids[:CALIBRATION_CONTEXT], all_logits=False, features=False)
     target_s: Samples = {k: [] for k in sizes}
     draft_s: Samples = {k: [] for k in sizes if k > 1}
     clock = StepClock(target.device)
@@ -69,13 +87,13 @@ def time_steps(target, drafter, sizes: list[int], rounds: int, steady: int = 0) 
         if done > rounds and (unchanged >= steady or time.perf_counter() - began > CALIBRATION_MAX_S):
             break
         for k in sizes:
-            seconds = timed(clock, partial(_verify_step, target, ids[CALIBRATION_CONTEXT : CALIBRATION_CONTEXT + k]))
+            block_ids = ids[CALIBRATION_CONTEXT : CALIBRATION_CONTEXT + k]
+            seconds = timed(clock, partial(_verify_step, target, block_ids, drafter is not None))
             target.rollback(CALIBRATION_CONTEXT)
             if done:
                 target_s[k].append(seconds)
             if k > 1:
-                step = partial(drafter.propose, target, no_features, tokens, CALIBRATION_CONTEXT, block, k - 1)
-                seconds = timed(clock, step)
+                seconds = timed(clock, draft_step(k))
                 if done:
                     draft_s[k].append(seconds)
         if done:
@@ -85,14 +103,16 @@ def time_steps(target, drafter, sizes: list[int], rounds: int, steady: int = 0) 
             )
             unchanged = unchanged + 1 if steady_now else 0
     target.reset()
-    drafter.reset()
+    if drafter is not None:
+        drafter.reset()
     return target_s, draft_s
 
 
 def measure_costs(target, drafter, repeats: int = CALIBRATION_ROUNDS) -> CostTable:
-    """The pair's costs on this machine: time_steps over CALIBRATION_SIZES up to the block (`repeats` rounds at least,
-    then until steady), fitted (see fit) and interpolated to every size; the sizes between become stale."""
-    block = drafter.block_size
+    """The pair's costs on this machine (with no drafter, the target's and lookup's): time_steps over CALIBRATION_SIZES
+    up to the block (`repeats` rounds at least, then until steady), fitted (see fit) and interpolated to every size;
+    the sizes between become stale."""
+    block = drafter.block_size if drafter is not None else LOOKUP_BLOCK
     sizes = [k for k in CALIBRATION_SIZES if k < block] + [block]
     target_samples, draft_samples = time_steps(target, drafter, sizes, repeats, STEADY_ROUNDS)
     costs = CostTable(

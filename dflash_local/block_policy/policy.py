@@ -6,7 +6,9 @@ per-position acceptance rates, each conditional on the positions before it being
 E[k] = 1 + sum_{i<k} prod_{j<=i} p_j. The policy picks the k with the most expected tokens per second of measured
 cost; when plain steps win it still probes the drafter now and then, at a bounded share of the decode time. A
 drafter with no history on this machine is tried with small blocks first, growing as its steps are seen. Stale sizes
-that could beat the best are tried within PROBE_SHARE of the time. docs/block-size.md has the design.
+that could beat the best are tried within PROBE_SHARE of the time. Each step may instead verify lookup's tokens (the
+suffix index's match, see choose_step) where their expected speed, from the match length's acceptance (lookup.py)
+and the target's cost, beats the drafter's choice. docs/block-size.md has the design.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..drafters.suffix_index import Match
 from .acceptance import DECAY, HISTORY_DECAY, AcceptanceEstimate, expected_tokens
-from .costs import CostTable, Samples, inconsistencies
+from .costs import COST_WEIGHT, CostTable, Samples, inconsistencies
+from .lookup import LookupAcceptance, fastest_lookup
 from .store import read_policy, write_policy
 
 PRIOR_RATE = 0.8  # acceptance assumed for a drafter with no history: optimistic, so drafting is tried (small k
@@ -35,6 +39,7 @@ class BlockPolicy:
     costs: CostTable
     history: AcceptanceEstimate
     path: Path | None = None
+    drafts: bool = True  # False: no drafter, only lookup and plain steps
     current: AcceptanceEstimate = field(init=False)
     plain_run: int = field(default=0, init=False)
     probes: int = field(default=0, init=False)
@@ -43,8 +48,12 @@ class BlockPolicy:
     unsettled_s: float = field(default=0.0, init=False)
     unsettled_fastest: float = field(default=float("inf"), init=False)
     explore_run: int = field(default=0, init=False)  # drafting choices since the last exploring step
+    lookup: LookupAcceptance = field(init=False)  # lookup's acceptance per matched length, kept across generations
+    lookup_s: float = field(default=0.0, init=False)  # a lookup step's drafting time (the index, the choice), running
+    lookup_scale: float = field(default=1.0, init=False)  # lookup steps' verify time over the table's cost, running
 
     def __post_init__(self) -> None:
+        self.lookup = LookupAcceptance(self.block_size - 1)
         self.start()
 
     def start(self) -> None:
@@ -94,6 +103,29 @@ class BlockPolicy:
             self.probes += 1
             return min(probe, self.trial_limit())
         return 1
+
+    def choose_step(self, limit: int, match: Match | None) -> tuple[str, int]:
+        """The next step's source and verify size, at most `limit`: "lookup" (the match's tokens) where its expected
+        speed (see fastest_lookup) beats the drafter's choice (see choose), else "dflash" (the drafter's block) or
+        "plain" (k = 1)."""
+        if self.drafts:
+            k = self.choose(limit)
+        else:
+            self.settle()
+            k = 1
+        top = min(self.block_size, limit, len(match.tokens) + 1) if match is not None else 1
+        if top >= 2:
+            rates = self.lookup.rates(match.length)
+            length, speed = fastest_lookup(rates, self.costs, top, self.lookup_s, self.lookup_scale)
+            if speed > self.speed(k):
+                return "lookup", length
+        return ("dflash" if k > 1 else "plain"), k
+
+    def speed(self, k: int) -> float:
+        """Expected tokens per second of a step of k by the drafter (k = 1: a plain step)."""
+        if k == 1:
+            return 1 / self.costs.step_s(1)
+        return expected_tokens(self.rates(), k)[k] / self.costs.step_s(k)
 
     def speeds(self, top: int) -> tuple[list[float], list[float]]:
         """Expected tokens and tokens per second of the costs for each k = 0..top (index k)."""
@@ -150,6 +182,16 @@ class BlockPolicy:
         self.current.observe(k - 1, accepted)
         self.history.observe(k - 1, accepted)
 
+    def observe_lookup(self, length: int, k: int, accepted: int, draft_s: float, target_s: float) -> None:
+        """Learn from one lookup step: the matched length, its verify size, the drafts accepted, and its costs: its
+        drafting time, and its verify time over the table's cost of k (the calibration's shape over k can be off for
+        real contexts, and the table keeps it; one stall moves the scale little, as the table's levels)."""
+        self.settle()
+        self.lookup.observe(length, k - 1, accepted)
+        self.lookup_s += COST_WEIGHT * (draft_s - self.lookup_s)
+        ratio = min(max(target_s / self.costs.target_s[k], 0.5 * self.lookup_scale), 2.0 * self.lookup_scale)
+        self.lookup_scale += COST_WEIGHT * (ratio - self.lookup_scale)
+
     def settle(self) -> None:
         """Learn from the plain steps seen since the last time: their mean cost, and the fading of this text's
         evidence."""
@@ -173,11 +215,12 @@ def load_policy(
     block_size: int,
     calibrate: Callable[[], CostTable],
     check: Callable[[list[int]], tuple[Samples, Samples]] | None = None,
+    drafts: bool = True,
 ) -> BlockPolicy:
     """The policy saved at path for this pair and machine, its costs checked: consistent in themselves (see
     inconsistencies) and, given `check` (timings of the sizes it is passed, taken now), with this machine now (see
     CostTable.verify, at checked_sizes()). Otherwise one calibrated afresh now; the drafter's history is
-    kept either way."""
+    kept either way. drafts: False where no drafter drafts (lookup and plain steps only)."""
     history, reason = AcceptanceEstimate.empty(block_size - 1, HISTORY_DECAY), ""
     try:
         cached = read_policy(path, block_size)
@@ -185,13 +228,13 @@ def load_policy(
             costs, history = cached
             problems = inconsistencies(costs)
             costs.stale = set(costs.target_s) - {1}
-            policy = BlockPolicy(block_size, costs, history, path)
+            policy = BlockPolicy(block_size, costs, history, path, drafts)
             if not problems and (check is None or costs.verify(*check(policy.checked_sizes()))):
                 return policy
             reason = f"calibrated afresh at load: {problems[0] if problems else costs.check}"
     except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
         pass
-    policy = BlockPolicy(block_size, calibrate(), history, path)
+    policy = BlockPolicy(block_size, calibrate(), history, path, drafts)
     policy.costs.check = reason
     policy.save()
     return policy

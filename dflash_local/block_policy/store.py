@@ -18,15 +18,17 @@ from .acceptance import HISTORY_DECAY, AcceptanceEstimate
 from .costs import CostTable
 
 
-def costs_file(target_path: Path, drafter_path: Path, target: Target, drafter: Drafter, spec: LoadSpec) -> Path:
-    """Where the pair's measured costs per block size are kept: keyed by both models' files, the backend and drafter
-    kind, the device and llama.cpp's placement (device, layers there), dtype and threads (any change there times the
-    sizes afresh)."""
+def costs_file(
+    target_path: Path, drafter_path: Path | None, target: Target, drafter: Drafter | None, spec: LoadSpec
+) -> Path:
+    """Where the pair's measured costs per block size are kept (with no drafter, the target's and lookup's): keyed by
+    both models' files, the backend and drafter kind, the device and llama.cpp's placement (device, layers there),
+    dtype and threads (any change there times the sizes afresh)."""
     identity = {
         "target": files_identity(target_path),
-        "drafter": files_identity(drafter_path),
+        "drafter": None if drafter_path is None else files_identity(drafter_path),
         "backend": type(target).__name__,
-        "drafter_kind": type(drafter).__name__,
+        "drafter_kind": "lookup" if drafter is None else type(drafter).__name__,
         "device": spec.runtime.device,
         "placement": None if spec.placement is None else spec.placement.describe(),
         "dtype": str(pick_dtype(spec.runtime.dtype, spec.runtime.device)),

@@ -23,6 +23,7 @@ from .options import DecodeOptions, ModelOptions, Own, decode_options, model_opt
     temperature=Own(),
     seed=Own(0, None),
     ignore_eos=Own(True, "Generate all max-new-tokens.", ("--ignore-eos/--stop-at-eos",)),
+    lookup=Own(),
 )
 def bench(
     names: Optional[list[str]] = typer.Argument(
@@ -32,7 +33,6 @@ def bench(
         None, "--prompts", help="A JSONL file, or a dataset: gsm8k, humaneval, mt-bench (default: the model's own set)."
     ),
     limit: Optional[int] = typer.Option(None, "--limit", help="Use only the first N prompts."),
-    lookup: bool = typer.Option(True, "--lookup/--no-lookup", help="Also run the prompt-lookup baseline."),
     calibrate: bool = typer.Option(
         False, "--calibrate", help="Measure this machine's cost per block size afresh and show the table first."
     ),
@@ -42,7 +42,8 @@ def bench(
     decode: DecodeOptions,
     options: ModelOptions,
 ) -> None:
-    """Autoregressive vs DFlash (and prompt lookup) on the same target, prompt by prompt; one table per model."""
+    """Autoregressive vs the default mode (the DFlash drafter and lookup, as the block policy picks) on the same target,
+    prompt by prompt, with each source's share of the tokens; one table per model."""
     with user_errors():
         values.check_numbers(decode.max_new_tokens, seed=decode.seed)
         block_size = decode.block()
@@ -53,7 +54,7 @@ def bench(
         decode.sampling()  # checks them before anything loads
         reports = []
         for model in names or ["tiny"]:
-            report = _bench_model(model, prompts, limit, lookup, calibrate, as_json, decode, options)
+            report = _bench_model(model, prompts, limit, calibrate, as_json, decode, options)
             if plot_path is not None:
                 from ..bench import plot
 
@@ -70,7 +71,6 @@ def _bench_model(
     model: str,
     prompts: str | None,
     limit: int | None,
-    lookup: bool,
     calibrate: bool,
     as_json: bool,
     decode: DecodeOptions,
@@ -84,14 +84,14 @@ def _bench_model(
     prompt_path = prompt_file(prompts, options.offline, options.token) if prompts else resolved.prompts
     if prompt_path is None:
         raise DFlashError(f"'{model}' has no built-in prompt set: pass --prompts FILE.jsonl or a dataset name.")
-    if resolved.drafter is None:
-        raise DFlashError(f"'{model}' has no drafter: pass --drafter DIR or a Hub repo.")
+    if resolved.drafter is None and not decode.lookup:
+        raise DFlashError(f"'{model}' has no drafter: pass --drafter DIR or a Hub repo, or drop --no-lookup.")
     models = options.load(resolved, resolved.drafter, resolved.backend, decode.block() is None)
     calibration = calibration_report(recalibrate(models).costs) if calibrate else None
     if calibration is not None and not as_json:
         print_costs(model, calibration)
     with memory_guard(f"A benchmark run of {model}", models.target.device.type):
-        report = run_bench(models, read_prompts(prompt_path, models, limit), decode.settings(models), lookup)
+        report = run_bench(models, read_prompts(prompt_path, models, limit), decode.settings(models))
     report["model"] = model
     if calibration is not None:
         report["calibration"] = calibration
@@ -105,7 +105,7 @@ def print_bench(report: dict) -> None:
     from rich.table import Table
 
     names = [name for name in report["mean"] if name != "speedup"]
-    labels = {"autoregressive": "AR", "dflash": "DFlash", "prompt_lookup": "lookup"}
+    labels = {"autoregressive": "AR", "dflash": "drafting"}
     table = Table(title=f"{report['model']}: {report['max_new_tokens']} new tokens, block {report['block_size']}")
     table.add_column("prompt", max_width=28, no_wrap=True)
     table.add_column("tau", justify="right")
@@ -137,9 +137,11 @@ def print_bench(report: dict) -> None:
             used[int(k)] = used.get(int(k), 0) + count
     rates = " ".join(f"{rate:.2f}" for rate in report["dflash_acceptance_by_position"])
     table.caption = (
-        "DFlash steps by block size k (1 = plain): "
+        "steps by block size k (1 = plain): "
         + " ".join(f"{k}:{n}" for k, n in sorted(used.items()))
         + f"\ndrafting steps that accepted at least j = 1, 2, ... drafts: {rates}"
+        + "\ntokens by source: "
+        + " ".join(f"{source} {share:.0%}" for source, share in sorted(report["source_shares"].items()))
     )
     Console().print(table)
 

@@ -19,6 +19,7 @@ from .options import ChatTemplate, DecodeOptions, ModelOptions, Own, decode_opti
     top_k=Own(),
     block_size=Own(),
     no_draft=Own(help="Start with drafting off."),
+    lookup=Own(),
     ignore_eos=Own(help="Answer until --max-new-tokens, past end-of-turn."),
 )
 def chat(

@@ -27,6 +27,7 @@ from .options import DecodeOptions, ModelOptions, Own, decode_options, model_opt
     seed=Own(),
     block_size=Own(),
     no_draft=Own(),
+    lookup=Own(),
     ignore_eos=Own(),
 )
 def generate(
@@ -56,8 +57,8 @@ def generate(
         decode.sampling()  # checks them before anything loads
         grammar_text = None if json_schema is None else json_schema_grammar(load_schema(json_schema))
         resolved = resolve(target, decode.drafter, options.offline, options.token)
-        if not decode.no_draft and resolved.drafter is None:
-            raise DFlashError("Pass --drafter DIR, or --no-draft for plain autoregressive decoding.")
+        if not decode.no_draft and resolved.drafter is None and not decode.lookup:
+            raise DFlashError("Pass --drafter DIR, drop --no-lookup, or --no-draft for plain autoregressive decoding.")
         backend = resolved.backend if backend == "auto" else backend
         drafter = None if decode.no_draft else resolved.drafter
         models = options.load(resolved, drafter, backend, block_size is None)

@@ -149,6 +149,7 @@ class DecodeOptions:
     block_size: str = "auto"
     no_draft: bool = False
     ignore_eos: bool = False
+    lookup: bool = True
 
     def block(self) -> int | None:
         """--block-size as the engine wants it (None: auto); checked."""
@@ -161,16 +162,17 @@ class DecodeOptions:
         return SamplingParams(self.temperature, self.top_p, self.top_k)
 
     def settings(self, models: LoadedModels) -> Settings:
-        """decode's Settings for `models`: drafting unless --no-draft or no drafter is loaded."""
+        """decode's Settings for `models`: drafting unless --no-draft, or no drafter is loaded and --no-lookup."""
         from ..decode import Settings
 
         return Settings(
             max_new_tokens=self.max_new_tokens,
             sampling=self.sampling(),
             block_size=self.block(),
-            draft=not self.no_draft and models.drafter is not None,
+            draft=not self.no_draft and (models.drafter is not None or self.lookup),
             stop_ids=models.stops(self.ignore_eos),
             seed=self.seed,
+            lookup=self.lookup,
         )
 
 
@@ -199,6 +201,7 @@ DECODE_FLAGS = {
     "block_size": Flag(("--block-size",), str, BLOCK_HELP),
     "no_draft": Flag(("--no-draft",), bool, "Plain autoregressive decoding (the baseline)."),
     "ignore_eos": Flag(("--ignore-eos",), bool, "Do not stop at end-of-sequence tokens."),
+    "lookup": Flag(("--lookup/--no-lookup",), bool, "Also draft what follows the text's end where it came before."),
 }
 DECLARED = object()  # an override that keeps the declared default or help
 

@@ -76,7 +76,7 @@ def serve(
         sock = listen(host, port)  # before loading: a taken port fails at once
         resolved = resolve(model, decode.drafter, options.offline, options.token)
         drafter = None if decode.no_draft else resolved.drafter
-        models = options.load(resolved, drafter, resolved.backend, block_size is None)
+        models = options.load(resolved, drafter, resolved.backend, block_size is None and not decode.no_draft)
         models.tokenizer.config = use_template(models.tokenizer.config, template, resolved.target)
         worker = Engine(models, block_size, max_new_tokens, max_queue, resolved.thinking)
         warning = exposure_warning(host, api_key)

@@ -187,7 +187,7 @@ class Engine:
             max_new_tokens=sampling.max_tokens or self.max_new_tokens or max(room, 1),
             sampling=sampling.params,
             block_size=self.block_size,
-            draft=self.models.drafter is not None,
+            draft=self.models.drafter is not None or self.models.policy is not None,  # no drafter: lookup's policy
             stop_ids=self.models.stops(sampling.ignore_eos),
             seed=sampling.seed,
             grammar=grammar,

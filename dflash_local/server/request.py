@@ -55,13 +55,14 @@ def one_system(messages: list[dict[str, Any]], system: str = "") -> list[dict[st
 
 def dflash_stats(stats: Stats) -> dict:
     """The decode loop's own numbers, as every API's usage carries them: tau, acceptance lengths, block sizes,
-    decode tokens/s, prefilled tokens."""
+    decode tokens/s, prefilled tokens, and the accepted tokens by draft source."""
     return {
         "tau": stats.tau,
         "acceptance_lengths": stats.acceptance_lengths,
         "block_sizes": stats.block_sizes,
         "decode_tokens_per_s": stats.decode_tokens_per_s,
         "prefill_tokens": stats.prefill_tokens,
+        "tokens_by_source": stats.tokens_by_source,
     }
 
 
