@@ -177,8 +177,8 @@ def test_quantized_drafter_from_the_command_line_is_lossless():
 
 
 def test_decode_options_build_the_settings_of_every_command():
-    """The one builder of decode's Settings: drafting unless --no-draft or no drafter is loaded, the end-of-sequence
-    ids unless --ignore-eos, the block size checked (auto: None), sampling and seed as given."""
+    """The one builder of decode's Settings: drafting unless --no-draft, or no drafter is loaded and --no-lookup; the
+    end-of-sequence ids unless --ignore-eos, the block size checked (auto: None), sampling and seed as given."""
     from dflash_local.cli.options import DecodeOptions
     from dflash_local.errors import DFlashError
     from dflash_local.generation import LoadedModels
@@ -190,7 +190,8 @@ def test_decode_options_build_the_settings_of_every_command():
     assert (settings.max_new_tokens, settings.block_size, settings.draft, settings.seed) == (7, 4, True, 11)
     assert settings.sampling == SamplingParams(0.5, 0.9, 3) and settings.stop_ids == frozenset({2})
     assert DecodeOptions(no_draft=True).settings(paired).draft is False
-    assert DecodeOptions().settings(alone).draft is False
+    assert DecodeOptions(lookup=False).settings(alone).draft is False
+    assert DecodeOptions().settings(alone).draft is True and DecodeOptions().settings(alone).lookup is True
     assert DecodeOptions(ignore_eos=True).settings(paired).stop_ids == frozenset()
     assert DecodeOptions().settings(paired).block_size is None
     with pytest.raises(DFlashError, match="--block-size must be at least 2"):
