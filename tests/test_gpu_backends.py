@@ -66,7 +66,7 @@ def test_doctor_lists_the_vulkan_backend_and_the_loaders_device():
 def test_every_architecture_runs_on_vulkan_and_dflash_equals_plain_decoding_there(models, drafters, tiny_gguf):  # noqa: F811
     """All layers and the native drafter on Vulkan0; blocks 4 and 16 and auto (several sizes chosen) give plain
     decoding's ids on the same device, for each tapped architecture and the bundled tiny pair."""
-    pairs = [f"{models[arch] / 'model.gguf'}:{drafters[arch]}" for arch in ARCHS if arch != "qwen35"]
+    pairs = [f"{models[arch] / 'model.gguf'}:{drafters[arch]}" for arch in ARCHS]
     pairs.append(f"{tiny_gguf['f16']}:{TINY / 'drafter'}")
     runs = gpu_runs("vulkan", "auto", False, pairs)
     assert len(runs) == len(pairs)

@@ -18,9 +18,10 @@ venv=${1:-.venv}
 python="$venv/bin/python"
 version=$("$python" -c 'import importlib.metadata as m; print(m.version("llama_cpp_python"))')
 taps="gemma3"
+patches=""  # what tools/patch_ggml_vulkan.py changed, for the Vulkan build: a build made before a new patch is redone
 case "$backend" in
   cpu) dest="$venv/lib/dflash-libllama"; flags=() ;;
-  vulkan) dest="$venv/lib/dflash-libllama-vulkan"; flags=(-DGGML_VULKAN=ON) ;;
+  vulkan) dest="$venv/lib/dflash-libllama-vulkan"; flags=(-DGGML_VULKAN=ON); patches="headers descriptors" ;;
   cuda)
     dest="$venv/lib/dflash-libllama-cuda"
     nvcc=$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")
@@ -31,7 +32,8 @@ case "$backend" in
   *) echo "build_libllama.sh: unknown backend $backend (cpu, vulkan or cuda)" >&2; exit 2 ;;
 esac
 if [ -f "$dest/libllama.so" ] && [ "$(cat "$dest/llama-cpp-python.version" 2>/dev/null)" = "$version" ] &&
-  [ "$(cat "$dest/tapped-architectures" 2>/dev/null)" = "$taps" ]; then
+  [ "$(cat "$dest/tapped-architectures" 2>/dev/null)" = "$taps" ] &&
+  [ "$(cat "$dest/patches" 2>/dev/null)" = "$patches" ]; then
   echo "==> libllama ($backend) for llama-cpp-python $version: already built"
   exit 0
 fi
@@ -53,9 +55,8 @@ for arch in $taps; do  # the tap goes first in the layer loop, as in src/models/
   fi
 done
 if [ "$backend" = vulkan ]; then
-  # Vulkan headers older than 1.3.261 (Debian 12's) lack VK_EXT_layer_settings, which ggml-vulkan uses only to turn on
-  # the validation layer's best-practice checks: create the instance without it there.
-  "$python" tools/patch_vulkan_headers.py "$src/ggml/src/ggml-vulkan/ggml-vulkan.cpp"
+  # builds against Debian 12's older Vulkan headers, and binds a live buffer to every descriptor (docs/gpu.md)
+  "$python" tools/patch_ggml_vulkan.py "$src/ggml/src/ggml-vulkan"
 fi
 if ! command -v cmake >/dev/null 2>&1; then  # as pip's own build of llama-cpp-python does: CMake from PyPI
   "${pip[@]}" install --target "$work/tools" cmake
@@ -72,6 +73,7 @@ fi
 cp -P "$work"/build/bin/lib{llama,ggml}*.so* "$stage"/
 echo "$version" >"$stage/llama-cpp-python.version"
 echo "$taps" >"$stage/tapped-architectures"
+echo "$patches" >"$stage/patches"
 echo "$backend" >"$stage/backend"
 rm -rf "$dest"
 mv "$stage" "$dest"

@@ -28,7 +28,6 @@ FIXED_ROWS = 8  # a verify forward's rows on a GPU backend: every verify and eve
 # exactly this many rows (padded past the block, the padding dropped after), so that a row meets the same kernels (GPU
 # backends choose matrix and attention kernels by row count) and the same KV cell count in plain decoding as in DFlash;
 # 8 is the widest batch llama.cpp's CUDA and Vulkan matrix-vector kernels take, where 8 rows cost about what one does
-GPU_UNDRAFTED = ("qwen35", "qwen35moe", "qwen3next")  # taps on a GPU backend corrupt memory in llama.cpp's decode
 HEAD_CHUNK = 512  # output-head rows dequantized at a time when the head is first built (gguf-py dequantizes via
 # int and float intermediates several times the rows' fp32 size: 2048 rows of a 1B head peaked 0.3 GB above the rest)
 
@@ -167,12 +166,6 @@ class LlamaCppTarget:
             raise DFlashError(
                 f"{name} holds a '{arch}' model, whose layer features this libllama does not read, so DFlash cannot "
                 f"draft for it; plain decoding works (--no-draft){hint if arch == 'gemma3' else ''}."
-            )
-        if self.on_gpu and arch in GPU_UNDRAFTED:
-            raise DFlashError(
-                f"{name} holds a '{arch}' model, whose drafting on a GPU backend crashed llama.cpp's decode here "
-                "(Vulkan, a tapped hybrid), so DFlash does not draft for it there; use --device cpu, or plain "
-                "decoding (--no-draft)."
             )
         if self.recurrent and llama_cpp.llama_n_rs_seq(self._ctx) == 0:
             raise DFlashError(
