@@ -17,7 +17,7 @@ from rich.text import Text
 from .chat_template import template_source, uses_thinking
 from .decode import Settings, Stats
 from .errors import DFlashError
-from .generation import GenerationRequest, LoadedModels, stream
+from .generation import GenerationRequest, LoadedModels, device_label, placement_line, stream
 from .reasoning import ANSWER, Piece, ThinkSplit, opens_thinking
 from .sampling import SamplingParams
 
@@ -49,8 +49,9 @@ def acceptance_bar(accepted: int, block_size: int) -> str:
     return "█" * accepted + "·" * max(0, block_size - accepted)
 
 
-def status_line(stats: Stats, draft: bool, thinking: bool | None = None) -> str:
-    """tokens/s, tau, last step's acceptance, drafter vs target time; the thinking mode where the template has one."""
+def status_line(stats: Stats, draft: bool, thinking: bool | None = None, where: str | None = None) -> str:
+    """tokens/s, tau, last step's acceptance, drafter vs target time; the thinking mode where the template has one;
+    where the models run."""
     parts = [f"{stats.new_tokens} tok", f"{stats.decode_tokens_per_s:.1f} tok/s"]
     if draft and stats.acceptance_lengths:
         parts.append(f"tau {stats.tau:.2f}")
@@ -60,6 +61,8 @@ def status_line(stats: Stats, draft: bool, thinking: bool | None = None) -> str:
         parts.append("no drafting")
     if thinking is not None:
         parts.append(f"think {'on' if thinking else 'off'}")
+    if where is not None:
+        parts.append(f"on {where}")
     return " · ".join(parts)
 
 
@@ -157,6 +160,7 @@ class Chat:
         self.notes = notes or console
         switch = uses_thinking(models.tokenizer.config)
         self.state = ChatState(settings, (True if thinking is None else thinking) if switch else None)
+        self.where = device_label(models.devices) if models.devices else None
         self.completion = template_source(models.tokenizer.config) is None  # a base model: lines continue the text
         if self.completion:
             self.notes.print("[dim](this model has no chat template: each line continues the text so far)[/dim]")
@@ -211,9 +215,9 @@ class Chat:
                         if turn is None:
                             turn = self.commit(messages, (len(candidate) - len(messages)) // 2)
                         stats = chunk.stats
-                        status = status_line(stats, settings.draft, self.state.thinking)
+                        status = status_line(stats, settings.draft, self.state.thinking, self.where)
                         view.update(_kept(splitter.add(chunk.text), answer), status)
-                status = status_line(stats, settings.draft, self.state.thinking)
+                status = status_line(stats, settings.draft, self.state.thinking, self.where)
                 view.update(_kept(splitter.add("", last=True), answer), status)
             finally:
                 view.close()
@@ -291,11 +295,12 @@ class Chat:
         blocks = " ".join(f"{k}:{v}" for k, v in last.block_histogram().items())
         session_rate = self.state.session_tokens / max(self.state.session_decode_s, 1e-9)
         return (
-            f"last answer: {status_line(last, self.state.settings.draft, self.state.thinking)}\n"
+            f"last answer: {status_line(last, self.state.settings.draft, self.state.thinking, self.where)}\n"
             f"  time to first token {last.prefill_s * 1000:.0f} ms ({last.prefill_tokens} new prompt tokens prefilled)"
             f" · acceptance histogram {histogram or '-'}\n"
             f"  steps by block size k (1 = plain): {blocks or '-'}\n"
             f"session: {self.state.session_tokens} tokens · {session_rate:.1f} tok/s"
+            + (f"\nplaced: {placement_line(self.models.devices)}" if self.models.devices else "")
         )
 
 

@@ -128,6 +128,28 @@ def placed_on(spec: LoadSpec, drafting: bool) -> dict:
     return {"target": target, "drafter": drafter if drafting else None}
 
 
+def placement_line(devices: dict) -> str:
+    """Where the target's layers and the drafter run, in one line (the load report and chat's /stats)."""
+    target = devices["target"]
+    where = target["device"]
+    if "layers_on_device" in target and target["layers_on_device"]:
+        where += f" ({target['description']}), {target['layers_on_device']}/{target['layers']} layers"
+        where += ", MoE experts on the CPU" if target.get("cpu_moe") else ""
+    drafter = devices.get("drafter")
+    return f"target on {where}" + (f"; drafter on {drafter['device']}" if drafter else "")
+
+
+def device_label(devices: dict) -> str:
+    """Where the models run, in a word or two (chat's status line): the target's device (`Vulkan0`, `cpu`), `+CPU`
+    where some of its layers stay on the CPU, and the drafter's device where it is another."""
+    target, drafter = devices["target"], devices.get("drafter")
+    partial = 0 < target.get("layers_on_device", 0) < target.get("layers", 0)
+    where = target["device"] + ("+CPU" if partial else "")
+    if drafter and drafter["device"].lower() != target["device"].lower():
+        where += f", drafter {drafter['device']}"
+    return where
+
+
 def _block_policy(target: Target, drafter: Drafter | None, costs: Path, spec: LoadSpec) -> BlockPolicy:
     """The pair's block policy (with no drafter, lookup's) from its cached costs, measured first where none are cached
     (or they are found off)."""

@@ -157,7 +157,7 @@ def test_chat_as_a_pipe_answers_on_stdout_and_fails_when_the_last_line_failed():
     assert result.returncode == 1
     assert result.stdout.strip() and "/unknown" not in result.stdout  # the answer only: every error on stderr
     status, *errors = result.stderr.splitlines()
-    assert re.fullmatch(r"\d+ tok · [\d.]+ tok/s · tau [\d.]+ · k \d+ [█·]+ · draft \d+% / target", status)
+    assert re.fullmatch(r"\d+ tok · [\d.]+ tok/s · tau [\d.]+ · k \d+ [█·]+ · draft \d+% / target · on cpu", status)
     assert errors == [
         "error: Unknown command /unknown; /help lists them.",
         "error: The temperature must be a finite number, 0 or more, got nan.",
@@ -197,7 +197,7 @@ def test_a_long_answer_reaches_a_small_terminal_whole_and_once():
         while not lines[-1]:
             lines.pop()
         status = [n for n, line in enumerate(lines) if re.match(r"\d+ tok · ", line)]
-        assert lines[0] == message and status[-1] >= len(lines) - 2, lines[-20:]  # the status (wrapped in 2 rows)
+        assert lines[0] == message and status[-1] >= len(lines) - 3, lines[-20:]  # the status (wrapped in 3 rows)
         assert answer.startswith("".join("".join(lines[1 : status[-1]]).split())), lines
     assert status[-1] > 20 and "".join("".join(lines[1 : status[-1]]).split()) == answer
     child.sendline(LONG)  # too long for the context: one line, and the session goes on

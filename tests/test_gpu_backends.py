@@ -40,9 +40,9 @@ def gpu_runs(device: str, layers: str, cpu_moe: bool, pairs: list[str]) -> list[
     return [json.loads(line) for line in done.stdout.splitlines()]
 
 
-def dflash(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def dflash(*args: str, env: dict | None = None, stdin: str | None = None) -> subprocess.CompletedProcess:
     argv = [sys.executable, "-m", "dflash_local", *args]
-    return subprocess.run(argv, capture_output=True, text=True, env=env or clean_env(), timeout=600)
+    return subprocess.run(argv, input=stdin, capture_output=True, text=True, env=env or clean_env(), timeout=600)
 
 
 def test_the_dev_install_built_the_vulkan_libllama_and_the_machine_has_a_vulkan_device():
@@ -112,6 +112,18 @@ def test_generate_json_says_where_the_target_and_the_drafter_ran(tiny_gguf):
     assert devices["target"]["device"] == devices["drafter"]["device"] == "Vulkan0", devices
     assert devices["target"]["layers_on_device"] == devices["target"]["layers"], devices
     assert "placed: target on Vulkan0" in done.stderr, done.stderr
+
+
+def test_chat_says_where_the_target_and_the_drafter_run(tiny_gguf):
+    """Piped chat on Vulkan0: the status line (stderr) ends with the device, /stats (stdout) has the placement."""
+    done = dflash(
+        "chat", str(tiny_gguf["f16"]), "--drafter", str(TINY / "drafter"), "--device", "vulkan",
+        "--max-new-tokens", "4", "--threads", "1", stdin="Hello there\n/stats\n",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    status = [line for line in done.stderr.splitlines() if "tok/s" in line]
+    assert status and status[-1].endswith(" · on Vulkan0"), done.stderr
+    assert "placed: target on Vulkan0 (" in done.stdout and "; drafter on Vulkan0" in done.stdout, done.stdout
 
 
 @pytest.mark.parametrize(

@@ -100,7 +100,7 @@ class ModelOptions:
     def load(self, resolved: ResolvedModel, drafter: Path | None, backend: str, auto_block: bool) -> LoadedModels:
         """Load the resolved target and `drafter` (None: none) with `backend`, running as these options say; loading
         reports its phases to `progress`, and what it warns of goes to stderr."""
-        from ..generation import load_models
+        from ..generation import load_models, placement_line
         from ..runtime import LoadSpec, RuntimeConfig
 
         runtime = RuntimeConfig(
@@ -123,17 +123,6 @@ class ModelOptions:
         if models.devices["target"].get("layers_on_device") or self.device != "auto":
             typer.echo(f"placed: {placement_line(models.devices)}", err=True)
         return models
-
-
-def placement_line(devices: dict) -> str:
-    """Where the target's layers and the drafter run, in one line (the load report and chat's status line)."""
-    target = devices["target"]
-    where = target["device"]
-    if "layers_on_device" in target and target["layers_on_device"]:
-        where += f" ({target['description']}), {target['layers_on_device']}/{target['layers']} layers"
-        where += ", MoE experts on the CPU" if target.get("cpu_moe") else ""
-    drafter = devices.get("drafter")
-    return f"target on {where}" + (f"; drafter on {drafter['device']}" if drafter else "")
 
 
 @dataclass(frozen=True)
