@@ -89,6 +89,13 @@ def vulkan_devices() -> list[VulkanDevice]:
         vk.vkDestroyInstance(instance, None)
 
 
+def expose_for(device: str) -> None:
+    """--device vulkan (or VulkanN) names a software Vulkan device too, if that is all there is: llama.cpp must be
+    told before it loads, so as soon as the option is read."""
+    if device.lower().startswith("vulkan"):
+        expose_software_devices()
+
+
 def expose_software_devices() -> None:
     """Let llama.cpp use software Vulkan devices too (an explicit --device vulkan, `dflash doctor`) where the machine
     has no hardware one, unless the user already chose with GGML_VK_VISIBLE_DEVICES or llama.cpp is loaded."""

@@ -126,6 +126,22 @@ def test_chat_says_where_the_target_and_the_drafter_run(tiny_gguf):
     assert "placed: target on Vulkan0 (" in done.stdout and "; drafter on Vulkan0" in done.stdout, done.stdout
 
 
+def test_train_distills_through_the_vulkan_backend(tiny_gguf, tmp_path):
+    """dflash train --device vulkan on a GGUF: llama.cpp continues the prompts on Vulkan0 (the progress says so), the
+    drafter trains in torch on the CPU and is written."""
+    corpus = TINY / "heldout_prompts.jsonl"
+    done = dflash(
+        "train", "--target", str(tiny_gguf["q8_0"]), "--corpus", str(corpus), "--out", str(tmp_path / "drafter"),
+        "--device", "vulkan", "--prompt-tokens", "16", "--max-prompts", "4", "--new-tokens", "8",
+        "--distill-batch", "4", "--layers", "1", "--block-size", "4", "--steps", "2", "--batch-size", "2",
+        "--anchors", "2", "--warmup", "1", "--eval-every", "2", "--threads", "1",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    output = " ".join((done.stdout + done.stderr).split())
+    assert "self-distilling with the target on Vulkan0 (" in output and "8/8 layers" in output, output
+    assert (tmp_path / "drafter" / "model.safetensors").is_file()
+
+
 @pytest.mark.parametrize(
     ("device", "lib", "fragment"),
     [

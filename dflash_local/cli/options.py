@@ -90,12 +90,9 @@ class ModelOptions:
     progress: Optional[Callable[[str], None]] = None  # no option: the status line's show() that main() passes, if any
 
     def __post_init__(self) -> None:
-        """--device vulkan names a software Vulkan device too, if that is all there is: llama.cpp must be told before
-        it loads, so as soon as the option is read."""
-        if self.device.lower().startswith("vulkan"):
-            from ..vulkan_probe import expose_software_devices
+        from ..vulkan_probe import expose_for
 
-            expose_software_devices()
+        expose_for(self.device)
 
     def load(self, resolved: ResolvedModel, drafter: Path | None, backend: str, auto_block: bool) -> LoadedModels:
         """Load the resolved target and `drafter` (None: none) with `backend`, running as these options say; loading

@@ -80,8 +80,10 @@ def train(
     """Train a DFlash drafter for a target by self-distillation."""
     given = locals()
     with user_errors():
-        from ..runtime import pick_device
         from ..train.pipeline import run_training
+        from ..vulkan_probe import expose_for
+
+        expose_for(device)
 
         request = TrainRequest(
             target=target,
@@ -95,7 +97,7 @@ def train(
             draft_vocab=draft_vocab,
             threads=threads,
             resume=resume,
-            device=pick_device(device),
+            device=device,
             init=init,
             distill=DistillSettings(
                 new_tokens=new_tokens,
@@ -127,9 +129,12 @@ def render_training(events: Iterator[DistillProgress | WarmStart | TrainEvent]) 
     tau = "-"
     with Progress(*columns, transient=False) as progress:
         distill = progress.add_task("self-distilling", total=None, info="")
-        fit = None
+        fit, where = None, None
         for event in events:
             if isinstance(event, DistillProgress):
+                if where is None:
+                    where = event.where
+                    progress.console.log(f"self-distilling with the target on {where}")
                 progress.update(distill, completed=event.done, total=event.total, info=f"{event.done} prompts")
                 continue
             if isinstance(event, WarmStart):

@@ -13,10 +13,11 @@ import torch
 from ..errors import DFlashError
 from ..gguf.file import read_gguf
 from ..llama_lib import first_llama_error, llama_cpp, quiet_llama_logs, tap_functions
+from ..runtime import LoadSpec
 from ..sampling import SamplingParams, pick
 from ..tap_probe import layer_taps
 from ..targets.llama_taps import output_functions
-from ..targets.llamacpp import BATCH, model_params
+from ..targets.llamacpp import BATCH, context_params, model_params
 from .selfdistill import Continuation, top_k
 
 
@@ -30,7 +31,7 @@ class ParallelTarget:
     """A llama.cpp context over a GGUF file holding up to `sequences` sequences of `length` tokens at once, with the
     feature layers' inputs tapped (HF hidden_states[id + 1] for each id in layer_ids)."""
 
-    def __init__(self, path: Path, sequences: int, length: int, layer_ids: list[int], threads: int) -> None:
+    def __init__(self, path: Path, sequences: int, length: int, layer_ids: list[int], spec: LoadSpec) -> None:
         self.info = read_gguf(path)
         if not layer_taps(path, self.info.architecture).layers:
             raise DFlashError(
@@ -41,13 +42,11 @@ class ParallelTarget:
             raise DFlashError(f"Target layer ids {layer_ids} must lie in 0..{self.info.dims.layers - 2} for a GGUF.")
         quiet_llama_logs()
         llama_cpp.llama_backend_init()
-        model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params().params)
+        model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params(spec).params)
         if not model:
             raise DFlashError(f"llama.cpp could not load {path} ({first_llama_error() or 'no reason given'}).")
-        params = llama_cpp.llama_context_default_params()
-        params.n_ctx, params.n_batch, params.n_ubatch = sequences * length, BATCH, BATCH
+        params = context_params(spec, sequences * length)
         params.n_seq_max, params.kv_unified = sequences, True  # one stream: batches keep their order in the taps
-        params.n_threads = params.n_threads_batch = threads
         params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_NONE
         ctx = llama_cpp.llama_init_from_model(model, params)
         if not ctx:

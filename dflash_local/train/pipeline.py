@@ -18,7 +18,7 @@ from ..drafters.config import DrafterConfig
 from ..errors import DFlashError
 from ..gguf.file import GGUFTensor, read_gguf, read_header
 from ..memory_estimate import target_sizes
-from ..runtime import LoadSpec, RuntimeConfig
+from ..runtime import LoadSpec, RuntimeConfig, pick_device, plan_load
 from ..targets.torch_llama import TargetConfig, TorchLlamaTarget
 from ..tokenizer import TextTokenizer, stop_token_ids
 from ..weights import read_config
@@ -32,10 +32,11 @@ from .warm_start import LayerReader, WarmStart, gguf_layer_reader, torch_layer_r
 
 @dataclass
 class DistillProgress:
-    """Self-distillation progress in prompts."""
+    """Self-distillation progress in prompts, and where the target runs (e.g. 'Vulkan0 (llvmpipe): 4/4 layers')."""
 
     done: int
     total: int
+    where: str
 
 
 def check_request(request: TrainRequest) -> None:
@@ -133,10 +134,13 @@ class _Prepared:
     head: torch.Tensor
     extra: dict
     layers: LayerReader  # the target's layer tensors, for a warm start
+    device: str  # torch's device for the drafter's training
+    where: str  # where the target runs while distilling
 
 
 def _prepare_torch(request: TrainRequest, layer_ids_of: Callable[[TargetConfig], list[int]]) -> _Prepared:
-    target = TorchLlamaTarget.load(request.target, LoadSpec(RuntimeConfig(request.device, "float32")))
+    device = pick_device(request.device)
+    target = TorchLlamaTarget.load(request.target, LoadSpec(RuntimeConfig(device, "float32")))
     layer_ids = layer_ids_of(target.cfg)
     stops = stop_token_ids(request.target)
     return _Prepared(
@@ -150,6 +154,8 @@ def _prepare_torch(request: TrainRequest, layer_ids_of: Callable[[TargetConfig],
         target.model.lm_head.weight.detach(),
         {},
         torch_layer_reader(target.model),
+        device,
+        device,
     )
 
 
@@ -161,10 +167,13 @@ def _prepare_gguf(request: TrainRequest, layer_ids_of: Callable[[TargetConfig], 
     layer_ids = layer_ids_of(cfg)
     settings = request.distill
     threads = request.threads or torch.get_num_threads()
+    # placed for the longest sequences distillation holds (a prompt of prompt_tokens and its continuation)
+    context = settings.batch_size * (request.prompt_tokens + settings.new_tokens + 1)
+    spec = plan_load(request.target, LoadSpec(RuntimeConfig(request.device, threads=threads), max_context=context))
 
     def continuer(prompts: list[list[int]]) -> Continuer:
         length = max(map(len, prompts)) + settings.new_tokens + 1
-        target = ParallelTarget(request.target, settings.batch_size, length, layer_ids, threads)
+        target = ParallelTarget(request.target, settings.batch_size, length, layer_ids, spec)
 
         def run(batch: list[list[int]], params, generator: torch.Generator):
             return continue_prompts(
@@ -186,6 +195,8 @@ def _prepare_gguf(request: TrainRequest, layer_ids_of: Callable[[TargetConfig], 
         head,
         gguf_drafter_fields(request.target, cfg),
         gguf_layer_reader(info.tensors, cfg, _gguf_matrix),
+        "cpu" if request.device == "cpu" or not torch.cuda.is_available() else "cuda",  # trains on CUDA if any
+        spec.placement.describe() if spec.placement else "CPU",
     )
 
 
@@ -212,7 +223,7 @@ def distill(request: TrainRequest, ready: _Prepared) -> Iterator[DistillProgress
     for done, total in generate_shards(
         lambda: ready.continuer(prompts), prompts, request.work_dir / "data", request.distill
     ):
-        yield DistillProgress(done, total)
+        yield DistillProgress(done, total, ready.where)
 
 
 def _adopt_drafter_shape(request: TrainRequest, config: dict) -> TrainRequest:
@@ -262,7 +273,7 @@ def run_training(request: TrainRequest) -> Iterator[DistillProgress | WarmStart 
         request.work_dir,
         request.train,
         request.resume,
-        request.device,
+        ready.device,
         d2t,
         initial,
     )

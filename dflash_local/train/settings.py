@@ -56,7 +56,7 @@ class TrainRequest:
     draft_vocab: int | None = None  # draft over the most frequent ids of the data only (None: all of them)
     threads: int | None = None
     resume: bool = False
-    device: str = "cpu"
+    device: str = "cpu"  # --device: torch's for a folder target; a GGUF's llama.cpp device (runtime.plan_load)
     init: str | None = None  # "target" (its last layers) or an existing drafter's folder; None: random
     distill: DistillSettings = field(default_factory=DistillSettings)
     train: TrainSettings = field(default_factory=TrainSettings)
