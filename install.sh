@@ -4,8 +4,8 @@
 # Linux wheel is the CUDA build), then dflash-local with GGUF support (llama-cpp-python, built from source for the
 # CPU: several minutes), plus the gpu extra (Triton, bitsandbytes) where nvidia-smi works, then dflash's own libllama
 # (tools/build_libllama.sh): the CPU build without llamafile's tinyBLAS for lossless verification, and beside it a GPU
-# build where the machine has a GPU: CUDA where nvidia-smi works, Vulkan where a hardware Vulkan device is present
-# (--gpu overrides; a GPU build that fails leaves the CPU install working). Every install goes through the lock,
+# build where the machine has a GPU: CUDA where nvidia-smi works (with the system's nvcc, else NVIDIA's toolkit wheels),
+# Vulkan where a hardware Vulkan device is present (--gpu overrides; a GPU build that fails leaves the CPU install working). Every install goes through the lock,
 # constraints.txt, so users get the versions CI tested. --dev adds the test tools to .venv and creates .venv-oracle:
 # the reference implementation (PyPI dflash + transformers) the tests call as an oracle; with --gpu vulkan on a
 # machine without a Vulkan device, it also installs Mesa's software one (lavapipe) for the GPU-path tests.

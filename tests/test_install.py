@@ -73,3 +73,27 @@ def test_oracle_venv_runs_the_reference():
     result = subprocess.run([oracle_python(), "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert Path(result.stdout.strip()) != Path(sys.prefix)  # its own venv, not ours
+
+
+def fake_nvidia_smi(folder: Path, cuda: str) -> dict[str, str]:
+    """An environment whose nvidia-smi reports a driver for CUDA `cuda` (and a compute capability of 9.0), with no
+    nvcc on PATH or under CUDA_HOME."""
+    smi = folder / "nvidia-smi"
+    smi.write_text(
+        '#!/bin/sh\ncase "$*" in *compute_cap*) echo 9.0 ;;\n'
+        f"*) echo '| NVIDIA-SMI 570.00  Driver Version: 570.00  CUDA Version: {cuda}  |' ;; esac\n"
+    )
+    smi.chmod(0o755)
+    return {"PATH": f"{folder}:/usr/bin:/bin", "CUDA_HOME": str(folder / "no-cuda"), "HOME": str(folder)}
+
+
+def test_a_cuda_build_without_nvcc_names_what_is_missing(tmp_path):
+    """tools/gpu_build_deps.sh cuda (install.sh --gpu cuda) with no nvcc: the CUDA 13 toolkit wheels need a driver for
+    CUDA 13, so an older driver gets one phrase naming both ways out, and no GPU gets its own."""
+    deps = [str(REPO / "tools" / "gpu_build_deps.sh"), "cuda"]
+    old = subprocess.run(deps, capture_output=True, text=True, env=fake_nvidia_smi(tmp_path, "12.4"), timeout=60)
+    assert old.returncode == 1 and old.stdout.count("\n") == 1, old
+    assert "CUDA toolkit wheels (CUDA 13) need a newer NVIDIA driver than this one (CUDA 12)" in old.stdout, old
+    assert not (REPO / ".venv" / "lib" / "dflash-cuda-toolkit").exists()
+    none = subprocess.run(deps, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}, timeout=60)
+    assert none.returncode == 1 and none.stdout.startswith("it needs an NVIDIA GPU that nvidia-smi sees"), none

@@ -27,7 +27,13 @@ case "$backend" in
     nvcc=$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")
     # the GPU's own architecture only (a build for every architecture takes hours): compute_cap 8.6 -> 86
     arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -n 1 | tr -d ' .')
-    flags=(-DGGML_CUDA=ON "-DCMAKE_CUDA_COMPILER=$nvcc" "-DCMAKE_CUDA_ARCHITECTURES=$arch")
+    flags=(-DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=$arch")
+    wheels="$(cd "$venv" && pwd)/lib/dflash-cuda-toolkit/nvidia/cu13"  # tools/cuda_toolkit.sh's: no system nvcc
+    if [ ! -x "$nvcc" ] && [ -x "$wheels/bin/nvcc" ]; then
+      nvcc="$wheels/bin/nvcc"
+      flags+=("-DCUDAToolkit_ROOT=$wheels")
+    fi
+    flags+=("-DCMAKE_CUDA_COMPILER=$nvcc")
     ;;
   *) echo "build_libllama.sh: unknown backend $backend (cpu, vulkan or cuda)" >&2; exit 2 ;;
 esac

@@ -25,13 +25,13 @@ case "$backend" in
     fi
     ;;
   cuda)
-    if ! command -v nvcc >/dev/null && [ ! -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ]; then
-      echo "it needs nvcc, CUDA's compiler: install the CUDA toolkit (NVIDIA's installer or your distribution's nvidia-cuda-toolkit) and run ./install.sh --gpu cuda"
-      exit 1
-    fi
     if ! nvidia-smi >/dev/null 2>&1; then
       echo "it needs an NVIDIA GPU that nvidia-smi sees (the build targets that GPU's architecture)"
       exit 1
+    fi
+    if ! command -v nvcc >/dev/null && [ ! -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ]; then
+      # no system toolkit: NVIDIA's wheels from the package registry (tools/build_libllama.sh finds them there)
+      toolkit=$(tools/cuda_toolkit.sh .venv) || { echo "$toolkit"; exit 1; }
     fi
     ;;
   *) echo "no GPU backend called $backend"; exit 1 ;;
