@@ -114,6 +114,27 @@ def test_generate_json_says_where_the_target_and_the_drafter_ran(tiny_gguf):
     assert "placed: target on Vulkan0" in done.stderr, done.stderr
 
 
+def test_grammar_constrained_dflash_equals_constrained_plain_decoding_on_vulkan(tiny_gguf, tmp_path):
+    """--json-schema on Vulkan0: blocks 16 and auto write plain decoding's constrained text there, drafts accepted."""
+    fields = {"name": {"type": "string"}, "n": {"type": "integer"}}
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": fields, "required": ["name", "n"]}))
+    runs = {}
+    for mode in ("--no-draft", "16", "auto"):
+        chosen = [mode] if mode.startswith("--") else ["--block-size", mode]
+        done = dflash(
+            "generate", "--target", str(tiny_gguf["f16"]), "--drafter", str(TINY / "drafter"), "--device", "vulkan",
+            "--prompt", "Write a record:", "--json-schema", str(schema), "--max-new-tokens", "24", "--json",
+            "--threads", "1", *chosen,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        runs[mode] = json.loads(done.stdout)
+        assert runs[mode]["devices"]["target"]["device"] == "Vulkan0", runs[mode]
+    assert runs["--no-draft"]["text"].startswith('{"name": "'), runs["--no-draft"]
+    assert runs["16"]["text"] == runs["auto"]["text"] == runs["--no-draft"]["text"]
+    assert runs["16"]["tau"] > 1 and runs["auto"]["tau"] > 1, runs
+
+
 def test_chat_says_where_the_target_and_the_drafter_run(tiny_gguf):
     """Piped chat on Vulkan0: the status line (stderr) ends with the device, /stats (stdout) has the placement."""
     done = dflash(
