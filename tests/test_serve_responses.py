@@ -11,9 +11,10 @@ import subprocess
 import openai
 import pytest
 from agent_clients import codex
-from test_serve_clients import KEY
+from test_serve_clients import KEY, serving
 from test_serve_messages import models, post, url  # noqa: F401 (the served pair, shared)
 
+from dflash_local.server.engine import Engine
 from dflash_local.server.protocol import BadRequest
 from dflash_local.server.responses_api import parse_request
 
@@ -142,10 +143,28 @@ def test_hostile_bodies_get_openais_error_shape_and_the_server_stays_up(url, cli
     assert client.responses.create(model="tiny", input=ASK, max_output_tokens=2).output_text
 
 
-def test_codex_exec_answers_through_a_custom_provider(url, tmp_path):  # noqa: F811
+@pytest.fixture(scope="module")
+def seeded(models):  # noqa: F811
+    """`dflash serve --seed 0` over the same pair: requests that name no seed sample the same answer each time."""
+    with serving(Engine(models, 4, None, size=8, seed=0)) as base:
+        yield base
+
+
+def test_serves_seed_repeats_the_sampled_answers_of_requests_that_name_none(seeded):
+    client = openai.OpenAI(base_url=f"{seeded}/v1", api_key=KEY, max_retries=0, timeout=120)
+    first, again = (client.responses.create(model="tiny", input=ASK, max_output_tokens=48).output_text for _ in "12")
+    assert first == again
+    ask = [{"role": "user", "content": ASK}]
+    chats = [client.chat.completions.create(model="tiny", messages=ask, max_tokens=48) for _ in "12"]
+    assert chats[0].choices[0].message.content == chats[1].choices[0].message.content
+
+
+def test_codex_exec_answers_through_a_custom_provider(seeded, tmp_path):
     """`codex exec` with a custom provider (wire_api responses) at the server exits 0 with the model's answer. Short
     instructions and Codex's optional tools and context turned off keep its request inside the tiny model's
-    2048-token context (its default one is ~9K tokens)."""
+    2048-token context (its default one is ~9K tokens); the request holds no path, and the server's seed makes the
+    tiny model's sampled answer (Codex sends no temperature: 1) one that ends, 85 tokens, where some samples fill
+    the context and Codex then fails on the incomplete response."""
     home = tmp_path / "codex"
     home.mkdir()
     (tmp_path / "instructions.md").write_text("Answer briefly.\n")
@@ -155,9 +174,9 @@ def test_codex_exec_answers_through_a_custom_provider(url, tmp_path):  # noqa: F
         "include_environment_context = false\ninclude_apps_instructions = false\n"
         "include_collaboration_mode_instructions = false\n"
         "[features]\napps = false\ngoals = false\nplugins = false\nmemories = false\nunified_exec = false\n"
-        "view_image = false\nskills = false\nshell_tool = false\n"
+        "view_image = false\nshell_tool = false\n[skills]\ninclude_instructions = false\n"
         '[model_providers.dflash]\nname = "dflash"\n'
-        f'base_url = "{url}/v1"\nwire_api = "responses"\nenv_key = "DFLASH_API_KEY"\n'
+        f'base_url = "{seeded}/v1"\nwire_api = "responses"\nenv_key = "DFLASH_API_KEY"\n'
         "request_max_retries = 0\nstream_max_retries = 0\n"
     )
     environment = {key: value for key, value in os.environ.items() if not key.startswith(("OPENAI_", "CODEX_"))}

@@ -21,6 +21,7 @@ from .options import ChatTemplate, DecodeOptions, ModelOptions, Own, decode_opti
     max_new_tokens=Own(None, "Default answer length when a request has no max_tokens (default: the context)."),
     block_size=Own(),
     no_draft=Own(),
+    seed=Own(None, "Seed of requests that name none: the same request, the same answer (default: a fresh one each)."),
 )
 def serve(
     model: str = typer.Argument("tiny", help="A model name (dflash models), a Hub repo, a folder or a .gguf file."),
@@ -59,7 +60,7 @@ def serve(
         if run_engine:
             raise DFlashError("--exec runs an engine's command: use it with --engine vllm or --engine sglang.")
         max_new_tokens = decode.max_new_tokens
-        values.check_numbers(1 if max_new_tokens is None else max_new_tokens, options.max_context)
+        values.check_numbers(1 if max_new_tokens is None else max_new_tokens, options.max_context, decode.seed)
         counts = {"--max-queue": max_queue, "--max-body": max_body, "--max-connections": max_connections}
         for flag, value in counts.items():
             if value < 1:
@@ -78,7 +79,7 @@ def serve(
         drafter = None if decode.no_draft else resolved.drafter
         models = options.load(resolved, drafter, resolved.backend, block_size is None and not decode.no_draft)
         models.tokenizer.config = use_template(models.tokenizer.config, template, resolved.target)
-        worker = Engine(models, block_size, max_new_tokens, max_queue, resolved.thinking)
+        worker = Engine(models, block_size, max_new_tokens, max_queue, resolved.thinking, decode.seed)
         warning = exposure_warning(host, api_key)
         if warning:
             typer.echo(warning, err=True)

@@ -104,6 +104,7 @@ class Engine:
         max_new_tokens: int | None,
         size: int,
         thinking: bool | None = None,
+        seed: int | None = None,
     ) -> None:
         if models.tokenizer is None:
             raise DFlashError("The model has no tokenizer (tokenizer.json), so it cannot be served.")
@@ -111,6 +112,7 @@ class Engine:
         self.block_size = block_size
         self.max_new_tokens = max_new_tokens
         self.thinking = thinking  # the drafter's thinking mode: what chat templates render unless a request says
+        self.seed = seed  # serve's --seed: the seed of requests that name none (None: a fresh one each)
         self.size, self.waiting, self.arrived = size, deque[Job](), threading.Condition()
         self.counts = {"served": 0, "cancelled": 0, "failed": 0}
         self.busy = False
@@ -177,7 +179,8 @@ class Engine:
             job.emit(Failure(500, f"The generation failed ({type(exc).__name__}: {exc})."))
 
     def settings(self, sampling: Sampling, prompt_tokens: int) -> Settings:
-        """The loop's settings for a request: no max_tokens means serve's --max-new-tokens, else up to the context."""
+        """The loop's settings for a request: no max_tokens means serve's --max-new-tokens, else up to the context;
+        no seed means serve's --seed."""
         room = self.models.target.max_context - prompt_tokens
         models = self.models
         grammar = None
@@ -189,7 +192,7 @@ class Engine:
             block_size=self.block_size,
             draft=self.models.drafter is not None or self.models.policy is not None,  # no drafter: lookup's policy
             stop_ids=self.models.stops(sampling.ignore_eos),
-            seed=sampling.seed,
+            seed=self.seed if sampling.seed is None else sampling.seed,
             grammar=grammar,
         )
 
