@@ -56,6 +56,14 @@ def url(models):
 
 
 @pytest.fixture(scope="module")
+def seeded(models):
+    """`dflash serve --seed 0` over the same pair: requests that name no seed sample the same answer each time, so
+    the agents' runs (at their temperature 1) are the same runs each time."""
+    with serving(Engine(models, 4, None, size=8, seed=0), Limits(max_body=2**20)) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
 def client(url) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0, timeout=120)
 
@@ -219,11 +227,12 @@ def test_a_full_queue_is_anthropics_overloaded_error_and_openais_429(models):
         release.set()
 
 
-def test_claude_code_answers_a_prompt_through_the_server(url, tmp_path):
-    """`claude -p` with ANTHROPIC_BASE_URL at the server exits 0 with the model's answer. --bare and a short system
-    prompt without tools keep its request inside the tiny model's 2048-token context (its default one is ~28K)."""
+def test_claude_code_answers_a_prompt_through_the_server(seeded, tmp_path):
+    """`claude -p` with ANTHROPIC_BASE_URL at the (seeded) server exits 0 with the model's answer. --bare and a short
+    system prompt without tools keep its request inside the tiny model's 2048-token context (its default one is
+    ~28K)."""
     environment = {key: value for key, value in os.environ.items() if not key.startswith(("ANTHROPIC_", "CLAUDE"))}
-    environment |= {"HOME": str(tmp_path), "ANTHROPIC_BASE_URL": url, "ANTHROPIC_API_KEY": KEY}
+    environment |= {"HOME": str(tmp_path), "ANTHROPIC_BASE_URL": seeded, "ANTHROPIC_API_KEY": KEY}
     environment |= {"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "1500"}
     command = [*claude_code(), "--bare", "-p", "--system-prompt", "Answer briefly.", "--tools", "", "--", "say hi"]
     done = subprocess.run(command, env=environment, cwd=tmp_path, capture_output=True, text=True, timeout=600)

@@ -11,10 +11,9 @@ import subprocess
 import openai
 import pytest
 from agent_clients import codex
-from test_serve_clients import KEY, serving
-from test_serve_messages import models, post, url  # noqa: F401 (the served pair, shared)
+from test_serve_clients import KEY
+from test_serve_messages import models, post, seeded, url  # noqa: F401 (the served pair, shared)
 
-from dflash_local.server.engine import Engine
 from dflash_local.server.protocol import BadRequest
 from dflash_local.server.responses_api import parse_request
 
@@ -143,14 +142,7 @@ def test_hostile_bodies_get_openais_error_shape_and_the_server_stays_up(url, cli
     assert client.responses.create(model="tiny", input=ASK, max_output_tokens=2).output_text
 
 
-@pytest.fixture(scope="module")
-def seeded(models):  # noqa: F811
-    """`dflash serve --seed 0` over the same pair: requests that name no seed sample the same answer each time."""
-    with serving(Engine(models, 4, None, size=8, seed=0)) as base:
-        yield base
-
-
-def test_serves_seed_repeats_the_sampled_answers_of_requests_that_name_none(seeded):
+def test_serves_seed_repeats_the_sampled_answers_of_requests_that_name_none(seeded):  # noqa: F811
     client = openai.OpenAI(base_url=f"{seeded}/v1", api_key=KEY, max_retries=0, timeout=120)
     first, again = (client.responses.create(model="tiny", input=ASK, max_output_tokens=48).output_text for _ in "12")
     assert first == again
@@ -159,7 +151,7 @@ def test_serves_seed_repeats_the_sampled_answers_of_requests_that_name_none(seed
     assert chats[0].choices[0].message.content == chats[1].choices[0].message.content
 
 
-def test_codex_exec_answers_through_a_custom_provider(seeded, tmp_path):
+def test_codex_exec_answers_through_a_custom_provider(seeded, tmp_path):  # noqa: F811
     """`codex exec` with a custom provider (wire_api responses) at the server exits 0 with the model's answer. Short
     instructions and Codex's optional tools and context turned off keep its request inside the tiny model's
     2048-token context (its default one is ~9K tokens); the request holds no path, and the server's seed makes the
