@@ -21,6 +21,7 @@ from .local_models import OLLAMA_PREFIX, check_loadable, file_digest, ollama_mod
 from .paths import cache_dir
 
 MODELS_DIR = Path(str(files("dflash_local.models")))  # models/ in the source tree; package data in a wheel
+MTP = "mtp"  # --drafter mtp: the target's own multi-token-prediction layers
 REPO_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?$")
 
 Source = Path | HubSource
@@ -311,7 +312,9 @@ def resolve(name: str, drafter: str | None, fetch) -> ResolvedModel:
         found = lookup(name)
         entry = found if isinstance(found, ModelEntry) else None
         target = local_path(entry.target if entry else found, fetch)
-    if drafter is not None:
+    if drafter == MTP:
+        drafter_path = target  # a GGUF drafting for itself: with its MTP layers (drafters.mtp)
+    elif drafter is not None:
         drafter_path = _drafter_path(drafter, fetch)
     elif entry is not None and entry.drafter is not None:
         drafter_path = local_path(entry.drafter, fetch)

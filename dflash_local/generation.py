@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -86,7 +86,8 @@ def load_models(
         raise DFlashError(f"The context (--max-context) must be at least 1 token, got {spec.max_context}.")
     path = Path(target_path)
     drafter_file = None if drafter_path is None else Path(drafter_path)
-    spec = plan_load(path, spec, native_runs(drafter_file), file_bytes(drafter_file))
+    mtp = drafter_file is not None and drafter_file.resolve() == path.resolve()  # its own drafter: its MTP layers
+    spec = plan_load(path, replace(spec, mtp=mtp), native_runs(drafter_file), 0 if mtp else file_bytes(drafter_file))
     spec.runtime.apply()
     device = spec.runtime.device
     spec.progress("loading the target")

@@ -36,6 +36,7 @@ _GET_TAP_NAMES = (
 # staging API; only the Itanium manglings are bound here (the MSVC ones are unchecked), then the plain C names.
 _SET_NEXTN_NAMES = ("_Z26llama_set_embeddings_nextnP13llama_contextbb", "llama_set_embeddings_nextn")
 _GET_NEXTN_NAMES = ("_Z26llama_get_embeddings_nextnP13llama_context", "llama_get_embeddings_nextn")
+_GET_NEXTN_ITH_NAMES = ("_Z30llama_get_embeddings_nextn_ithP13llama_contexti", "llama_get_embeddings_nextn_ith")
 _SELECTOR_TOP_K_NAMES = ("_Z33llama_model_dflash_selector_top_kPK11llama_model", "llama_model_dflash_selector_top_k")
 LIB_ROOT = Path(sys.prefix) / "lib"
 GGML_LOG_LEVEL_ERROR = 4  # ggml.h's enum ggml_log_level
@@ -109,6 +110,16 @@ def dflash2_functions() -> tuple[Callable, Callable, Callable]:
     set_nextn = _bind(_SET_NEXTN_NAMES, [ctx_type, ctypes.c_bool, ctypes.c_bool], None, what)
     get_nextn = _bind(_GET_NEXTN_NAMES, [ctx_type], ctypes.POINTER(ctypes.c_float), what)
     return top_k, set_nextn, get_nextn
+
+
+def mtp_functions() -> tuple[Callable, Callable]:
+    """(set_nextn(ctx, on, masked), get_nextn_ith(ctx, row) -> float pointer) for an MTP context: the hidden state
+    its block hands to the next draft step, per output row."""
+    what = "MTP outputs"
+    ctx_type = llama_cpp.llama_context_p_ctypes
+    set_nextn = _bind(_SET_NEXTN_NAMES, [ctx_type, ctypes.c_bool, ctypes.c_bool], None, what)
+    get_nextn_ith = _bind(_GET_NEXTN_ITH_NAMES, [ctx_type, ctypes.c_int32], ctypes.POINTER(ctypes.c_float), what)
+    return set_nextn, get_nextn_ith
 
 
 def _keep_errors(level: int, text: bytes, user_data) -> None:

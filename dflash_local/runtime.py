@@ -138,6 +138,7 @@ class LoadSpec:
     int8_head: bool = False  # planned: a llama.cpp target keeps its head as int8 rows for a torch drafter on the CPU
     gpu_layers: str = "auto"  # GGUFs on a GPU: auto (as many as its free memory holds), all, or a number
     cpu_moe: bool = False  # a MoE GGUF's expert tensors stay in host memory
+    mtp: bool = False  # the target drafts with its own MTP layers (--drafter mtp): llama.cpp loads them with it
     placement: Placement | None = None  # planned: where llama.cpp runs the target and its native drafter
     progress: Callable[[str], None] = field(default=_silent, compare=False)  # e.g. "loading the target"
 

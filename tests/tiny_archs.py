@@ -1,9 +1,14 @@
 """Tiny random-weight models of the 2026 architectures: a transformers model of tiny sizes, written to GGUF by
 llama.cpp's own converter, with a real vocabulary copied from llama.cpp's models/ggml-vocab-*.gguf.
 
+`qwen35-mtp` is qwen35 with one multi-token-prediction (MTP) block, as Qwen3.5's checkpoints hold it (`mtp.*`), which
+the converter writes as llama.cpp's nextn layer; `mtp_reference` computes that block's logits with transformers' own
+modules, the reference for dflash's MTP drafter.
+
 Runs in the oracle environment (torch + transformers), with llama.cpp's source tree (the llama-cpp-python sdist's
 vendor/llama.cpp: its converter and gguf-py) on the path:
   python tests/tiny_archs.py LLAMA_CPP_DIR OUT_DIR ARCH...   # writes OUT_DIR/ARCH/model.gguf and OUT_DIR/ARCH/hf/
+  python tests/tiny_archs.py --mtp-reference HF_DIR OUT_FILE ROWS TOKEN...   # the MTP chain's logits (safetensors)
 """
 
 from __future__ import annotations
@@ -80,6 +85,7 @@ ARCHS: dict[str, tuple[str, str, dict]] = {
     ),
 }
 ARCH_NAMES = {"Qwen3_5TextConfig": "Qwen3_5ForCausalLM"}  # the architectures entry the converter knows
+WITH_MTP = {"qwen35-mtp": "qwen35"}  # an architecture with one MTP block: the one it extends
 
 
 def vocabulary(llama_cpp: Path, name: str) -> list:
@@ -107,7 +113,7 @@ def build(llama_cpp: Path, arch: str, out: Path) -> Path:
     import torch
     import transformers
 
-    config_name, vocab_name, sizes = ARCHS[arch]
+    config_name, vocab_name, sizes = ARCHS[WITH_MTP.get(arch, arch)]
     fields = vocabulary(llama_cpp, vocab_name)
     tokens = next(f for f in fields if f.name == "tokenizer.ggml.tokens")
     config = getattr(transformers, config_name)(vocab_size=len(tokens.data), max_position_embeddings=4096, **sizes)
@@ -119,6 +125,8 @@ def build(llama_cpp: Path, arch: str, out: Path) -> Path:
                 param.normal_(0.0, 0.2)
     model.config.architectures = [ARCH_NAMES.get(config_name, type(model).__name__)]
     model.save_pretrained(out / "hf")
+    if arch in WITH_MTP:
+        add_mtp_block(out / "hf", config)
     if arch == "gemma4":  # the converter reads the full-attention layers' head size from a field transformers omits,
         # and the vocabulary's size from tokenizer.json
         written = json.loads((out / "hf" / "config.json").read_text())
@@ -129,7 +137,7 @@ def build(llama_cpp: Path, arch: str, out: Path) -> Path:
     from conversion import get_model_class
 
     cls = get_model_class(model.config.architectures[0])
-    cls.no_mtp = True  # no multi-token-prediction layers (the converter's --no-mtp)
+    cls.no_mtp = arch not in WITH_MTP  # no multi-token-prediction layers (the converter's --no-mtp)
     converter = cls(out / "hf", gguf.LlamaFileType.ALL_F32, out / "model.gguf.partial", eager=True)
     converter.set_vocab = lambda: copy_vocabulary(converter.gguf_writer, fields)
     with torch.inference_mode():
@@ -138,7 +146,78 @@ def build(llama_cpp: Path, arch: str, out: Path) -> Path:
     return out / "model.gguf"
 
 
+def add_mtp_block(folder: Path, config) -> None:
+    """Add a seeded random MTP block to a saved Qwen3.5 model, named as Qwen3.5's checkpoints name it: fc over
+    [normed embedding; normed hidden state], those two norms, one full-attention decoder layer and its final norm."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(folder / "model.safetensors")
+    full = config.layer_types.index("full_attention")
+    prefix = f"model.layers.{full}."
+    shapes = {
+        f"mtp.layers.0.{name.removeprefix(prefix)}": w.shape for name, w in weights.items() if name.startswith(prefix)
+    }
+    hidden = config.hidden_size
+    shapes |= {"mtp.fc.weight": (hidden, 2 * hidden)}
+    shapes |= {f"mtp.{name}.weight": (hidden,) for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
+    generator = torch.Generator().manual_seed(1)
+    for name, shape in sorted(shapes.items()):  # norms stored as offsets from 1, as Qwen3.5's
+        weights[name] = torch.randn(shape, generator=generator) * (0.2 if len(shape) > 1 else 0.1)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    written = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**written, "mtp_num_hidden_layers": 1}))
+
+
+def mtp_reference(folder: Path, tokens: list[int], rows: int):
+    """The MTP block's chain by transformers' modules, as llama.cpp's MTP driver runs it: position p takes token p and
+    the model's final-normed hidden state at p - 1 (zeros at 0); after tokens' last, each step takes the previous
+    step's argmax and the block's own normed output, attending causally. Returns the `rows` steps' logits."""
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    config, weights = model.config, load_file(folder / "model.safetensors")
+    layer = Qwen3_5DecoderLayer(config, config.layer_types.index("full_attention"))
+    block = {k.removeprefix("mtp.layers.0."): v for k, v in weights.items() if k.startswith("mtp.layers.0.")}
+    layer.load_state_dict(block)
+
+    def norm(name: str) -> Qwen3_5RMSNorm:
+        module = Qwen3_5RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        module.weight.data.copy_(weights[f"mtp.{name}.weight"])
+        return module
+
+    def forward(ids: list[int], states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        embedded = model.model.embed_tokens(torch.tensor(ids))
+        joined = torch.cat([norm("pre_fc_norm_embedding")(embedded), norm("pre_fc_norm_hidden")(states)], dim=-1)
+        x = (joined @ weights["mtp.fc.weight"].T)[None]
+        positions = torch.arange(len(ids))
+        rotary = model.model.rotary_emb(x, positions.view(1, 1, -1).expand(3, 1, -1))
+        mask = torch.full((len(ids), len(ids)), float("-inf")).triu(1)[None, None]
+        out = layer(x, position_embeddings=rotary, attention_mask=mask, position_ids=positions[None])
+        normed = norm("norm")(out[0] if isinstance(out, tuple) else out)[0]
+        return normed[-1], model.lm_head(normed[-1])
+
+    with torch.no_grad():
+        hidden = model(torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states[-1][0]
+        ids, states, chain = list(tokens), torch.cat([torch.zeros(1, config.hidden_size), hidden]), []
+        for _ in range(rows):
+            state, logits = forward(ids, states)
+            chain.append(logits)
+            ids.append(int(logits.argmax()))
+            states = torch.cat([states, state[None]])
+        return torch.stack(chain)
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--mtp-reference":
+        from safetensors.torch import save_file
+
+        logits = mtp_reference(Path(sys.argv[2]), [int(t) for t in sys.argv[5:]], int(sys.argv[4]))
+        save_file({"logits": logits.contiguous()}, sys.argv[3])
+        sys.exit(0)
     source = Path(sys.argv[1])
     sys.path[:0] = [str(source), str(source / "gguf-py")]
     for name in sys.argv[3:]:

@@ -178,7 +178,11 @@ class Flag:
 
 
 DECODE_FLAGS = {
-    "drafter": Flag(("--drafter",), Optional[str], "Drafter folder or Hub repo (default: the model's)."),
+    "drafter": Flag(
+        ("--drafter",),
+        Optional[str],
+        "Drafter folder or Hub repo (default: the model's), or mtp: a GGUF's own MTP layers (Qwen3.5/3.6).",
+    ),
     "max_new_tokens": Flag(("--max-new-tokens",), Optional[int]),
     "temperature": Flag(("--temperature",), float),
     "top_p": Flag(("--top-p",), float),

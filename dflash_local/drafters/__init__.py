@@ -1,5 +1,6 @@
 """Drafters: each proposes blocks beside a target and implements `drafters.base.Drafter`; load_drafter loads the
-torch one (torch_drafter) or llama.cpp's native one (native), as the load spec's plan says."""
+torch one (torch_drafter), llama.cpp's native one (native) or a GGUF target's own MTP layers (mtp), as the load
+spec's plan says."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from .gguf_drafter import is_drafter_gguf
 from .torch_drafter import DFlashDrafter
 
 if TYPE_CHECKING:
+    from .mtp import MtpDrafter
     from .native import NativeDrafter
 
 
@@ -27,10 +29,16 @@ def native_runs(drafter: Path | None) -> bool:
     return DrafterConfig.from_dict(read_config(drafter), drafter).native_refusal() is None
 
 
-def load_drafter(folder: str | Path, target: Target, spec: LoadSpec) -> DFlashDrafter | NativeDrafter:
+def load_drafter(folder: str | Path, target: Target, spec: LoadSpec) -> DFlashDrafter | NativeDrafter | MtpDrafter:
     """The drafter kind `spec` names (planned: runtime.plan_load) from `folder`, beside `target`, its cache as long
-    as the target's; the target is left as it was loaded."""
+    as the target's (with spec.mtp, the target's own MTP layers); the target is left as it was loaded."""
     runtime = spec.runtime
+    if spec.mtp:
+        from .mtp import MtpDrafter
+
+        if runtime.drafter != "native":
+            raise DFlashError("MTP drafting runs in llama.cpp, not on the torch drafter (--drafter-kind auto).")
+        return MtpDrafter.load(target, spec)
     if runtime.drafter == "native" and spec.drafter_quantize is not None:
         raise DFlashError("The native llama.cpp drafter cannot be quantized; use --drafter-kind torch.")
     if runtime.drafter == "native":

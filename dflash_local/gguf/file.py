@@ -177,6 +177,7 @@ class GGUFModel:
     context_length: int
     eos_ids: frozenset[int]
     tensors: dict[str, GGUFTensor]
+    mtp_layers: int = 0  # multi-token-prediction (nextn) blocks after the trunk's layers (dims.layers)
 
 
 def _field(fields: dict[str, object], key: str, path: Path, required: bool = True):
@@ -188,7 +189,8 @@ def _field(fields: dict[str, object], key: str, path: Path, required: bool = Tru
 def gguf_dimensions(path: Path, header: GGUFHeader) -> Dimensions:
     """The decoder's dimensions in a GGUF file's metadata (the keys llama.cpp's converter and `dflash convert` write).
     A width the file states per layer (hybrid models) reads as its attention layers' one value (0 marks a layer
-    without attention), else 0, as does one not stated; no depth, width or vocabulary raises DFlashError."""
+    without attention), else 0, as does one not stated; no depth, width or vocabulary raises DFlashError. Its layers
+    are the trunk's: block_count less the multi-token-prediction (nextn) blocks appended after them."""
     fields = header.fields
     arch = _field(fields, "general.architecture", path)
 
@@ -210,7 +212,7 @@ def gguf_dimensions(path: Path, header: GGUFHeader) -> Dimensions:
     return Dimensions(
         hidden=hidden,
         intermediate=stated("feed_forward_length"),
-        layers=stated("block_count"),
+        layers=stated("block_count") - stated("nextn_predict_layers"),
         heads=heads,
         kv_heads=stated("attention.head_count_kv", heads),
         head_dim=stated("attention.key_length", hidden // heads if heads else 0),
@@ -240,4 +242,5 @@ def read_gguf(path: Path) -> GGUFModel:
         context_length=int(_field(fields, f"{arch}.context_length", path)),
         eos_ids=frozenset() if eos is None else frozenset([int(eos)]),
         tensors=header.tensors,
+        mtp_layers=int(fields.get(f"{arch}.nextn_predict_layers", 0)),
     )

@@ -41,6 +41,7 @@ def model_params(spec: LoadSpec | None = None) -> ModelParams:
     # No repacking for the CPU's kernels (Q4_0 and Q4_K on AVX2): repacked Q4_K computes a batch (gemm) and one
     # token (gemv) in different orders, so verification would not be batch-invariant.
     params.params.use_extra_bufts = False
+    params.params.load_mtp = spec is not None and spec.mtp  # the MTP (nextn) layers, for drafters.mtp
     return params
 
 
@@ -104,6 +105,7 @@ class LlamaCppTarget:
         self.int8_head = False  # materialize the head as packed int8 rows (for a torch drafter on the CPU)
         self.fixed_rows: int | None = None  # FIXED_ROWS where verification runs on a GPU backend, else any width
         self.on_gpu = False  # some of its layers run on a GPU backend
+        self.with_mtp = False  # llama.cpp loaded its MTP layers (an MTP context can draft beside it)
 
     @classmethod
     def load(cls, path: str | Path, spec: LoadSpec) -> LlamaCppTarget:
@@ -137,6 +139,7 @@ class LlamaCppTarget:
         on_gpu = spec.placement is not None and spec.placement.device is not None and spec.placement.gpu_layers > 0
         target.fixed_rows = FIXED_ROWS if on_gpu and not target.recurrent else None
         target.on_gpu = on_gpu
+        target.with_mtp = spec.mtp
         return target
 
     @property

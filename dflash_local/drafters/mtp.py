@@ -1,0 +1,152 @@
+"""The target's own multi-token-prediction (MTP) block as the drafter (`--drafter mtp`): llama.cpp's MTP context over
+the target GGUF's nextn layer, which drafts one token per step, as llama.cpp's own MTP driver does.
+
+Its KV cache holds position p from (token p, the target's final-normed hidden state at p - 1, zeros at 0); a draft
+chains the block's own hidden state from one step to the next. The architectures are those whose llama.cpp graph
+hands the MTP block the final-normed hidden state, which is the target's last-layer feature.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+
+import numpy as np
+import torch
+
+from ..errors import DFlashError
+from ..llama_lib import first_llama_error, llama_cpp, mtp_functions
+from ..runtime import LoadSpec
+from ..targets.llamacpp import BATCH, LlamaCppTarget, context_params
+
+MTP_ARCHITECTURES = ("qwen35", "qwen35moe")
+MTP_BLOCK = 8  # the most positions one verify takes from a chain (each draft step is one more MTP forward)
+HISTORY = 64  # the target's hidden states kept for rollbacks; one further back starts the chain from zeros
+
+
+def _free(batch, ctx) -> None:
+    llama_cpp.llama_batch_ext_free(batch)
+    llama_cpp.llama_free(ctx)
+
+
+class MtpDrafter:
+    """The Drafter interface (drafters.base) over llama.cpp's MTP context of one GGUF target."""
+
+    def __init__(self, target: LlamaCppTarget, ctx) -> None:
+        self.target, self._ctx = target, ctx
+        self._memory = llama_cpp.llama_get_memory(ctx)
+        self._batch = llama_cpp.llama_batch_ext_init(ctx)
+        weakref.finalize(self, _free, self._batch, ctx)
+        set_nextn, self._nextn_at = mtp_functions()
+        set_nextn(ctx, True, True)  # the block's hidden state for each output row
+        self.block_size = MTP_BLOCK
+        self.target_layer_ids = [target.num_layers - 1]
+        self.length = 0
+        self.cache_owner: object | None = None  # the Session that last filled its cache
+        self._hidden = np.zeros((0, target.hidden_size), dtype=np.float32)  # positions [_first, _first + len)
+        self._first = 0
+
+    @classmethod
+    def load(cls, target: LlamaCppTarget, spec: LoadSpec) -> MtpDrafter:
+        """The MTP context beside a GGUF target loaded with its MTP layers (LoadSpec.mtp), on spec's threads."""
+        if not isinstance(target, LlamaCppTarget):
+            raise DFlashError("MTP drafting (--drafter mtp) runs in llama.cpp: it needs a GGUF target on llama.cpp.")
+        info = target.info
+        if info.mtp_layers < 1:
+            raise DFlashError(
+                f"--drafter mtp: {info.path.name} carries no MTP (nextn) layers; use a GGUF converted with them, or a "
+                "DFlash drafter."
+            )
+        if info.architecture not in MTP_ARCHITECTURES:
+            raise DFlashError(
+                f"--drafter mtp drafts with the MTP layers of {' and '.join(MTP_ARCHITECTURES)} GGUFs; "
+                f"{info.path.name} holds a '{info.architecture}' model."
+            )
+        if not target.with_mtp:
+            raise DFlashError("The target was loaded without its MTP layers (LoadSpec.mtp), so it cannot draft.")
+        params = context_params(spec, target.max_context)
+        params.ctx_type = llama_cpp.LLAMA_CONTEXT_TYPE_MTP
+        params.ctx_other = target._ctx
+        ctx = llama_cpp.llama_init_from_model(target._model, params)
+        if not ctx:
+            raise DFlashError(f"llama.cpp could not create the MTP context ({first_llama_error() or 'no reason'}).")
+        return cls(target, ctx)
+
+    def check_target(self, target) -> None:
+        """Raise a DFlashError unless target is the GGUF target whose MTP layers these are."""
+        if target is not self.target:
+            raise DFlashError("An MTP drafter drafts only for the GGUF target it belongs to.")
+        target.set_feature_layers(self.target_layer_ids)
+
+    def reset(self) -> None:
+        llama_cpp.llama_memory_clear(self._memory, True)
+        self.length, self._first = 0, 0
+        self._hidden = self._hidden[:0]
+
+    def _state(self, position: int) -> np.ndarray:
+        """The target's hidden state at position (kept since the last rollback past it), else zeros."""
+        index = position - self._first
+        if position < 0 or not 0 <= index < len(self._hidden):
+            return np.zeros(self.target.hidden_size, dtype=np.float32)
+        return self._hidden[index]
+
+    def _add(self, token: int, position: int, state: np.ndarray, output: bool) -> None:
+        index = llama_cpp.llama_batch_ext_add_token(self._batch, 0, token)
+        if index < 0:
+            raise DFlashError("llama.cpp's MTP batch is full.")
+        pos = llama_cpp.llama_pos(position)
+        llama_cpp.llama_batch_ext_set_pos(self._batch, index, ctypes.byref(pos))
+        embd = llama_cpp.llama_embd(state.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), 1, state.shape[0])
+        llama_cpp.llama_batch_ext_set_embd_token(self._batch, index, embd)
+        llama_cpp.llama_batch_ext_set_output_logits(self._batch, index, output)
+
+    def _process(self) -> None:
+        status = llama_cpp.llama_process(self._ctx, llama_cpp.LLAMA_PROCESS_TYPE_DECODE, self._batch)
+        if status != 0:
+            raise DFlashError(f"llama.cpp's MTP context failed on a batch (status {status}).")
+
+    def _catch_up(self, features: np.ndarray, tokens: list[int], start: int) -> None:
+        """Cache positions [length, start) from their tokens and the hidden states before them, then keep the last
+        HISTORY hidden states (features: positions length..start-1)."""
+        states = np.concatenate([self._state(self.length - 1)[None], features[:-1]]) if len(features) else features
+        states = np.ascontiguousarray(states, dtype=np.float32)
+        for offset in range(0, len(states), BATCH):
+            llama_cpp.llama_batch_ext_clear(self._batch)
+            for row in range(offset, min(offset + BATCH, len(states))):
+                self._add(tokens[self.length + row], self.length + row, states[row], False)
+            self._process()
+        kept = self._hidden[: max(self.length - self._first, 0)]
+        self._hidden = np.concatenate([kept, features])[-HISTORY:].astype(np.float32)
+        self._first = start - len(self._hidden)
+
+    def propose(
+        self,
+        target,
+        new_features: torch.Tensor | None,
+        tokens: list[int],
+        start: int,
+        size: int,
+        rows: int | None = None,
+    ) -> torch.Tensor:
+        """Cache the positions up to start, then chain `rows` drafts (default size - 1) from tokens[start]: the
+        logits [rows, vocab] of positions start+1..start+rows, each step's argmax being the next step's token."""
+        rows = size - 1 if rows is None else rows
+        width = target.hidden_size
+        features = np.zeros((0, width), np.float32) if new_features is None else new_features.float().cpu().numpy()
+        if self.length + len(features) != start:
+            raise ValueError(f"MTP cache holds {self.length} positions, got features up to {start}")
+        llama_cpp.llama_memory_seq_rm(self._memory, 0, self.length, -1)
+        self._catch_up(features, tokens, start)
+        self.length = start
+        token, state, drafted = tokens[start], self._state(start - 1), []
+        for step in range(rows):
+            llama_cpp.llama_batch_ext_clear(self._batch)
+            self._add(token, start + step, np.ascontiguousarray(state), True)
+            self._process()
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, 0), shape=(target.vocab_size,))
+            drafted.append(logits.copy())
+            token = int(np.argmax(drafted[-1]))
+            state = np.ctypeslib.as_array(self._nextn_at(self._ctx, 0), shape=(width,)).copy()
+        if not drafted:
+            return torch.empty((0, target.vocab_size), device=target.device)
+        return torch.from_numpy(np.stack(drafted)).to(target.device)
