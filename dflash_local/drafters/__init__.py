@@ -36,8 +36,6 @@ def load_drafter(folder: str | Path, target: Target, spec: LoadSpec) -> DFlashDr
     if spec.mtp:
         from .mtp import MtpDrafter
 
-        if runtime.drafter != "native":
-            raise DFlashError("MTP drafting runs in llama.cpp, not on the torch drafter (--drafter-kind auto).")
         return MtpDrafter.load(target, spec)
     if runtime.drafter == "native" and spec.drafter_quantize is not None:
         raise DFlashError("The native llama.cpp drafter cannot be quantized; use --drafter-kind torch.")

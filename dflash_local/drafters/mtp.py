@@ -51,6 +51,8 @@ class MtpDrafter:
         """The MTP context beside a GGUF target loaded with its MTP layers (LoadSpec.mtp), on spec's threads."""
         if not isinstance(target, LlamaCppTarget):
             raise DFlashError("MTP drafting (--drafter mtp) runs in llama.cpp: it needs a GGUF target on llama.cpp.")
+        if spec.runtime.drafter == "torch":
+            raise DFlashError("MTP drafting runs in llama.cpp, not on the torch drafter (--drafter-kind auto).")
         info = target.info
         if info.mtp_layers < 1:
             raise DFlashError(
