@@ -1,6 +1,7 @@
 """One process on a llama.cpp device, chosen before the library loads as the CLI chooses it: each GGUF target given,
-with its drafter, decoded plainly and with DFlash at blocks 4 and 16 and the auto policy (scripted costs); one JSON
-line per target: the ids of each mode, the block-16 tau, and where the layers and the drafter ran.
+with its drafter, decoded plainly and with DFlash at block 4, the drafter's block (16 for the tests' DFlash drafters)
+and the auto policy (scripted costs); one JSON line per target: the ids of each mode, each block's tau, and where the
+layers and the drafter ran. A target given as its own drafter drafts with its MTP layer.
 
   python tests/gpu_runs.py DEVICE GPU_LAYERS CPU_MOE NEW_TOKENS PROMPT_IDS TARGET.gguf[:DRAFTER] ...
 """
@@ -42,7 +43,7 @@ def main(device: str, gpu_layers: str, cpu_moe: str, new_tokens: str, prompt: st
         out = {"target": target_path, "devices": models.devices}
         out["plain"], _ = run(target, None, ids, Settings(max_new_tokens=tokens, draft=False))
         if drafter is not None:
-            for block in (4, 16):
+            for block in (4, drafter.block_size):
                 out[str(block)], stats = run(target, drafter, ids, Settings(max_new_tokens=tokens, block_size=block))
                 out[f"tau{block}"] = stats.tau
             policy = auto_policy(drafter.block_size)

@@ -1,8 +1,9 @@
 """llama.cpp's Vulkan backend on Mesa's lavapipe, a software Vulkan device that runs the GPU code path on the CPU: the
 dev install builds the Vulkan libllama, doctor lists the backend and the device, every tapped architecture and the
 bundled tiny pair run there (all layers and the native drafter), DFlash at blocks 4, 16 and auto equals plain decoding
-on that device, partial offload and --cpu-moe write the same text as full offload, and a device that is not there is
-one sentence. Each run is its own process: llama.cpp is told which Vulkan devices it may use before it loads."""
+on that device, and so does MTP drafting, partial offload and --cpu-moe write the same text as full offload, and a
+device that is not there is one sentence. Each run is its own process: llama.cpp is told which Vulkan devices it may
+use before it loads."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 from one_error import assert_one_error
 from test_architectures import ARCHS, drafters, models  # noqa: F401 (the tiny architectures and their drafters)
+from test_mtp import model as mtp_model  # noqa: F401 (the tiny qwen35 with an MTP layer)
 
 from dflash_local import offload
 from dflash_local.llama_lib import GPU_LIBS, INVARIANT_LIB
@@ -78,6 +80,17 @@ def test_every_architecture_runs_on_vulkan_and_dflash_equals_plain_decoding_ther
         for mode in ("4", "16", "auto"):
             assert run[mode] == run["plain"], (run["target"], mode)
         assert len(run["auto_blocks"]) > 1, run
+
+
+def test_mtp_drafts_on_vulkan_and_equals_plain_decoding_there(mtp_model):  # noqa: F811
+    """--drafter mtp on Vulkan0 (the tiny qwen35 with an MTP layer, every layer on the device): blocks 4 and 8 and auto
+    give plain decoding's ids on the same device."""
+    gguf = mtp_model / "model.gguf"
+    (run,) = gpu_runs("vulkan", "all", False, [f"{gguf}:{gguf}"])
+    target, drafter = run["devices"]["target"], run["devices"]["drafter"]
+    assert (target["device"], drafter["device"], target["layers_on_device"]) == ("Vulkan0", "Vulkan0", 4), run
+    for mode in ("4", "8", "auto"):
+        assert run[mode] == run["plain"], mode
 
 
 def test_partial_offload_and_cpu_moe_write_the_same_text_as_full_offload(models):  # noqa: F811
