@@ -52,7 +52,7 @@ class Step:
     block_size: int  # tokens this step verified (1: a plain step)
     finish_reason: str | None = None
     prefill_tokens: int = 0  # prompt tokens the prefill step forwarded (the rest came from the session's caches)
-    source: str = "plain"  # where the drafts came from: "dflash", "lookup" or "plain" (none)
+    source: str = "plain"  # where the drafts came from: "dflash" (or "mtp": the drafter's source), "lookup" or "plain"
     drafted: int = 0  # of token_ids, the leading ones that were the source's drafts (the rest the target's)
 
 
@@ -390,7 +390,8 @@ def generate(
         reason = decoding.finish_reason(stopped)
         learn_s = timer.seconds(t2, timer.mark())  # the policy's learning from this step: drafting's share
         drafted = min(accepted, len(made))
-        yield Step(made, len(made), draft_s + learn_s, target_s, verify_size, reason, source=source, drafted=drafted)
+        named = decoding.drafter.source if source == "dflash" else source  # an MTP drafter's steps count as "mtp"
+        yield Step(made, len(made), draft_s + learn_s, target_s, verify_size, reason, source=named, drafted=drafted)
     if policy is not None:
         policy.save()
 

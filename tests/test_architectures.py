@@ -199,6 +199,7 @@ class ChainDrafter:
     and often rejected. It reads no target layers."""
 
     target_layer_ids: list[int] = []
+    source = "dflash"
     BOOST = 2.0  # added to the argmax's score: the drafter over-proposes it (q > p), so it is rejected now and then,
     # and the residual max(0, p - q) then holds only the other tokens (a residual drawn from the target's row shows)
 

@@ -75,7 +75,7 @@ class ScriptedTarget:
 
 
 class ScriptedDrafter:
-    block_size, target_layer_ids, length = BLOCK, [0], 0
+    block_size, target_layer_ids, length, source = BLOCK, [0], 0, "dflash"
 
     def __init__(self, machine: Machine) -> None:
         self.machine = machine

@@ -30,6 +30,7 @@ class OracleDrafter:
         self.truth, self.vocab_size, self.error_rate = truth, vocab_size, error_rate
         self.rng = random.Random(seed)
         self.block_size = block_size
+        self.source = "dflash"
         self.calls = 0
 
     def check_target(self, target) -> None:

@@ -19,7 +19,7 @@ from test_architectures import TESTS, llama_cpp_source
 from test_gguf_lossless import auto_policy
 
 from dflash_local.catalog import package_file
-from dflash_local.decode import Settings, run
+from dflash_local.decode import Settings, generate, run
 from dflash_local.drafters.mtp import MTP_BLOCK, MtpDrafter
 from dflash_local.runtime import LoadSpec, RuntimeConfig
 from dflash_local.targets.llamacpp import LlamaCppTarget
@@ -65,8 +65,7 @@ def test_the_draft_chain_equals_the_mtp_block_run_by_transformers(model, tmp_pat
 
 
 def test_mtp_drafting_equals_plain_decoding(model):
-    """T=0: blocks 2, 4 and MTP_BLOCK and the auto policy give plain decoding's ids, and so does a second generation
-    that reuses the caches after a rollback (a prompt sharing the first tokens)."""
+    """T=0: blocks 2, 4 and MTP_BLOCK and the auto policy give plain decoding's ids; its steps go by "mtp"."""
     target, drafter = loaded(model)
     plain, _ = run(target, None, PROMPT, Settings(max_new_tokens=NEW_TOKENS, draft=False))
     for block in (2, 4, MTP_BLOCK):
@@ -74,6 +73,8 @@ def test_mtp_drafting_equals_plain_decoding(model):
         assert ids == plain and max(stats.block_sizes) == block, (block, stats.block_sizes)
     ids, stats = run(target, drafter, PROMPT, Settings(max_new_tokens=NEW_TOKENS), policy=auto_policy(MTP_BLOCK))
     assert ids == plain and len(set(stats.block_sizes)) > 1, stats.block_sizes
+    steps = list(generate(target, drafter, PROMPT, Settings(max_new_tokens=NEW_TOKENS, block_size=4)))[1:]
+    assert {step.source for step in steps if step.block_size > 1} == {"mtp"}  # the stats name MTP's drafts
 
 
 def test_generate_drafter_mtp_writes_plain_decodings_text_and_refuses_a_gguf_without_mtp_layers(model, tmp_path):

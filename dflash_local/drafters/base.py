@@ -14,6 +14,7 @@ class Drafter(Protocol):
     """Anything that proposes block positions 1..B-1 given newly accepted context features."""
 
     block_size: int
+    source: str  # what its drafts count as in the stats' tokens_by_source: "dflash", or "mtp"
     target_layer_ids: list[int]
     length: int  # cached context positions; setting it lower rolls the cache back (the next propose drops the rest)
     cache_owner: object | None  # the Session that last filled this model's cache (session.Session sets it)

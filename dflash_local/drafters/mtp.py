@@ -32,6 +32,8 @@ def _free(batch, ctx) -> None:
 class MtpDrafter:
     """The Drafter interface (drafters.base) over llama.cpp's MTP context of one GGUF target."""
 
+    source = "mtp"
+
     def __init__(self, target: LlamaCppTarget, ctx) -> None:
         self.target, self._ctx = target, ctx
         self._memory = llama_cpp.llama_get_memory(ctx)

@@ -162,6 +162,8 @@ def cached_drafter_gguf(folder: Path, cfg: DrafterConfig, target: LlamaCppTarget
 class NativeDrafter:
     """The Drafter interface (drafters.base) over a llama.cpp `dflash` context tied to one GGUF target."""
 
+    source = "dflash"
+
     def __init__(self, cfg: DrafterConfig, model, ctx, target: LlamaCppTarget) -> None:
         self.cfg, self.target = cfg, target
         self._model, self._ctx = model, ctx

@@ -123,6 +123,8 @@ class DFlashModel(nn.Module):
 class DFlashDrafter:
     """A loaded DFlash drafter with its context KV cache; proposes a block of tokens in one forward."""
 
+    source = "dflash"
+
     def __init__(self, model: DFlashModel, max_context: int, cuda_graphs: bool = True, kernels: str = "auto") -> None:
         set_kernels(model, kernels)  # before any forward: a CUDA graph captures the kernels of its first run
         self.model = model
