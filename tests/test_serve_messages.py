@@ -184,7 +184,7 @@ def test_hostile_bodies_get_anthropics_error_shape_and_the_server_stays_up(url, 
         got, answer = post(url, path, body, {"x-api-key": KEY})
         assert got == status and answer["type"] == "error" and answer["error"]["message"]
         assert answer["error"]["type"] == (kind or "invalid_request_error")
-    assert client.messages.create(model="tiny", max_tokens=2, messages=ASK).content
+    assert client.messages.create(model="tiny", max_tokens=2, messages=ASK, extra_body=GREEDY).content  # not an end
 
 
 def test_keys_are_taken_as_x_api_key_or_bearer_and_a_wrong_one_is_a_401(url):
