@@ -49,7 +49,8 @@ def loaded(model: Path, context: int = 256) -> tuple[LlamaCppTarget, MtpDrafter]
 def test_the_draft_chain_equals_the_mtp_block_run_by_transformers(model, tmp_path):
     """Six chained drafts after the prompt, the drafter's cache filled in two proposes (positions 0..3, then 4..8):
     the same logits (within float error) and argmaxes as tiny_archs.mtp_reference, transformers' modules on the HF
-    weights. The target's features stop one before the drafted position, as the decode loop passes them."""
+    weights. The target's features stop one before the drafted position, as the decode loop passes them. (The
+    cache filled from each token and its own position's hidden state moves a logit by 0.0099.)"""
     rows, reference = 6, tmp_path / "reference.safetensors"
     command = [oracle_python(), TESTS / "tiny_archs.py", "--mtp-reference", model / "hf", reference, str(rows)]
     built = subprocess.run([*command, *map(str, PROMPT)], capture_output=True, text=True)
@@ -61,16 +62,18 @@ def test_the_draft_chain_equals_the_mtp_block_run_by_transformers(model, tmp_pat
     drafter.propose(target, features[:4], PROMPT, 4, 3)
     got = drafter.propose(target, features[4:start], PROMPT, start, rows + 1)
     assert got.argmax(dim=1).tolist() == want.argmax(dim=1).tolist()
-    assert torch.allclose(got, want, atol=1e-2), (got - want).abs().max()
+    assert torch.allclose(got, want, atol=1e-3), (got - want).abs().max()  # seen: 2.4e-5
 
 
 def test_mtp_drafting_equals_plain_decoding(model):
-    """T=0: blocks 2, 4 and MTP_BLOCK and the auto policy give plain decoding's ids; its steps go by "mtp"."""
+    """T=0: blocks 2, 4 and MTP_BLOCK and the auto policy give plain decoding's ids, the MTP block's drafts accepted
+    (tiny_archs' qwen35-mtp mostly repeats its last token, and its block passes the token through); its steps go by
+    "mtp"."""
     target, drafter = loaded(model)
     plain, _ = run(target, None, PROMPT, Settings(max_new_tokens=NEW_TOKENS, draft=False))
     for block in (2, 4, MTP_BLOCK):
         ids, stats = run(target, drafter, PROMPT, Settings(max_new_tokens=NEW_TOKENS, block_size=block))
-        assert ids == plain and max(stats.block_sizes) == block, (block, stats.block_sizes)
+        assert ids == plain and max(stats.block_sizes) == block and stats.tau > block / 2, (block, stats.tau)
     ids, stats = run(target, drafter, PROMPT, Settings(max_new_tokens=NEW_TOKENS), policy=auto_policy(MTP_BLOCK))
     assert ids == plain and len(set(stats.block_sizes)) > 1, stats.block_sizes
     steps = list(generate(target, drafter, PROMPT, Settings(max_new_tokens=NEW_TOKENS, block_size=4)))[1:]
@@ -106,8 +109,11 @@ def test_generate_drafter_mtp_writes_plain_decodings_text_and_refuses_a_gguf_wit
 
 def test_sampling_with_mtp_drafts_follows_llama_cpps_distribution(model):
     """T > 0 (temperature 1.5, top-k 2): four new tokens, half at block 2 and half at block 3, drafted by the MTP
-    layer, follow the distribution enumerated from llama.cpp's own logits by chi-square (samples for the power of
-    test_architectures' hybrid test: the same target family and prompt)."""
+    layer, follow the distribution enumerated from llama.cpp's own logits by chi-square, with drafts accepted (mean
+    acceptance length > 1.3), rejected at more than 1 step in 20 and fully accepted with their bonus in more than 1
+    sample in 40. Samples: test_sampled_lossless's power rule (EFFECT_FLOOR): 1000. The wrong samplers of
+    tests/wrong_samplers.py moved these continuations by w^2 0.295 (residual), 0.198 (accept-p) and 0.073
+    (bonus-row), found at p 2e-55, 1e-37 and 3e-14 (2026-12-05)."""
     from sampled_reference import continuations, effect_size, p_value, samples_for_power
     from test_sampled_lossless import EFFECT_FLOOR, llamacpp_next_logits
 
@@ -118,11 +124,13 @@ def test_sampling_with_mtp_drafts_follows_llama_cpps_distribution(model):
     samples = samples_for_power(EFFECT_FLOOR, exact)
     target, drafter = loaded(model, context=64)
     counts: dict[tuple[int, ...], int] = {}
-    verified = 0
+    verified: list[tuple[int, int]] = []
     for seed in range(samples):
         ids, stats = run(target, drafter, prompt, Settings(new_tokens, params, 3 if seed % 2 else 2, seed=seed))
         counts[tuple(ids)] = counts.get(tuple(ids), 0) + 1
-        verified += sum(k > 1 for k in stats.block_sizes)
+        verified += [(n, k) for n, k in zip(stats.acceptance_lengths, stats.block_sizes, strict=True) if k > 1]
     found, effect = p_value(exact, counts), effect_size(exact, counts)
     assert found > 1e-3, f"p = {found:.3g}, effect size w^2 = {effect:.4f} over {samples} samples"
-    assert verified >= samples, verified  # every sample verified MTP drafts
+    assert sum(n for n, _ in verified) / len(verified) > 1.3, verified
+    assert sum(n < k for n, k in verified) > len(verified) / 20, verified  # rejections
+    assert sum(n == k for n, k in verified) > samples / 40, verified  # all kept, and the bonus

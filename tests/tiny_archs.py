@@ -86,6 +86,9 @@ ARCHS: dict[str, tuple[str, str, dict]] = {
 }
 ARCH_NAMES = {"Qwen3_5TextConfig": "Qwen3_5ForCausalLM"}  # the architectures entry the converter knows
 WITH_MTP = {"qwen35-mtp": "qwen35"}  # an architecture with one MTP block: the one it extends
+WEAK = 0.02  # qwen35-mtp's layer weights: its stream stays near each token's embedding (it mostly repeats its last
+# token), and its MTP block passes the embedding through, so the block's drafts are often right, and often not
+HIDDEN = 0.05  # the weights of the hidden state's half of its MTP block's fc: the hidden state moves its drafts' logits
 
 
 def vocabulary(llama_cpp: Path, name: str) -> list:
@@ -120,9 +123,9 @@ def build(llama_cpp: Path, arch: str, out: Path) -> Path:
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # larger weights than the default init: logits far from uniform, so greedy ids differ
-        for param in model.parameters():
+        for name, param in model.named_parameters():
             if param.dim() >= 2:
-                param.normal_(0.0, 0.2)
+                param.normal_(0.0, WEAK if arch in WITH_MTP and "embed" not in name else 0.2)
     model.config.architectures = [ARCH_NAMES.get(config_name, type(model).__name__)]
     model.save_pretrained(out / "hf")
     if arch in WITH_MTP:
@@ -147,8 +150,9 @@ def build(llama_cpp: Path, arch: str, out: Path) -> Path:
 
 
 def add_mtp_block(folder: Path, config) -> None:
-    """Add a seeded random MTP block to a saved Qwen3.5 model, named as Qwen3.5's checkpoints name it: fc over
-    [normed embedding; normed hidden state], those two norms, one full-attention decoder layer and its final norm."""
+    """Add a seeded MTP block to a saved Qwen3.5 model, named as Qwen3.5's checkpoints name it: fc over [normed
+    embedding; normed hidden state] (the embedding's half near identity, the hidden state's of HIDDEN size), those
+    two norms, one full-attention decoder layer (weights of WEAK size) and its final norm."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -163,7 +167,9 @@ def add_mtp_block(folder: Path, config) -> None:
     shapes |= {f"mtp.{name}.weight": (hidden,) for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
     generator = torch.Generator().manual_seed(1)
     for name, shape in sorted(shapes.items()):  # norms stored as offsets from 1, as Qwen3.5's
-        weights[name] = torch.randn(shape, generator=generator) * (0.2 if len(shape) > 1 else 0.1)
+        weights[name] = torch.randn(shape, generator=generator) * (WEAK if len(shape) > 1 else 0.1)
+    weights["mtp.fc.weight"][:, :hidden] += torch.eye(hidden)
+    weights["mtp.fc.weight"][:, hidden:] *= HIDDEN / WEAK
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
     written = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**written, "mtp_num_hidden_layers": 1}))
