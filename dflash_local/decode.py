@@ -23,7 +23,7 @@ from .grammar import Grammar
 from .runtime import StepClock
 from .sampling import Sampler, SamplingParams, make_sampler, mask_scores
 from .session import Session
-from .targets.base import Target, TargetOutput
+from .targets.base import Target
 
 
 @dataclass(frozen=True)
@@ -289,15 +289,36 @@ class _Decoding:
         block[1:] = torch.cat(drafts)
         return block, None if probs[0] is None else torch.cat(probs)
 
-    def verify(self, block: torch.Tensor, draft_probs: torch.Tensor | None) -> tuple[int, list[int], TargetOutput]:
-        """The target's forward over the block: how many drafts it accepts, the tokens that makes final, its output."""
+    def verify(
+        self, block: torch.Tensor, draft_probs: torch.Tensor | None
+    ) -> tuple[int, list[int], torch.Tensor | None]:
+        """The target's forwards over the block: how many drafts it accepts, the tokens that makes final, the
+        features of the rows it forwarded. A target with verify_rows takes the block in pieces of that many rows, the
+        next piece only while every draft so far stands and none is a stop id."""
         greedy = self.sampler.greedy and self.matcher is None  # a grammar masks the logits before any argmax
-        out = self.target.forward(block, all_logits=True, features=self.drafting, greedy=greedy)
-        scores = out.logits if out.argmax is None else out.argmax
-        if self.matcher is not None:
-            scores = mask_scores(scores, self.masks)
-        accepted, made = self.sampler.accept(block[1:], draft_probs, scores)
-        return accepted, made, out
+        rows = block.shape[0]
+        width = self.target.verify_rows or rows
+        accepted, made, features = 0, [], []
+        for begin in range(0, rows, width):
+            end = min(begin + width, rows)
+            out = self.target.forward(block[begin:end], all_logits=True, features=self.drafting, greedy=greedy)
+            if out.features is not None:
+                features.append(out.features)
+            scores = out.logits if out.argmax is None else out.argmax
+            if self.matcher is not None:
+                scores = mask_scores(scores, self.masks[begin:end])
+            if end < rows:  # the piece's last row checks the next piece's first token; a copy of it stands for the
+                scores = torch.cat([scores, scores[-1:]])  # bonus row, whose token is dropped if all stand
+            probs = None if draft_probs is None else draft_probs[begin:end]
+            piece_accepted, piece_made = self.sampler.accept(block[begin + 1 : end + 1], probs, scores)
+            accepted += piece_accepted
+            if end == rows or piece_accepted < end - begin:
+                made += piece_made
+                break
+            made += piece_made[:-1]
+            if any(token in self.stop_ids for token in piece_made[:-1]):
+                break
+        return accepted, made, features[0] if len(features) == 1 else (torch.cat(features) if features else None)
 
     def commit(self, made: list[int], features: torch.Tensor | None) -> tuple[list[int], bool]:
         """Keep the made tokens up to the length limit and the first stop id; roll the target's cache (and the
@@ -379,8 +400,8 @@ def generate(
         verify_size = block.shape[0]  # fewer where a grammar ended the draft early
         source = source if verify_size > 1 else "plain"
         t1 = timer.mark()
-        accepted, made, out = decoding.verify(block, draft_probs)
-        made, stopped = decoding.commit(made, out.features)
+        accepted, made, features = decoding.verify(block, draft_probs)
+        made, stopped = decoding.commit(made, features)
         t2 = timer.mark()
         draft_s, target_s = timer.seconds(t0, t1), timer.seconds(t1, t2)
         if policy is not None and source == "lookup":

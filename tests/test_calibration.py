@@ -54,7 +54,7 @@ class Machine:
 
 
 class ScriptedTarget:
-    vocab_size, device, length = 64, torch.device("cpu"), 0
+    vocab_size, device, length, verify_rows = 64, torch.device("cpu"), 0, None
 
     def __init__(self, machine: Machine) -> None:
         self.machine = machine

@@ -27,6 +27,8 @@ class Target(Protocol):
     max_context: int
     kernels: str  # the kernel mode the target was loaded with (kernels.MODES)
     cache_owner: object | None  # the Session that last filled this model's cache (session.Session sets it)
+    verify_rows: int | None  # the most rows the decode loop verifies in one forward (None: a whole block), the next
+    # forward only while every draft so far stands: a rollback then stays inside the last forward
 
     @property
     def vocab_size(self) -> int: ...

@@ -27,7 +27,9 @@ STATE_SNAPSHOTS = 16  # per-token recurrent-state snapshots llama.cpp keeps for 
 FIXED_ROWS = 8  # a verify forward's rows on a GPU backend: every verify and every plain step runs as forwards of
 # exactly this many rows (padded past the block, the padding dropped after), so that a row meets the same kernels (GPU
 # backends choose matrix and attention kernels by row count) and the same KV cell count in plain decoding as in DFlash;
-# 8 is the widest batch llama.cpp's CUDA and Vulkan matrix-vector kernels take, where 8 rows cost about what one does
+# 8 is the widest batch llama.cpp's CUDA and Vulkan matrix-vector kernels take, where 8 rows cost about what one does.
+# A hybrid's padding leaves its recurrent state until the next rollback or forward, which drops it and any rejected
+# rows in one step through llama.cpp's snapshots (it takes back one suffix per decode, within that decode)
 HEAD_CHUNK = 512  # output-head rows dequantized at a time when the head is first built (gguf-py dequantizes via
 # int and float intermediates several times the rows' fp32 size: 2048 rows of a 1B head peaked 0.3 GB above the rest)
 
@@ -98,12 +100,14 @@ class LlamaCppTarget:
         self.recurrent = llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model)
         self._fed: list[int] = []  # the cached tokens, re-fed where a recurrent state cannot roll back
         self._last_decode = 0  # tokens in llama.cpp's last decode since the last rollback
+        self._padding = 0  # padding cells past `length` that a hybrid's last forward left in llama.cpp's memory
         self.cache_owner: object | None = None  # the Session that last filled its cache
         self.feature_layer_ids: list[int] = []
         self._tapping = False  # llama.cpp keeps the feature layers' rows
         self._head: torch.Tensor | Int8Matrix | None = None
         self.int8_head = False  # materialize the head as packed int8 rows (for a torch drafter on the CPU)
         self.fixed_rows: int | None = None  # FIXED_ROWS where verification runs on a GPU backend, else any width
+        self.verify_rows: int | None = None  # the decode loop's verify forwards' most rows (see targets.base)
         self.on_gpu = False  # some of its layers run on a GPU backend
         self.with_mtp = False  # llama.cpp loaded its MTP layers (an MTP context can draft beside it)
 
@@ -137,7 +141,8 @@ class LlamaCppTarget:
         target = cls(info, tensors, model, ctx, max_context, dtype, device, kernels)
         target.int8_head = spec.int8_head
         on_gpu = spec.placement is not None and spec.placement.device is not None and spec.placement.gpu_layers > 0
-        target.fixed_rows = FIXED_ROWS if on_gpu and not target.recurrent else None
+        target.fixed_rows = FIXED_ROWS if on_gpu else None
+        target.verify_rows = target.fixed_rows
         target.on_gpu = on_gpu
         target.with_mtp = spec.mtp
         return target
@@ -202,34 +207,41 @@ class LlamaCppTarget:
 
     def reset(self) -> None:
         llama_cpp.llama_memory_clear(self._memory, True)
-        self.length = self._last_decode = 0
+        self.length = self._last_decode = self._padding = 0
         self._fed.clear()
 
     def rollback(self, length: int) -> None:
-        """Forget every cached position at or after `length`. A recurrent state goes back through llama.cpp's
-        per-token snapshots (the last STATE_SNAPSHOTS positions, once per decode); further back, the kept tokens are
-        fed again from an empty state."""
+        """Forget every cached position at or after `length`, and a hybrid's padding cells past the end. A recurrent
+        state goes back through llama.cpp's per-token snapshots (the last STATE_SNAPSHOTS positions, once per decode);
+        further back, the kept tokens are fed again from an empty state."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot roll back to {length} from {self.length}")
-        # llama.cpp's snapshots hold the states inside its last decode only (dropping all of it would leave its end)
-        snapshot = self.length - length < self._last_decode
-        if self.recurrent and length < self.length and not snapshot:
+        dropped = self.length + self._padding - length
+        self._padding = 0
+        if dropped:
+            self._drop(length, dropped)
+        self.length = length
+        del self._fed[length:]
+
+    def _drop(self, length: int, dropped: int) -> None:
+        """Drop the `dropped` cells llama.cpp holds from `length` on. llama.cpp's snapshots hold the states inside
+        its last decode only (dropping all of it would leave its end), one rollback per decode."""
+        snapshot = dropped < self._last_decode
+        self._last_decode = 0
+        if self.recurrent and not snapshot:
             self._refeed(self._fed[:length])
         elif not llama_cpp.llama_memory_seq_rm(self._memory, 0, length, -1):
             if not self.recurrent:
                 raise DFlashError("llama.cpp could not roll its KV cache back.")
             self._refeed(self._fed[:length])
-        self.length = length
-        del self._fed[length:]
-        self._last_decode = 0  # one rollback per decode
 
     def _refeed(self, tokens: list[int]) -> None:
         """Empty the cache and feed it tokens for their state alone (the last logits row only; the taps stay as they
         are, since switching them makes llama.cpp re-plan its next graph)."""
-        self.reset()
+        llama_cpp.llama_memory_clear(self._memory, True)
+        self._last_decode = 0
         for offset in range(0, len(tokens), BATCH):
             self._decode(tokens[offset : offset + BATCH], offset, all_logits=False)
-        self.length = len(tokens)
         self._fed[:] = tokens
 
     def _dequantize(self, tensor, rows) -> np.ndarray:
@@ -317,6 +329,8 @@ class LlamaCppTarget:
         if start + len(tokens) > self.max_context:
             raise DFlashError(f"The context is full ({self.max_context} tokens).")
         features = features and bool(self.feature_layer_ids)
+        if self._padding:  # a hybrid's last forward left padding behind
+            self.rollback(start)
         self._set_tapping(features)
         logits, feats = [], []
         every_output = features and self.num_layers - 1 in self.feature_layer_ids
@@ -332,12 +346,12 @@ class LlamaCppTarget:
                 logits.append(view.argmax(axis=1) if greedy else view.copy())
             if features:
                 feats.append(np.concatenate([self._features(i, len(chunk)) for i in self.feature_layer_ids], axis=1))
-            if self._last_decode > len(chunk) and not llama_cpp.llama_memory_seq_rm(
-                self._memory, 0, start + offset + len(chunk), -1
-            ):  # the padding's cells
-                raise DFlashError("llama.cpp could not drop a verify forward's padding from its KV cache.")
             self.length = start + offset + len(chunk)
             self._fed.extend(chunk)
+            if self._last_decode > len(chunk):  # the padding's cells: a hybrid's stay until its next rollback
+                self._padding = self._last_decode - len(chunk)
+                if not self.recurrent:
+                    self.rollback(self.length)
         out = torch.from_numpy(logits[0] if len(logits) == 1 else np.concatenate(logits)).to(self.device)
         out_feats = None
         if feats:

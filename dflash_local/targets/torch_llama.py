@@ -273,6 +273,7 @@ class TorchLlamaTarget:
         self.cache = model.new_cache(1, self.max_context)
         self.length = 0
         self.cache_owner: object | None = None  # the Session that last filled its cache
+        self.verify_rows: int | None = None  # a whole block in one forward
         self.feature_layer_ids: list[int] = []
         self.graphs = StepGraphs() if cuda_graphs and self.device.type == "cuda" else None
 
