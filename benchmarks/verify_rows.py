@@ -3,6 +3,7 @@ the logits of one R-row forward against R one-row forwards from the same prefix,
 on that device (fixed-width forwards on a GPU backend) and without (every forward as wide as its rows).
 
     .venv/bin/python -m benchmarks.verify_rows --device vulkan --target a.gguf,b.gguf [--prefix 40] [--rows 16]
+        [--gpu-layers auto|all|N]
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def main() -> None:
     parser.add_argument("--target", required=True, help="comma-separated GGUF files")
     parser.add_argument("--prefix", type=int, default=40)
     parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--gpu-layers", default="auto")
     args = parser.parse_args()
     if args.device.lower().startswith("vulkan"):
         expose_software_devices()
@@ -44,7 +46,8 @@ def main() -> None:
     from dflash_local.targets.llamacpp import LlamaCppTarget
 
     for path in map(Path, args.target.split(",")):
-        spec = plan_load(path, LoadSpec(RuntimeConfig(device=args.device, threads=2), max_context=1024))
+        runtime = RuntimeConfig(device=args.device, threads=2)
+        spec = plan_load(path, LoadSpec(runtime, max_context=1024, gpu_layers=args.gpu_layers))
         target = LlamaCppTarget.load(path, spec)
         generator = torch.Generator().manual_seed(0)
         ids = torch.randint(0, target.vocab_size, (args.prefix + args.rows,), generator=generator).tolist()

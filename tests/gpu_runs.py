@@ -1,9 +1,10 @@
 """One process on a llama.cpp device, chosen before the library loads as the CLI chooses it: each GGUF target given,
-with its drafter, decoded plainly and with DFlash at block 4, the drafter's block (16 for the tests' DFlash drafters)
-and the auto policy (scripted costs); one JSON line per target: the ids of each mode, each block's tau, and where the
-layers and the drafter ran. A target given as its own drafter drafts with its MTP layer.
+with its drafter, decoded plainly, by lookup alone (block 16), and with DFlash at block 4, the drafter's block (16 for
+the tests' DFlash drafters) and the auto policy (scripted costs), for each prompt; one JSON line per target: each
+mode's ids per prompt, its steps' (verify size, acceptance length) pairs, each block's tau, and where the layers and
+the drafter ran. A target given as its own drafter drafts with its MTP layer.
 
-  python tests/gpu_runs.py DEVICE GPU_LAYERS CPU_MOE NEW_TOKENS PROMPT_IDS TARGET.gguf[:DRAFTER] ...
+  python tests/gpu_runs.py DEVICE GPU_LAYERS CPU_MOE NEW_TOKENS PROMPT_IDS[;PROMPT_IDS...] TARGET.gguf[:DRAFTER] ...
 """
 
 from __future__ import annotations
@@ -23,15 +24,15 @@ def load_library(device: str) -> None:
     import dflash_local.llama_lib  # noqa: F401
 
 
-def main(device: str, gpu_layers: str, cpu_moe: str, new_tokens: str, prompt: str, *pairs: str) -> None:
+def main(device: str, gpu_layers: str, cpu_moe: str, new_tokens: str, prompts: str, *pairs: str) -> None:
     load_library(device)
     from test_gguf_lossless import auto_policy
 
-    from dflash_local.decode import Settings, run
+    from dflash_local.decode import Settings, generate
     from dflash_local.generation import load_models
     from dflash_local.runtime import LoadSpec, RuntimeConfig
 
-    ids = [int(i) for i in prompt.split(",")]
+    prompt_ids = [[int(i) for i in prompt.split(",")] for prompt in prompts.split(";")]
     tokens = int(new_tokens)
     for pair in pairs:
         target_path, _, drafter_path = pair.partition(":")
@@ -41,14 +42,24 @@ def main(device: str, gpu_layers: str, cpu_moe: str, new_tokens: str, prompt: st
         models = load_models(Path(target_path), drafter_file, spec, auto_block=False)
         target, drafter = models.target, models.drafter
         out = {"target": target_path, "devices": models.devices}
-        out["plain"], _ = run(target, None, ids, Settings(max_new_tokens=tokens, draft=False))
+
+        def decode(mode: str, drafting, settings: Settings, policy=None, target=target, out=out) -> None:
+            """Each prompt's ids under out[mode], the steps' (verify size, acceptance length) under out[mode_steps]."""
+            out[mode], out[f"{mode}_steps"] = [], []
+            for ids in prompt_ids:
+                steps = list(generate(target, drafting, ids, settings, policy))
+                out[mode].append([token for step in steps for token in step.token_ids])
+                out[f"{mode}_steps"] += [(s.block_size, s.acceptance_length) for s in steps[1:]]
+
+        decode("plain", None, Settings(max_new_tokens=tokens, draft=False))
+        decode("lookup", None, Settings(max_new_tokens=tokens, block_size=16))
         if drafter is not None:
             for block in (4, drafter.block_size):
-                out[str(block)], stats = run(target, drafter, ids, Settings(max_new_tokens=tokens, block_size=block))
-                out[f"tau{block}"] = stats.tau
-            policy = auto_policy(drafter.block_size)
-            out["auto"], stats = run(target, drafter, ids, Settings(max_new_tokens=tokens), policy=policy)
-            out["auto_blocks"] = sorted(set(stats.block_sizes))
+                decode(str(block), drafter, Settings(max_new_tokens=tokens, block_size=block, lookup=False))
+                accepted = [length for _, length in out[f"{block}_steps"]]
+                out[f"tau{block}"] = sum(accepted) / len(accepted)
+            decode("auto", drafter, Settings(max_new_tokens=tokens), auto_policy(drafter.block_size))
+            out["auto_blocks"] = sorted({size for size, _ in out["auto_steps"]})
         print(json.dumps(out), flush=True)
 
 

@@ -16,17 +16,23 @@ from pathlib import Path
 
 import pytest
 from one_error import assert_one_error
-from test_architectures import ARCHS, drafters, models  # noqa: F401 (the tiny architectures and their drafters)
+from reference import oracle_python
+from test_architectures import ARCHS, drafters, llama_cpp_source, models  # noqa: F401 (tiny architectures, drafters)
 from test_mtp import model as mtp_model  # noqa: F401 (the tiny qwen35 with an MTP layer)
 
 from dflash_local import offload
 from dflash_local.llama_lib import GPU_LIBS, INVARIANT_LIB
+from dflash_local.targets.llamacpp import FIXED_ROWS
 from dflash_local.vulkan_probe import vulkan_devices
 
 TESTS = Path(__file__).resolve().parent
 TINY = TESTS.parent / "models" / "tiny"
 PROMPT = "5,17,99,3,42,7,8,120,11,12"
 NEW_TOKENS = 16
+HYBRIDS = ("qwen35", "lfm2")
+LONG_PROMPTS = f"{PROMPT};300,7,1999,64,5,880,12"
+COPY_PROMPT = ",".join(["40,41,42,43,44,45,46,47,48,49,50,51"] * 4)
+LONG_TOKENS = 48
 
 
 def clean_env() -> dict[str, str]:
@@ -34,9 +40,11 @@ def clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("GGML_VK_VISIBLE_DEVICES", "LLAMA_CPP_LIB_PATH")}
 
 
-def gpu_runs(device: str, layers: str, cpu_moe: bool, pairs: list[str]) -> list[dict]:
-    """tests/gpu_runs.py in its own process: one dict per target (ids per mode, devices)."""
-    argv = [sys.executable, TESTS / "gpu_runs.py", device, layers, "1" if cpu_moe else "0", str(NEW_TOKENS), PROMPT]
+def gpu_runs(
+    device: str, layers: str, cpu_moe: bool, pairs: list[str], prompts: str = PROMPT, tokens: int = NEW_TOKENS
+) -> list[dict]:
+    """tests/gpu_runs.py in its own process: one dict per target (ids per mode and prompt, steps, devices)."""
+    argv = [sys.executable, TESTS / "gpu_runs.py", device, layers, "1" if cpu_moe else "0", str(tokens), prompts]
     done = subprocess.run([*map(str, argv), *pairs], capture_output=True, text=True, env=clean_env(), timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line) for line in done.stdout.splitlines()]
@@ -77,9 +85,66 @@ def test_every_architecture_runs_on_vulkan_and_dflash_equals_plain_decoding_ther
         assert (target["device"], target["backend"], drafter["device"]) == ("Vulkan0", "Vulkan", "Vulkan0"), run
         assert target["layers_on_device"] == target["layers"] and target["output_on_device"], run
         assert drafter["kind"] == "native", run
-        for mode in ("4", "16", "auto"):
+        for mode in ("lookup", "4", "16", "auto"):
             assert run[mode] == run["plain"], (run["target"], mode)
         assert len(run["auto_blocks"]) > 1, run
+
+
+@pytest.mark.parametrize("layers", ["all", "2"])
+def test_verify_rows_equal_one_token_steps_bitwise_on_vulkan(layers, models):  # noqa: F811
+    """benchmarks/verify_rows.py on Vulkan0: a 16-row verify's logits, as dflash runs it, equal 16 one-token steps'
+    bit for bit on the hybrids (qwen35, lfm2: recurrent state beside attention) and a dense target, with every layer
+    or 2 of 4 on the device; as one 16-row forward they do not (the kernels GPU backends choose by row count)."""
+    targets = ",".join(str(models[arch] / "model.gguf") for arch in (*HYBRIDS, "qwen3moe"))
+    argv = [sys.executable, "-m", "benchmarks.verify_rows", "--device", "vulkan", "--target", targets]
+    argv += ["--rows", "16", "--gpu-layers", layers]
+    done = subprocess.run(argv, capture_output=True, text=True, env=clean_env(), cwd=TESTS.parent, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(results) == 6, done.stdout
+    for result in results:
+        assert result["placed"].startswith("Vulkan0") and f"{4 if layers == 'all' else 2}/4 layers" in result["placed"]
+        if result["fixed_rows"] is not None:
+            assert result["bitwise_equal_rows"] == result["rows"] == 16, result
+        else:
+            assert result["bitwise_equal_rows"] < result["rows"], result
+
+
+@pytest.fixture(scope="module")
+def weak_lfm2(tmp_path_factory) -> Path:
+    """tests/tiny_archs.py's lfm2-weak GGUF: lfm2 with weak layers, which mostly repeats its last token."""
+    root = tmp_path_factory.mktemp("weak")
+    command = [oracle_python(), TESTS / "tiny_archs.py", llama_cpp_source(), root, "lfm2-weak"]
+    built = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert built.returncode == 0, built.stderr[-3000:]
+    return root / "lfm2-weak" / "model.gguf"
+
+
+def test_hybrids_on_vulkan_equal_plain_decoding_over_long_outputs(models, drafters, weak_lfm2, mtp_model):  # noqa: F811
+    """Hybrids (recurrent state beside attention) on Vulkan0, 48 tokens: qwen35 and lfm2 with their drafters from two
+    prompts, blocks 4, 16, auto and lookup, drafts rejected; their weak variants (which mostly repeat their last
+    token) from a copy-heavy prompt by lookup, with every layer or 2 of 4 on the device, blocks accepted past a verify
+    forward's 8 rows. Every mode gives plain decoding's ids there."""
+    pairs = [f"{models[arch] / 'model.gguf'}:{drafters[arch]}" for arch in HYBRIDS]
+    runs = gpu_runs("vulkan", "all", False, pairs, LONG_PROMPTS, LONG_TOKENS)
+    weak = [str(weak_lfm2), str(mtp_model / "model.gguf")]
+    runs += [
+        run | {"layers": layers}
+        for layers in ("all", "2")
+        for run in gpu_runs("vulkan", layers, False, weak, COPY_PROMPT, LONG_TOKENS)
+    ]
+    assert len(runs) == 6
+    for run in runs:
+        placed = run["devices"]["target"]
+        assert placed["device"] == "Vulkan0" and placed["layers_on_device"] == (2 if run.get("layers") == "2" else 4)
+        assert all(len(ids) == LONG_TOKENS for ids in run["plain"]), run["plain"]
+        modes = [mode for mode in ("lookup", "4", "16", "auto") if mode in run]
+        for mode in modes:
+            assert run[mode] == run["plain"], (run["target"], run.get("layers"), mode)
+        steps = [(size, length) for mode in modes for size, length in run[f"{mode}_steps"] if size > 1]
+        assert any(length < size for size, length in steps), ("no draft was rejected", run["target"])
+        if "4" not in run:  # the weak variants by lookup
+            assert any(length > FIXED_ROWS for _, length in steps), ("no block accepted past 8 rows", run["target"])
 
 
 def test_mtp_drafts_on_vulkan_and_equals_plain_decoding_there(mtp_model):  # noqa: F811

@@ -1,23 +1,24 @@
-"""At T > 0, DFlash's continuations follow the target's distribution on every target kind: torch safetensors, int4,
-NF4, a Q8_0 GGUF through the torch target and through llama.cpp. The expected distribution is exact, enumerated over
-a 5-token vocabulary from logits dflash did not compute (the reference implementation's on the original weights, on
-the int4 codes dequantized here, the NF4 weights as bitsandbytes dequantizes them, the GGUF blocks as gguf-py
-dequantizes them; llama.cpp's own), truncated by tests/sampled_reference.py's own temperature / top-k / top-p.
+"""At T > 0, DFlash's continuations follow the target's distribution on every target kind: torch safetensors, int4, NF4,
+a Q8_0 GGUF through the torch target and through llama.cpp, there also verified as on a GPU backend (8-row forwards,
+each block in pieces, here of one row, the next only while every draft stands). The expected distribution is exact,
+enumerated over a 5-token vocabulary from logits dflash did not compute (the reference implementation's on the
+original weights, on the int4 codes dequantized here, the NF4 weights as bitsandbytes dequantizes them, the GGUF
+blocks as gguf-py dequantizes them; llama.cpp's own), truncated by tests/sampled_reference.py's own temperature /
+top-k / top-p.
 
 Four new tokens, half the samples at a fixed block of 2 (a step that accepts its draft keeps its bonus: the 3rd
 token), half under --block-size auto's policy (the drafter drafts its trained 16, the policy verifies short blocks):
 both halves end steps in a bonus drawn after a fully accepted block, and the tests assert that they did.
 
 The power calculation: a wrong sampler moves the continuations' distribution from p to q; the chi-square test over
-the cells of p (sampled_reference.cells) then follows a noncentral chi-square with df = cells - 1 and noncentrality
-N * w^2, w^2 = sum (q - p)^2 / p (Cohen's effect size). The three wrong samplers of tests/wrong_samplers.py
-(a residual drawn from the target's row, acceptance with probability p instead of min(1, p/q), the bonus drawn from
-the row before the last) moved the continuations by w^2 of 0.081-0.225, 0.148-0.599 and 0.40-1.04 over the five
-kinds (NF4: 0.225, 0.222, 0.94) (MEASURED_EFFECTS: the smallest; bias-corrected estimates,
-sampled_reference.effect_size, over each test's own samples: `python tests/wrong_samplers.py NAME
-tests/test_sampled_lossless.py` prints them in the failures). Each test draws the fewest samples at which an effect
-of 0.75 times the smallest (EFFECT_FLOOR) is found with 99% power at alpha = 1e-3 (sampled_reference.samples_for_power):
-1100-1300 samples.
+the cells of p (sampled_reference.cells) then follows a noncentral chi-square with df = cells - 1 and
+noncentrality N * w^2, w^2 = sum (q - p)^2 / p (Cohen's effect size). The three wrong samplers of tests/wrong_samplers.py (a residual
+drawn from the target's row, acceptance with probability p instead of min(1, p/q), the bonus drawn from the row
+before the last) moved the continuations by w^2 of 0.081-0.225, 0.148-0.599 and 0.40-1.04 over the five kinds (NF4:
+0.225, 0.222, 0.94) (MEASURED_EFFECTS: the smallest; bias-corrected estimates, sampled_reference.effect_size, over
+each test's own samples: `python tests/wrong_samplers.py NAME tests/test_sampled_lossless.py` prints them in the
+failures). Each test draws the fewest samples at which an effect of 0.75 times the smallest (EFFECT_FLOOR) is found
+with 99% power at alpha = 1e-3 (sampled_reference.samples_for_power): 1100-1300 samples.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from dflash_local.decode import Settings, generate, run
 from dflash_local.drafters.torch_drafter import DFlashDrafter
 from dflash_local.runtime import LoadSpec, RuntimeConfig
 from dflash_local.sampling import SamplingParams
-from dflash_local.targets.llamacpp import LlamaCppTarget, model_params
+from dflash_local.targets.llamacpp import FIXED_ROWS, LlamaCppTarget, model_params
 from dflash_local.targets.torch_llama import TorchLlamaTarget
 
 PROMPT, NEW_TOKENS, FIXED_BLOCK = [1, 3, 0, 2], 4, 2
@@ -194,7 +195,10 @@ def kinds(folders, tmp_path_factory) -> Callable[[str], Kind]:
                 functools.partial(reference_next_logits, plain),
             )
         own = llamacpp_next_logits(folders["gguf"])
-        return Kind(LlamaCppTarget.load(folders["gguf"], LoadSpec(RuntimeConfig(threads=1), max_context=64)), own)
+        target = LlamaCppTarget.load(folders["gguf"], LoadSpec(RuntimeConfig(threads=1), max_context=64))
+        if name == "llamacpp-pieces":  # as on a GPU backend: 8-row forwards, a block verified one row at a time
+            target.fixed_rows, target.verify_rows = FIXED_ROWS, 1
+        return Kind(target, own)
 
     return build
 
@@ -217,6 +221,7 @@ def short_block_policy(block: int) -> BlockPolicy:
         ("nf4", SamplingParams(temperature=2.5, top_k=3)),
         ("gguf-torch", SamplingParams(temperature=2.5, top_k=3)),
         ("llamacpp", SamplingParams(temperature=2.0, top_k=4, top_p=0.9)),
+        ("llamacpp-pieces", SamplingParams(temperature=2.0, top_k=4, top_p=0.9)),
     ],
 )
 def test_sampled_continuations_follow_the_independent_distribution(name, params, kinds, folders):

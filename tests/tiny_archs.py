@@ -3,7 +3,8 @@ llama.cpp's own converter, with a real vocabulary copied from llama.cpp's models
 
 `qwen35-mtp` is qwen35 with one multi-token-prediction (MTP) block, as Qwen3.5's checkpoints hold it (`mtp.*`), which
 the converter writes as llama.cpp's nextn layer; `mtp_reference` computes that block's logits with transformers' own
-modules, the reference for dflash's MTP drafter.
+modules, the reference for dflash's MTP drafter. `lfm2-weak` is lfm2 with weak layers: like qwen35-mtp's trunk it
+mostly repeats its last token, so lookup's drafts of its own output are accepted (blocks past a verify's 8 rows).
 
 Runs in the oracle environment (torch + transformers), with llama.cpp's source tree (the llama-cpp-python sdist's
 vendor/llama.cpp: its converter and gguf-py) on the path:
@@ -85,9 +86,11 @@ ARCHS: dict[str, tuple[str, str, dict]] = {
     ),
 }
 ARCH_NAMES = {"Qwen3_5TextConfig": "Qwen3_5ForCausalLM"}  # the architectures entry the converter knows
-WITH_MTP = {"qwen35-mtp": "qwen35"}  # an architecture with one MTP block: the one it extends
-WEAK = 0.02  # qwen35-mtp's layer weights: its stream stays near each token's embedding (it mostly repeats its last
-# token), and its MTP block passes the embedding through, so the block's drafts are often right, and often not
+WEAK_VARIANTS = {"qwen35-mtp": "qwen35", "lfm2-weak": "lfm2"}  # architectures with weak layers: the one each extends
+WITH_MTP = ("qwen35-mtp",)  # variants with one MTP block
+WEAK = 0.02  # the weak variants' layer weights: their stream stays near each token's embedding (it mostly repeats its
+# last token), and qwen35-mtp's MTP block passes the embedding through, so the block's drafts are often right, and
+# often not
 HIDDEN = 0.05  # the weights of the hidden state's half of its MTP block's fc: the hidden state moves its drafts' logits
 
 
@@ -116,7 +119,7 @@ def build(llama_cpp: Path, arch: str, out: Path) -> Path:
     import torch
     import transformers
 
-    config_name, vocab_name, sizes = ARCHS[WITH_MTP.get(arch, arch)]
+    config_name, vocab_name, sizes = ARCHS[WEAK_VARIANTS.get(arch, arch)]
     fields = vocabulary(llama_cpp, vocab_name)
     tokens = next(f for f in fields if f.name == "tokenizer.ggml.tokens")
     config = getattr(transformers, config_name)(vocab_size=len(tokens.data), max_position_embeddings=4096, **sizes)
@@ -125,7 +128,7 @@ def build(llama_cpp: Path, arch: str, out: Path) -> Path:
     with torch.no_grad():  # larger weights than the default init: logits far from uniform, so greedy ids differ
         for name, param in model.named_parameters():
             if param.dim() >= 2:
-                param.normal_(0.0, WEAK if arch in WITH_MTP and "embed" not in name else 0.2)
+                param.normal_(0.0, WEAK if arch in WEAK_VARIANTS and "embed" not in name else 0.2)
     model.config.architectures = [ARCH_NAMES.get(config_name, type(model).__name__)]
     model.save_pretrained(out / "hf")
     if arch in WITH_MTP:
