@@ -5,6 +5,7 @@ allocates; what llama.cpp or dflash cannot run is one sentence."""
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import re
 import subprocess
@@ -153,3 +154,21 @@ def test_a_cache_type_llamacpp_rejects_is_its_reason_in_one_sentence(archs):
     args = ("--prompt-ids", "5,17", "--max-new-tokens", "2", "--no-draft", "--cache-type-k", "q4_0")
     result = invoke("generate", "--target", archs / "qwen35" / "model.gguf", *args)
     assert_one_error(result, "could not create a", "K cache type q4_0 with block size 32 does not divide n_embd_head_k")
+
+
+@pytest.mark.parametrize(
+    ("args", "types", "shown"),
+    [
+        (("--cache-type", "q4_0"), ("q4_0", "q4_0"), "q4_0"),
+        (("--cache-type-k", "q8_0"), ("q8_0", "f16"), "K q8_0, V f16"),
+    ],
+)
+def test_generate_says_which_cache_types_the_target_runs_with(args, types, shown, tiny_gguf, tmp_path):
+    """`generate --json`'s devices and the load's placed line name the K and V types llama.cpp was given."""
+    result = invoke(
+        "generate", "--target", tiny_gguf["f16"], "--prompt", "hi", "--max-new-tokens", "2", "--json", *args,
+        env={"DFLASH_HOME": str(tmp_path)},
+    )  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    assert tuple(json.loads(result.stdout)["devices"]["target"]["kv_cache"].values()) == types
+    assert f"placed: target on CPU, KV cache {shown}\n" in result.stderr, result.stderr
