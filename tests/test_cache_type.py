@@ -92,6 +92,21 @@ def test_a_hybrid_target_with_a_quantized_cache_drafts_losslessly(kind, archs, m
     assert any(n > 1 for n, _ in verified) and any(n < k for n, k in verified), (kind, verified)  # kept and rolled back
 
 
+@pytest.mark.parametrize("kind", QUANTIZED)
+def test_a_verify_batch_has_the_logits_of_one_token_decodes_at_any_length_and_thread_count(kind, tiny_gguf):
+    """2 threads, a 600-token prefix (past 256 cached tokens, where an f16 cache's one-token attention splits its
+    cells over the threads): a 16-token forward's logits equal 16 one-token forwards' in every bit, since ggml-cpu's
+    flash attention computes every row over a quantized K alike."""
+    spec = LoadSpec(RuntimeConfig(threads=2), max_context=1024, kv_cache=KVCache(kind, kind))
+    target = LlamaCppTarget.load(tiny_gguf["q8_0"], spec)
+    ids = torch.randint(5, target.vocab_size, (616,), generator=torch.Generator().manual_seed(0))
+    target.forward(ids[:600], all_logits=False, features=False)
+    together = target.forward(ids[600:], features=False).logits
+    target.rollback(600)
+    alone = torch.cat([target.forward(ids[i : i + 1], features=False).logits for i in range(600, 616)])
+    assert (together != alone).any(dim=1).nonzero().flatten().tolist() == [], kind
+
+
 def llamacpp_kv_log(path: Path, spec: LoadSpec, context: int) -> dict[str, float]:
     """What llama.cpp reports allocating for the KV cache of a context made with dflash's context parameters: its
     cells, and K's and V's MiB (its log line `llama_kv_cache: size = ...`)."""
