@@ -1,9 +1,9 @@
 """llama.cpp's Vulkan backend on Mesa's lavapipe, a software Vulkan device that runs the GPU code path on the CPU: the
 dev install builds the Vulkan libllama, doctor lists the backend and the device, every tapped architecture and the
 bundled tiny pair run there (all layers and the native drafter), DFlash at blocks 4, 16 and auto equals plain decoding
-on that device (with a q4_0 KV cache too), and so does MTP drafting, partial offload and --cpu-moe write the same text as full offload, and a
-device that is not there is one sentence. Each run is its own process: llama.cpp is told which Vulkan devices it may
-use before it loads."""
+on that device (with a q4_0 KV cache too), and so does MTP drafting, partial offload and --cpu-moe write the same text
+as full offload, and a device that is not there is one sentence. Each run is its own process: llama.cpp is told which
+Vulkan devices it may use before it loads."""
 
 from __future__ import annotations
 
