@@ -2,8 +2,8 @@
 the logits of one R-row forward against R one-row forwards from the same prefix, with verification as dflash runs it
 on that device (fixed-width forwards on a GPU backend) and without (every forward as wide as its rows).
 
-    .venv/bin/python -m benchmarks.verify_rows --device vulkan --target a.gguf,b.gguf [--prefix 40] [--rows 16]
-        [--gpu-layers auto|all|N]
+    .venv/bin/python -m benchmarks.verify_rows --device vulkan --target a.gguf,b.gguf [--prefix 40] [--rows 16] \
+        [--gpu-layers auto|all|N] [--cache-type q8_0]
 """
 
 from __future__ import annotations
@@ -37,17 +37,21 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=40)
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--gpu-layers", default="auto")
+    parser.add_argument("--cache-type", default="f16", help="the targets' K and V cache type (f16, q8_0 or q4_0)")
     args = parser.parse_args()
     if args.device.lower().startswith("vulkan"):
         expose_software_devices()
     import torch
 
+    from dflash_local.kv_cache import KVCache
     from dflash_local.runtime import LoadSpec, RuntimeConfig, plan_load
     from dflash_local.targets.llamacpp import LlamaCppTarget
 
     for path in map(Path, args.target.split(",")):
+        cache = KVCache(args.cache_type, args.cache_type)
         runtime = RuntimeConfig(device=args.device, threads=2)
-        spec = plan_load(path, LoadSpec(runtime, max_context=1024, gpu_layers=args.gpu_layers))
+        spec = LoadSpec(runtime, max_context=1024, gpu_layers=args.gpu_layers, kv_cache=cache)
+        spec = plan_load(path, spec)
         target = LlamaCppTarget.load(path, spec)
         generator = torch.Generator().manual_seed(0)
         ids = torch.randint(0, target.vocab_size, (args.prefix + args.rows,), generator=generator).tolist()
@@ -56,7 +60,8 @@ def main() -> None:
         dflash_width = target.fixed_rows
         for name, width in (("as dflash runs it", dflash_width), ("every forward as wide as its rows", None)):
             target.fixed_rows = width
-            result = {"target": path.name, "placed": placed, "verification": name, "fixed_rows": width}
+            result = {"target": path.name, "placed": placed, "cache": args.cache_type, "verification": name}
+            result["fixed_rows"] = width
             print(json.dumps(result | compare(target, prefix, block)), flush=True)
 
 

@@ -25,6 +25,7 @@ from .drafters import load_drafter, native_runs
 from .drafters.base import Drafter
 from .drafters.lookup import LOOKUP_BLOCK
 from .errors import DFlashError
+from .kv_cache import KVCache
 from .offload import file_bytes
 from .runtime import LoadSpec, plan_load
 from .session import Session
@@ -126,6 +127,8 @@ def placed_on(spec: LoadSpec, drafting: bool) -> dict:
     """Where a planned spec runs the target's layers and the drafter (generate --json's devices field)."""
     placement = spec.placement if spec.backend == "llamacpp" else None
     target = placement.as_json() if placement else {"device": spec.runtime.device, "backend": "torch"}
+    if placement:
+        target["kv_cache"] = {"k": spec.kv_cache.k, "v": spec.kv_cache.v}
     native = placement is not None and spec.runtime.drafter == "native"
     drafter = {"device": placement.name if native else spec.runtime.device, "kind": spec.runtime.drafter}
     return {"target": target, "drafter": drafter if drafting else None}
@@ -138,6 +141,8 @@ def placement_line(devices: dict) -> str:
     if "layers_on_device" in target and target["layers_on_device"]:
         where += f" ({target['description']}), {target['layers_on_device']}/{target['layers']} layers"
         where += ", MoE experts on the CPU" if target.get("cpu_moe") else ""
+    if "kv_cache" in target:
+        where += f", KV cache {KVCache(**target['kv_cache']).describe()}"
     drafter = devices.get("drafter")
     return f"target on {where}" + (f"; drafter on {drafter['device']}" if drafter else "")
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .dimensions import Dimensions
 from .errors import DFlashError
+from .kv_cache import KVCache
 
 DEFAULT_CONTEXT = 4096  # the CLI's --max-context: what catalog and doctor figures assume
 WEIGHT_KINDS = ("q4_k_m", "q8_0", "f16", "bf16", "int4", "nf4")  # how a catalog target is stored: GGUF, or torch
@@ -16,8 +17,20 @@ LLAMA_BATCH = 512  # n_batch = n_ubatch of LlamaCppTarget and the native drafter
 # Peak RSS of the process before any model: Python, torch, llama.cpp and this package imported (measured: 0.25 GB,
 # benchmarks/bench_synthetic.py). On a GPU this is host memory; CUDA's own context takes about as much VRAM.
 RUNTIME_BYTES = 250_000_000
-# Bytes per 256 weights of llama.cpp's block types (ggml-common.h), for GGUF sizes of files not yet downloaded.
-BLOCK_BYTES = {"q4_k": 144, "q6_k": 210, "q8_0": 272, "f16": 512, "bf16": 512, "f32": 1024}
+# Bytes per 256 values of llama.cpp's block types (ggml-common.h), for GGUF sizes of files not yet downloaded and KV
+# caches.
+BLOCK_BYTES = {"q4_0": 144, "q4_k": 144, "q6_k": 210, "q8_0": 272, "f16": 512, "bf16": 512, "f32": 1024}
+
+
+def llama_context(context: int) -> int:
+    """The cells llama.cpp gives a context of `context` tokens: rounded up to 256."""
+    return -(-context // 256) * 256
+
+
+def kv_layer_bytes(sizes: Dimensions, context: int, cache: KVCache = KVCache()) -> int:
+    """One layer's K and V in llama.cpp's cache of a `context`-token context, in the cache's types."""
+    values = sizes.kv_heads * sizes.head_dim * llama_context(context)
+    return values * (BLOCK_BYTES[cache.k] + BLOCK_BYTES[cache.v]) // 256
 
 
 def activation_bytes(sizes: Dimensions) -> int:
@@ -102,19 +115,21 @@ def estimate(
     block_size: int = 16,
     drafter_element: int = 2,
     drafter_kind: str = "native",
+    cache: KVCache = KVCache(),
 ) -> Estimate:
     """Peak memory of one generation: target weights as stored (LlamaCppTarget reads a GGUF into llama.cpp's
     buffers once), the drafter (16-bit weights given) in drafter_element bytes per weight, KV caches at the context
     length, llama.cpp's activations, a block's logits twice in fp32, and the process. On a GGUF target the native
     drafter (llama.cpp's, F16) reads the target's embedding and head in place; the torch drafter on the CPU keeps
-    one copy of the head as packed int8 rows (embedding rows are dequantized per step).
+    one copy of the head as packed int8 rows (embedding rows are dequantized per step). The target's KV cache is in
+    the `cache` types (llama.cpp's; a torch target's 16-bit cache is f16's size).
 
     llama.cpp reserves a compute buffer for its largest graph (a 512-token batch with every row's logits: 258.5 MiB
     at the Llama-3.2-1B shape) but the pages a generation touches are those of a full batch of activations, about
     three intermediate-size and five hidden-size fp32 rows per token: activation_bytes (measured on that shape:
     63 MB of peak RSS between 512- and 64-token batches; the formula gives 62 MB)."""
-    context = -(-context // 256) * 256  # llama.cpp rounds the context up to 256 tokens
-    parts = {"target weights": target_weights, "KV cache": target.kv_bytes(context)}
+    parts = {"target weights": target_weights, "KV cache": target.layers * kv_layer_bytes(target, context, cache)}
+    context = llama_context(context)
     if backend == "llamacpp":
         parts["llama.cpp activations"] = activation_bytes(target)
     parts["logits"] = 2 * block_size * target.vocab * 4
@@ -166,21 +181,27 @@ def _gguf_sizes(path: Path) -> Dimensions:
 
 
 def estimate_files(
-    target: Path, drafter: Path | None, context: int, drafter_element: int = 2, drafter_kind: str = "native"
+    target: Path,
+    drafter: Path | None,
+    context: int,
+    drafter_element: int = 2,
+    drafter_kind: str = "native",
+    cache: KVCache = KVCache(),
 ) -> Estimate:
     """The estimate for model files on disk: weights as their files store them, the drafter (kind native or torch)
-    in drafter_element bytes per weight (2: the native drafter, or torch in bf16/fp16; 4: torch in fp32)."""
+    in drafter_element bytes per weight (2: the native drafter, or torch in bf16/fp16; 4: torch in fp32), the target's
+    KV cache in the `cache` types."""
     sizes = target_sizes(target)
     gguf_file = target.suffix == ".gguf"
     backend = "llamacpp" if gguf_file else "torch"
     if drafter is None:
-        return estimate(sizes, _weight_files_bytes(target), context, backend)
+        return estimate(sizes, _weight_files_bytes(target), context, backend, cache=cache)
     config = _config(drafter)
     drafter_sizes = Dimensions.from_config(config | {"vocab_size": sizes.vocab})
     block = int(config.get("block_size", 16))
     draft = _weight_files_bytes(drafter)
     stored = _weight_files_bytes(target)
-    return estimate(sizes, stored, context, backend, draft, drafter_sizes, block, drafter_element, drafter_kind)
+    return estimate(sizes, stored, context, backend, draft, drafter_sizes, block, drafter_element, drafter_kind, cache)
 
 
 def estimate_shape(name: str, weights: str, context: int) -> Estimate:

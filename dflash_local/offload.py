@@ -11,6 +11,8 @@ from pathlib import Path
 from .devices import Device, cpu_buffer_type, device_handle, resolve_device
 from .errors import DFlashError
 from .gguf.file import GGUFModel, read_gguf
+from .kv_cache import KVCache
+from .memory_estimate import kv_layer_bytes
 
 EXPERTS = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"  # MoE expert tensors, which --cpu-moe keeps in host memory
 COMPUTE_RESERVE = 512 * 2**20  # the device's compute buffers and the backend's own allocations, kept free
@@ -54,16 +56,16 @@ class Placement:
         }
 
 
-def _per_layer(info: GGUFModel, cpu_moe: bool, context: int) -> tuple[list[int], int]:
+def _per_layer(info: GGUFModel, cpu_moe: bool, context: int, cache: KVCache) -> tuple[list[int], int]:
     """Bytes each decoder layer puts on the device (its tensors, less experts with cpu_moe, plus its KV cache at
-    context tokens in f16), and the output head's."""
+    context tokens in the cache's types), and the output head's."""
     layers = [0] * info.dims.layers
     pattern = re.compile(EXPERTS)
     for name, tensor in info.tensors.items():
         match = re.match(r"blk\.(\d+)\.", name)
         if match and int(match.group(1)) < len(layers) and not (cpu_moe and pattern.search(name)):
             layers[int(match.group(1))] += tensor.n_bytes
-    kv = 2 * info.dims.kv_heads * info.dims.head_dim * context * 2
+    kv = kv_layer_bytes(info.dims, context, cache)
     head = info.tensors.get("output.weight", info.tensors["token_embd.weight"]).n_bytes
     return [size + kv for size in layers], head
 
@@ -82,25 +84,29 @@ def _fit(device: Device, layers: list[int], head: int, drafter: int) -> int:
     return fitted
 
 
-def plan_placement(path: Path, device: str, gpu_layers: str, cpu_moe: bool, context: int, drafter: int) -> Placement:
+def plan_placement(
+    path: Path, device: str, gpu_layers: str, cpu_moe: bool, context: int, drafter: int, cache: KVCache = KVCache()
+) -> Placement:
     """The placement of the GGUF at path: the device --device names, and --gpu-layers (auto: as many as its free
-    memory holds beside the KV cache, the drafter's `drafter` bytes and compute buffers; all; or a number)."""
+    memory holds beside the KV cache in the `cache` types, the drafter's `drafter` bytes and compute buffers; all; or
+    a number)."""
     info = read_gguf(path)
     total = info.dims.layers
     found = resolve_device(device)
     if found is None:
         return Placement(None, 0, total, cpu_moe)
-    layers, head = _per_layer(info, cpu_moe, context)
+    layers, head = _per_layer(info, cpu_moe, context, cache)
     if gpu_layers == "auto":
         return Placement(found, _fit(found, layers, head, drafter), total, cpu_moe)
     wanted = total + 1 if gpu_layers == "all" else int(gpu_layers)
     need = sum(layers[max(total - wanted, 0) :]) + (head if wanted > total else 0) + drafter + COMPUTE_RESERVE
     if need > found.free:
+        smaller = "a smaller --max-context" + ("" if cache.quantized else " or --cache-type q8_0")
         raise DFlashError(
             f"{path.name} with {min(wanted, total)} layers on {found.name} needs about {need / GiB:.1f} GiB (weights, "
-            f"a {context}-token KV cache, the drafter, compute buffers) and {found.name} has {found.free / GiB:.1f} "
-            f"GiB free: use --gpu-layers auto (as many as fit){', --cpu-moe' if not cpu_moe else ''} or a smaller "
-            "--max-context."
+            f"a {context}-token {cache.describe()} KV cache, the drafter, compute buffers) and {found.name} has "
+            f"{found.free / GiB:.1f} GiB free: use --gpu-layers auto (as many as fit)"
+            f"{', --cpu-moe' if not cpu_moe else ''} or {smaller}."
         )
     return Placement(found, wanted, total, cpu_moe)
 

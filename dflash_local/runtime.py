@@ -13,6 +13,7 @@ import torch
 
 from .errors import DFlashError
 from .kernels import check_mode, check_triton
+from .kv_cache import KVCache
 
 if TYPE_CHECKING:
     from .offload import Placement
@@ -138,6 +139,7 @@ class LoadSpec:
     int8_head: bool = False  # planned: a llama.cpp target keeps its head as int8 rows for a torch drafter on the CPU
     gpu_layers: str = "auto"  # GGUFs on a GPU: auto (as many as its free memory holds), all, or a number
     cpu_moe: bool = False  # a MoE GGUF's expert tensors stay in host memory
+    kv_cache: KVCache = KVCache()  # a llama.cpp target's K and V types (drafters keep theirs in f16: drafters.native)
     mtp: bool = False  # the target drafts with its own MTP layers (--drafter mtp): llama.cpp loads them with it
     placement: Placement | None = None  # planned: where llama.cpp runs the target and its native drafter
     progress: Callable[[str], None] = field(default=_silent, compare=False)  # e.g. "loading the target"
@@ -158,6 +160,11 @@ def plan_load(target: Path, spec: LoadSpec, native_drafter_runs: bool = True, dr
     elif backend != "torch":
         placement = _gguf_placement(target, spec, drafter_bytes)
         backend = "torch" if placement is None else "llamacpp"
+    if backend != "llamacpp" and spec.kv_cache.quantized:
+        raise DFlashError(
+            f"A quantized KV cache ({spec.kv_cache.describe()}) is llama.cpp's, and {target} runs on torch: use a "
+            ".gguf target (without --backend torch) or --cache-type f16."
+        )
     if backend != "llamacpp":
         device = pick_device(runtime.device)
     else:  # torch holds a llama.cpp target's features and a torch drafter: on CUDA beside a CUDA placement
@@ -178,14 +185,16 @@ def plan_load(target: Path, spec: LoadSpec, native_drafter_runs: bool = True, dr
 
 def _gguf_placement(target: Path, spec: LoadSpec, drafter_bytes: int) -> Placement | None:
     """Where llama.cpp runs a GGUF (offload.plan_placement); None where --backend auto leaves a llama/qwen3 GGUF to the
-    torch target instead: on CUDA when this libllama has no GPU backend (the torch target's int4/int8 kernels)."""
+    torch target instead: on CUDA when this libllama has no GPU backend (the torch target's int4/int8 kernels), unless
+    a quantized KV cache (llama.cpp's) was asked for."""
     from .devices import library_backends
     from .gguf.file import read_gguf
     from .offload import plan_placement
 
     request = spec.runtime.device
-    torch_cuda = request.lower() in ("auto", "cuda") and torch.cuda.is_available()
+    torch_cuda = request.lower() in ("auto", "cuda") and torch.cuda.is_available() and not spec.kv_cache.quantized
     if spec.backend == "auto" and torch_cuda and "CUDA" not in library_backends():
         if read_gguf(target).architecture in ("llama", "qwen3"):
             return None
-    return plan_placement(target, request, spec.gpu_layers, spec.cpu_moe, spec.max_context, drafter_bytes)
+    context, cache = spec.max_context, spec.kv_cache
+    return plan_placement(target, request, spec.gpu_layers, spec.cpu_moe, context, drafter_bytes, cache)

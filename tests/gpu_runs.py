@@ -4,7 +4,10 @@ the tests' DFlash drafters) and the auto policy (scripted costs), for each promp
 mode's ids per prompt, its steps' (verify size, acceptance length) pairs, each block's tau, and where the layers and
 the drafter ran. A target given as its own drafter drafts with its MTP layer.
 
-  python tests/gpu_runs.py DEVICE GPU_LAYERS CPU_MOE NEW_TOKENS PROMPT_IDS[;PROMPT_IDS...] TARGET.gguf[:DRAFTER] ...
+  python tests/gpu_runs.py [--cache-type KIND] DEVICE GPU_LAYERS CPU_MOE NEW_TOKENS PROMPT_IDS[;PROMPT_IDS...]
+      TARGET.gguf[:DRAFTER] ...
+
+--cache-type: the targets' K and V cache type (f16, the default, q8_0 or q4_0).
 """
 
 from __future__ import annotations
@@ -24,12 +27,15 @@ def load_library(device: str) -> None:
     import dflash_local.llama_lib  # noqa: F401
 
 
-def main(device: str, gpu_layers: str, cpu_moe: str, new_tokens: str, prompts: str, *pairs: str) -> None:
+def main(
+    device: str, gpu_layers: str, cpu_moe: str, new_tokens: str, prompts: str, *pairs: str, cache: str = "f16"
+) -> None:
     load_library(device)
     from test_gguf_lossless import auto_policy
 
     from dflash_local.decode import Settings, generate
     from dflash_local.generation import load_models
+    from dflash_local.kv_cache import KVCache
     from dflash_local.runtime import LoadSpec, RuntimeConfig
 
     prompt_ids = [[int(i) for i in prompt.split(",")] for prompt in prompts.split(";")]
@@ -37,7 +43,9 @@ def main(device: str, gpu_layers: str, cpu_moe: str, new_tokens: str, prompts: s
     for pair in pairs:
         target_path, _, drafter_path = pair.partition(":")
         runtime = RuntimeConfig(device=device, threads=1)
-        spec = LoadSpec(runtime, max_context=256, gpu_layers=gpu_layers, cpu_moe=cpu_moe == "1")
+        spec = LoadSpec(
+            runtime, max_context=256, gpu_layers=gpu_layers, cpu_moe=cpu_moe == "1", kv_cache=KVCache(cache, cache)
+        )
         drafter_file = Path(drafter_path) if drafter_path else None
         models = load_models(Path(target_path), drafter_file, spec, auto_block=False)
         target, drafter = models.target, models.drafter
@@ -65,4 +73,8 @@ def main(device: str, gpu_layers: str, cpu_moe: str, new_tokens: str, prompts: s
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).parent))
-    main(*sys.argv[1:])
+    args = sys.argv[1:]
+    if args[0] == "--cache-type":
+        main(*args[2:], cache=args[1])
+    else:
+        main(*args)

@@ -31,13 +31,16 @@ def gguf_types(tiny_gguf, tmp_path_factory) -> dict[str, Path]:
     return {**tiny_gguf, **made}
 
 
-def llamacpp_greedy(path: Path, prompts: list[list[int]], monkeypatch, new_tokens: int = NEW_TOKENS) -> list[list[int]]:
-    """llama.cpp's own greedy run (Llama.generate, top_k=1) under the target's model options; checks that every
-    token after the prompt went through llama_decode alone."""
+def llamacpp_greedy(
+    path: Path, prompts: list[list[int]], monkeypatch, new_tokens: int = NEW_TOKENS, **context: int
+) -> list[list[int]]:
+    """llama.cpp's own greedy run (Llama.generate, top_k=1) under the target's model options and `context`'s
+    further Llama arguments (type_k, type_v); checks that every token after the prompt went through llama_decode
+    alone."""
     from llama_cpp import Llama, llama_cpp
 
     monkeypatch.setattr(llama_cpp, "llama_model_default_params", lambda: model_params().params)
-    own = Llama(str(path), n_ctx=512, n_threads=1, n_threads_batch=1, flash_attn=True, verbose=False)
+    own = Llama(str(path), n_ctx=512, n_threads=1, n_threads_batch=1, flash_attn=True, verbose=False, **context)
     sizes: list[int] = []
     decode = own._ctx.decode
     monkeypatch.setattr(own._ctx, "decode", lambda batch: sizes.append(batch.n_tokens()) or decode(batch))

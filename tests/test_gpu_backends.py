@@ -1,9 +1,9 @@
 """llama.cpp's Vulkan backend on Mesa's lavapipe, a software Vulkan device that runs the GPU code path on the CPU: the
 dev install builds the Vulkan libllama, doctor lists the backend and the device, every tapped architecture and the
 bundled tiny pair run there (all layers and the native drafter), DFlash at blocks 4, 16 and auto equals plain decoding
-on that device, and so does MTP drafting, partial offload and --cpu-moe write the same text as full offload, and a
-device that is not there is one sentence. Each run is its own process: llama.cpp is told which Vulkan devices it may
-use before it loads."""
+on that device (with a q4_0 KV cache too), and so does MTP drafting, partial offload and --cpu-moe write the same text
+as full offload, and a device that is not there is one sentence. Each run is its own process: llama.cpp is told which
+Vulkan devices it may use before it loads."""
 
 from __future__ import annotations
 
@@ -41,10 +41,18 @@ def clean_env() -> dict[str, str]:
 
 
 def gpu_runs(
-    device: str, layers: str, cpu_moe: bool, pairs: list[str], prompts: str = PROMPT, tokens: int = NEW_TOKENS
+    device: str,
+    layers: str,
+    cpu_moe: bool,
+    pairs: list[str],
+    prompts: str = PROMPT,
+    tokens: int = NEW_TOKENS,
+    cache: str = "f16",
 ) -> list[dict]:
-    """tests/gpu_runs.py in its own process: one dict per target (ids per mode and prompt, steps, devices)."""
-    argv = [sys.executable, TESTS / "gpu_runs.py", device, layers, "1" if cpu_moe else "0", str(tokens), prompts]
+    """tests/gpu_runs.py in its own process, the targets' KV cache of type `cache`: one dict per target (ids per mode
+    and prompt, steps, devices)."""
+    argv = [sys.executable, TESTS / "gpu_runs.py", "--cache-type", cache, device, layers, "1" if cpu_moe else "0"]
+    argv += [str(tokens), prompts]
     done = subprocess.run([*map(str, argv), *pairs], capture_output=True, text=True, env=clean_env(), timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line) for line in done.stdout.splitlines()]
@@ -155,6 +163,17 @@ def test_mtp_drafts_on_vulkan_and_equals_plain_decoding_there(mtp_model):  # noq
     target, drafter = run["devices"]["target"], run["devices"]["drafter"]
     assert (target["device"], drafter["device"], target["layers_on_device"]) == ("Vulkan0", "Vulkan0", 4), run
     for mode in ("4", "8", "auto"):
+        assert run[mode] == run["plain"], mode
+
+
+def test_a_quantized_kv_cache_on_vulkan_drafts_as_plain_decoding_with_it(tiny_gguf):
+    """The bundled pair, every layer and the native drafter on Vulkan0, a q4_0 KV cache there: blocks 4, 16 and auto
+    give plain decoding's ids with that cache."""
+    pair = f"{tiny_gguf['q8_0']}:{TESTS.parent / 'models' / 'tiny' / 'drafter'}"
+    (run,) = gpu_runs("vulkan", "all", False, [pair], cache="q4_0")
+    target = run["devices"]["target"]
+    assert (target["device"], target["layers_on_device"], target["kv_cache"]["v"]) == ("Vulkan0", 8, "q4_0"), run
+    for mode in ("4", "16", "auto"):
         assert run[mode] == run["plain"], mode
 
 

@@ -11,8 +11,8 @@ token), half under --block-size auto's policy (the drafter drafts its trained 16
 both halves end steps in a bonus drawn after a fully accepted block, and the tests assert that they did.
 
 The power calculation: a wrong sampler moves the continuations' distribution from p to q; the chi-square test over
-the cells of p (sampled_reference.cells) then follows a noncentral chi-square with df = cells - 1 and
-noncentrality N * w^2, w^2 = sum (q - p)^2 / p (Cohen's effect size). The three wrong samplers of tests/wrong_samplers.py (a residual
+the cells of p (sampled_reference.cells) then follows a noncentral chi-square with df = cells - 1 and noncentrality
+N * w^2, w^2 = sum (q - p)^2 / p (Cohen's effect size). The three wrong samplers of tests/wrong_samplers.py (a residual
 drawn from the target's row, acceptance with probability p instead of min(1, p/q), the bonus drawn from the row
 before the last) moved the continuations by w^2 of 0.081-0.225, 0.148-0.599 and 0.40-1.04 over the five kinds (NF4:
 0.225, 0.222, 0.94) (MEASURED_EFFECTS: the smallest; bias-corrected estimates, sampled_reference.effect_size, over

@@ -85,6 +85,17 @@ ARCHS: dict[str, tuple[str, str, dict]] = {
         ),
     ),
 }
+# qwen35 with 64-wide heads: llama.cpp's quantized KV caches (q8_0, q4_0) store K and V in blocks of 32 values per
+# head, and rotate 64-wide (or wider) heads by a Hadamard matrix before quantizing them
+ARCHS["qwen35-h64"] = ARCHS["qwen35"][:2] + (
+    ARCHS["qwen35"][2]
+    | dict(
+        head_dim=64,
+        rope_parameters=dict(
+            rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[8, 4, 4]
+        ),
+    ),
+)
 ARCH_NAMES = {"Qwen3_5TextConfig": "Qwen3_5ForCausalLM"}  # the architectures entry the converter knows
 WEAK_VARIANTS = {"qwen35-mtp": "qwen35", "lfm2-weak": "lfm2"}  # architectures with weak layers: the one each extends
 WITH_MTP = ("qwen35-mtp",)  # variants with one MTP block

@@ -23,7 +23,7 @@ def costs_file(
 ) -> Path:
     """Where the pair's measured costs per block size are kept (with no drafter, the target's and lookup's): keyed by
     both models' files, the backend and drafter kind, the device and llama.cpp's placement (device, layers there),
-    dtype and threads (any change there times the sizes afresh)."""
+    the KV cache's types, dtype and threads (any change there times the sizes afresh)."""
     identity = {
         "target": files_identity(target_path),
         "drafter": None if drafter_path is None else files_identity(drafter_path),
@@ -31,6 +31,7 @@ def costs_file(
         "drafter_kind": "lookup" if drafter is None else type(drafter).__name__,
         "device": spec.runtime.device,
         "placement": None if spec.placement is None else spec.placement.describe(),
+        "kv_cache": spec.kv_cache.describe(),
         "dtype": str(pick_dtype(spec.runtime.dtype, spec.runtime.device)),
         "threads": torch.get_num_threads(),
     }

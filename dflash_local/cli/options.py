@@ -79,6 +79,15 @@ class ModelOptions:
         bool, typer.Option("--cpu-moe", help="GGUFs on a GPU: keep MoE expert tensors in host memory.")
     ] = False
     max_context: Annotated[int, typer.Option("--max-context", help="KV cache length in tokens.")] = 4096
+    cache_type: Annotated[
+        str, typer.Option("--cache-type", help="GGUF targets: the KV cache's type, f16, q8_0 or q4_0 (K and V).")
+    ] = "f16"
+    cache_type_k: Annotated[
+        Optional[str], typer.Option("--cache-type-k", help="GGUF targets: the K cache's type (default: --cache-type).")
+    ] = None
+    cache_type_v: Annotated[
+        Optional[str], typer.Option("--cache-type-v", help="GGUF targets: the V cache's type (default: --cache-type).")
+    ] = None
     offline: Offline = False
     quantize: Annotated[
         str, typer.Option("--quantize", help="Torch targets: auto (model's default), none, int4, nf4.")
@@ -111,13 +120,14 @@ class ModelOptions:
             backend,
             gpu_layers=values.gpu_layers(self.gpu_layers),
             cpu_moe=self.cpu_moe,
+            kv_cache=values.kv_cache(self.cache_type, self.cache_type_k, self.cache_type_v),
         )
         if self.progress is not None:
             spec = spec.reporting_to(self.progress)
         models = load_models(resolved.target, drafter, spec, auto_block=auto_block)
         for warning in models.warnings:
             typer.echo(warning, err=True)
-        if models.devices["target"].get("layers_on_device") or self.device != "auto":
+        if models.devices["target"].get("layers_on_device") or self.device != "auto" or spec.kv_cache.quantized:
             typer.echo(f"placed: {placement_line(models.devices)}", err=True)
         return models
 

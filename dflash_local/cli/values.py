@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..errors import DFlashError
+from ..kv_cache import CACHE_TYPES, KVCache
 
 
 def block_size(option: str) -> int | None:
@@ -54,6 +55,15 @@ def drafter_quantize(option: str) -> str | None:
     if option not in ("none", "int8", "nf4"):
         raise DFlashError(f"--drafter-quantize must be none, int8 or nf4, got '{option}'.")
     return None if option == "none" else option
+
+
+def kv_cache(both: str, k: str | None, v: str | None) -> KVCache:
+    """--cache-type (K and V) and --cache-type-k/-v (each, where given) as the loader wants them; checked."""
+    given = {"--cache-type": both, "--cache-type-k": k, "--cache-type-v": v}
+    for flag, kind in given.items():
+        if kind is not None and kind not in CACHE_TYPES:
+            raise DFlashError(f"{flag} must be {', '.join(CACHE_TYPES[:-1])} or {CACHE_TYPES[-1]}, got '{kind}'.")
+    return KVCache(k or both, v or both)
 
 
 def gpu_layers(option: str) -> str:

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import ctypes
 import weakref
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from ..errors import DFlashError
+from ..kv_cache import KVCache
 from ..llama_lib import first_llama_error, llama_cpp, mtp_functions
 from ..runtime import LoadSpec
 from ..targets.llamacpp import BATCH, LlamaCppTarget, context_params
@@ -68,7 +70,7 @@ class MtpDrafter:
             )
         if not target.with_mtp:
             raise DFlashError("The target was loaded without its MTP layers (LoadSpec.mtp), so it cannot draft.")
-        params = context_params(spec, target.max_context)
+        params = context_params(replace(spec, kv_cache=KVCache()), target.max_context)  # f16, as drafters.native's
         params.ctx_type = llama_cpp.LLAMA_CONTEXT_TYPE_MTP
         params.ctx_other = target._ctx
         ctx = llama_cpp.llama_init_from_model(target._model, params)

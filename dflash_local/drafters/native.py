@@ -22,6 +22,7 @@ import torch
 from ..errors import DFlashError
 from ..gguf.file import read_header
 from ..gguf.shape import LAYER_TENSORS, add_shape, rope_factors
+from ..kv_cache import KVCache
 from ..llama_lib import dflash2_functions, first_llama_error, llama_cpp, quiet_llama_logs
 from ..offload import Placement
 from ..paths import files_identity, identity_key, state_dir
@@ -187,7 +188,9 @@ class NativeDrafter:
         quiet_llama_logs()
         path = folder if made else cached_drafter_gguf(folder, cfg, target)
         placement = spec.placement or Placement()  # every drafter layer on the target's device, if it has one
-        on_device = replace(spec, placement=replace(placement, gpu_layers=-1, cpu_moe=False))  # -1: all
+        # -1: all layers. Its cache stays f16 whatever the target's (--cache-type): the features it attends to as it was
+        # trained, about a seventh of the target's cache at real sizes (5 of 36 layers), and drafts decide no output
+        on_device = replace(spec, placement=replace(placement, gpu_layers=-1, cpu_moe=False), kv_cache=KVCache())
         model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params(on_device).params)
         if not model:
             raise DFlashError(f"llama.cpp could not load the drafter {folder} ({first_llama_error() or 'no reason'}).")

@@ -48,12 +48,15 @@ def model_params(spec: LoadSpec | None = None) -> ModelParams:
 
 
 def context_params(spec: LoadSpec, context: int) -> llama_cpp.llama_context_params:
-    """llama.cpp's context parameters shared by a target and its native drafter: the context, batch and threads; on
-    the CPU alone, no operation is sent to a GPU the library may offer (the CPU's kernels decide every bit)."""
+    """llama.cpp's context parameters shared by a target and its drafters: the context, batch, threads and the KV
+    cache's types (flash attention stays llama.cpp's auto, which it turns on for a quantized V cache); on the CPU
+    alone, no operation is sent to a GPU the library may offer (the CPU's kernels decide every bit)."""
     params = llama_cpp.llama_context_default_params()
     params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = context, BATCH, BATCH, 1
     params.n_threads = params.n_threads_batch = spec.runtime.threads or torch.get_num_threads()
     params.op_offload = spec.placement is not None and spec.placement.device is not None
+    cache = spec.kv_cache
+    params.type_k, params.type_v = (getattr(llama_cpp, f"GGML_TYPE_{kind.upper()}") for kind in (cache.k, cache.v))
     return params
 
 
@@ -137,7 +140,8 @@ class LlamaCppTarget:
         ctx = llama_cpp.llama_init_from_model(model, params)
         if not ctx:
             llama_cpp.llama_model_free(model)
-            raise DFlashError(f"llama.cpp could not create a {max_context}-token context for {path}.")
+            reason = first_llama_error() or "no reason given"
+            raise DFlashError(f"llama.cpp could not create a {max_context}-token context for {path} ({reason}).")
         target = cls(info, tensors, model, ctx, max_context, dtype, device, kernels)
         target.int8_head = spec.int8_head
         on_gpu = spec.placement is not None and spec.placement.device is not None and spec.placement.gpu_layers > 0
