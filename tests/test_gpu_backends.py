@@ -21,6 +21,7 @@ from test_architectures import ARCHS, drafters, llama_cpp_source, models  # noqa
 from test_mtp import model as mtp_model  # noqa: F401 (the tiny qwen35 with an MTP layer)
 
 from dflash_local import offload
+from dflash_local.kv_cache import KVCache
 from dflash_local.llama_lib import GPU_LIBS, INVARIANT_LIB
 from dflash_local.targets.llamacpp import FIXED_ROWS
 from dflash_local.vulkan_probe import vulkan_devices
@@ -195,7 +196,7 @@ def test_cpu_moe_counts_no_expert_tensor_on_the_device(models):  # noqa: F811
     with_experts, _, _ = reference_sizes(moe, cpu_moe=False)
     without, _, _ = reference_sizes(moe, cpu_moe=True)
     assert sum(without) < sum(with_experts)
-    planned, _ = offload._per_layer(offload.read_gguf(moe), True, CONTEXT)
+    planned, _ = offload._per_layer(offload.read_gguf(moe), True, CONTEXT, KVCache())
     assert planned == [size + kv_per_layer(moe) for size in without]
 
 
