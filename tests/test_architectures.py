@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from in_process import invoke
 from reference import oracle_python, reference_forward
 from test_gguf_lossless import auto_policy, llamacpp_greedy
 
 from dflash_local import tap_probe
+from dflash_local.block_policy import AcceptanceEstimate, BlockPolicy, CostTable
 from dflash_local.catalog import package_file
 from dflash_local.decode import Settings, run
 from dflash_local.drafters.native import NativeDrafter
@@ -145,25 +145,17 @@ def test_a_hybrid_target_rolls_back_to_exactly_the_kept_tokens(models):
     assert target.length == fresh.length and torch.allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_auto_decodes_plain_on_a_moe_target_where_drafting_does_not_pay(models, drafters, tmp_path):
-    """qwen3moe with a drafter that earns nothing (random target, four training steps): --block-size auto, its costs
-    measured on this machine, settles on plain decoding."""
-    result = invoke(
-        "generate",
-        "--target",
-        models["qwen3moe"] / "model.gguf",
-        "--drafter",
-        drafters["qwen3moe"],
-        "--max-new-tokens",
-        "48",
-        "--json",
-        "--prompt-ids",
-        ",".join(map(str, PROMPT)),
-        env={"DFLASH_HOME": str(tmp_path)},
-    )
-    assert result.exit_code == 0, result.stderr
-    sizes = json.loads(result.stdout)["block_sizes"]
-    assert sizes[-16:].count(1) >= 12, sizes
+def test_auto_decodes_plain_on_a_moe_target_where_drafting_does_not_pay(models, drafters):
+    """qwen3moe with a drafter that earns nothing (random target, four training steps), under --block-size auto's
+    policy with the costs of a machine where a verify of k rows costs k plain steps (scripted: measured costs would
+    make the outcome this machine's timing): it settles on plain decoding."""
+    target = LlamaCppTarget.load(models["qwen3moe"] / "model.gguf", LoadSpec(RuntimeConfig(threads=1), max_context=256))
+    drafter = NativeDrafter.load(drafters["qwen3moe"], target, LoadSpec())
+    costs = CostTable({k: float(k) for k in range(1, 17)}, dict.fromkeys(range(2, 17), 0.2))
+    costs.observe = lambda *args, **kwargs: None
+    policy = BlockPolicy(16, costs, AcceptanceEstimate.empty(15, 0.999))
+    _, stats = run(target, drafter, PROMPT, Settings(max_new_tokens=48, lookup=False), policy=policy)
+    assert stats.block_sizes[-16:].count(1) >= 12, stats.block_sizes
 
 
 def test_the_tap_probe_asks_the_loaded_library_and_remembers(models, tmp_path, monkeypatch):
