@@ -46,13 +46,18 @@ def llama_cpp_source() -> Path:
     return source
 
 
+def build_tiny(root: Path, *names: str) -> Path:
+    """tests/tiny_archs.py's models `names` under root (each NAME/hf and NAME/model.gguf), in one oracle process."""
+    command = [oracle_python(), TESTS / "tiny_archs.py", llama_cpp_source(), root, *names]
+    built = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert built.returncode == 0, built.stderr[-3000:]
+    return root
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     """Each architecture's folder: hf/ (the transformers model) and model.gguf (F32), built in one oracle process."""
-    root = tmp_path_factory.mktemp("archs")
-    command = [oracle_python(), TESTS / "tiny_archs.py", llama_cpp_source(), root, *ARCHS]
-    built = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert built.returncode == 0, built.stderr[-3000:]
+    root = build_tiny(tmp_path_factory.mktemp("archs"), *ARCHS)
     return {arch: root / arch for arch in ARCHS}
 
 

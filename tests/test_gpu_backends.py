@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 from one_error import assert_one_error
-from reference import oracle_python
-from test_architectures import ARCHS, drafters, llama_cpp_source, models  # noqa: F401 (tiny architectures, drafters)
+from test_architectures import ARCHS, build_tiny, drafters, models  # noqa: F401 (the tiny architectures, drafters)
 from test_mtp import model as mtp_model  # noqa: F401 (the tiny qwen35 with an MTP layer)
 
 from dflash_local import offload
@@ -122,11 +121,7 @@ def test_verify_rows_equal_one_token_steps_bitwise_on_vulkan(layers, models):  #
 @pytest.fixture(scope="module")
 def weak_lfm2(tmp_path_factory) -> Path:
     """tests/tiny_archs.py's lfm2-weak GGUF: lfm2 with weak layers, which mostly repeats its last token."""
-    root = tmp_path_factory.mktemp("weak")
-    command = [oracle_python(), TESTS / "tiny_archs.py", llama_cpp_source(), root, "lfm2-weak"]
-    built = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert built.returncode == 0, built.stderr[-3000:]
-    return root / "lfm2-weak" / "model.gguf"
+    return build_tiny(tmp_path_factory.mktemp("weak"), "lfm2-weak") / "lfm2-weak" / "model.gguf"
 
 
 def test_hybrids_on_vulkan_equal_plain_decoding_over_long_outputs(models, drafters, weak_lfm2, mtp_model):  # noqa: F811

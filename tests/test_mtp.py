@@ -6,7 +6,6 @@ chi-square; a GGUF without MTP layers is one sentence."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import torch
 from in_process import invoke
 from reference import oracle_python
 from safetensors.torch import load_file
-from test_architectures import TESTS, llama_cpp_source
+from test_architectures import TESTS, build_tiny
 from test_gguf_lossless import auto_policy
 
 from dflash_local.catalog import package_file
@@ -31,11 +30,7 @@ NEW_TOKENS = 20
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     """The qwen35-mtp folder: hf/ (transformers' model and its mtp.* tensors) and model.gguf (F32, nextn layer)."""
-    root = tmp_path_factory.mktemp("mtp")
-    command = [oracle_python(), TESTS / "tiny_archs.py", llama_cpp_source(), root, "qwen35-mtp"]
-    built = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert built.returncode == 0, built.stderr[-3000:]
-    return root / "qwen35-mtp"
+    return build_tiny(tmp_path_factory.mktemp("mtp"), "qwen35-mtp") / "qwen35-mtp"
 
 
 def loaded(model: Path, context: int = 256) -> tuple[LlamaCppTarget, MtpDrafter]:
