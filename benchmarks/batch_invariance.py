@@ -28,8 +28,8 @@ PREFILL = 256  # --speed: prompt tokens in the timed prefill
 TILED_OFF = {"GGML_CPU_TILED_MM": "0"}
 FUSION_OFF = {"GGML_CPU_DISABLE_FUSION": "1"}
 # name -> (libllama, environment, model params, context params); libllama: "stock" (llama-cpp-python's) or
-# "invariant" (tools/build_libllama.sh's, llamafile off); "dflash": what dflash_local.llama_lib sets and
-# targets.llamacpp loads with
+# "invariant" (tools/build_libllama.sh's CPU build: prompt rows apart from verify rows); "dflash": what
+# dflash_local.llama_lib sets and targets.llamacpp loads with
 CONFIGS = {
     "dflash": (None, None, None, {}),
     "default": ("stock", {}, {}, {}),
@@ -37,7 +37,7 @@ CONFIGS = {
     "fusion-off": ("stock", FUSION_OFF, {}, {}),
     "no-repack": ("stock", {}, {"use_extra_bufts": False}, {}),
     "fa-off": ("stock", {}, {}, {"flash_attn_type": 0}),
-    "llamafile-off": ("invariant", {}, {}, {}),
+    "prompt-rows": ("invariant", {}, {}, {}),
     "tiled-off+no-repack": ("stock", TILED_OFF, {"use_extra_bufts": False}, {}),
     "all": ("invariant", {**TILED_OFF, **FUSION_OFF}, {"use_extra_bufts": False}, {"flash_attn_type": 0}),
 }

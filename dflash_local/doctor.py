@@ -167,12 +167,13 @@ def _llama_cpp_check() -> Check:
     if version is None:
         return Check("llama-cpp-python", "not installed (no GGUF targets): pip install 'dflash-local[gguf]'", None)
     try:
-        from .llama_lib import GPU_LIBS, INVARIANT_LIB, loaded_library
+        from .llama_lib import GPU_LIBS, INVARIANT_LIB, loaded_library, splits_prompt_rows
     except Exception as exc:  # a broken native build raises anything from OSError to RuntimeError
         return Check("llama-cpp-python", f"{version}, fails to load: {exc}", False)
     folder = loaded_library().parent
     if folder in (INVARIANT_LIB, *GPU_LIBS.values()):
-        return Check("llama-cpp-python", f"{version}; dflash's batch-invariant libllama ({folder})")
+        prompts = "full-speed prompts" if splits_prompt_rows(folder) else "slow prompts: ./install.sh rebuilds it"
+        return Check("llama-cpp-python", f"{version}; dflash's batch-invariant libllama, {prompts} ({folder})")
     stock = "stock libllama: F16/BF16/F32 verification may differ in the last bits on the CPU (./install.sh)"
     return Check("llama-cpp-python", f"{version}, {stock}", None)
 

@@ -2,12 +2,14 @@
 
 Both settings keep a verify batch's logits bitwise equal to those of one-token decodes (benchmarks/batch_invariance.py),
 and each is left alone where the user has already set it:
-- GGML_CPU_TILED_MM=0: ggml's tiled matmul (Q4_0 and K-quants, batches of 8 rows or more) sums in another order than
-  the one-token path. ggml reads it once, at the process's first matmul. Export 1 to trade that for faster prefill.
-- LLAMA_CPP_LIB_PATH: the libllama that tools/build_libllama.sh (run by install.sh) builds with llamafile's tinyBLAS
-  off, which otherwise takes every F16/BF16/F32 batch of 2 rows or more; used where it exists for the installed
+- LLAMA_CPP_LIB_PATH: the libllama that tools/build_libllama.sh (run by install.sh) builds with ggml's CPU matmul
+  patched: batches of 64 rows or more (prompt chunks) take the fast kernels for all rows but their last, smaller ones
+  (verify blocks, one-token decodes) sum in the one-token order; used where it exists for the installed
   llama-cpp-python. A GPU build (CUDA or Vulkan, with the same CPU backend inside) is preferred to the CPU-only one
   where it loads; llama_cpp loads its library on import, so this module must import it first.
+- GGML_CPU_TILED_MM=0, only where another library loads (llama-cpp-python's own, or a dflash build older than that
+  patch): ggml's tiled matmul (K-quants, batches of 8 rows or more) sums in another order than the one-token path.
+  ggml reads it once, at the process's first matmul.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ _errors: list[str] = []
 INVARIANT_LIB = LIB_ROOT / "dflash-libllama"  # the CPU build
 GPU_LIBS = {"cuda": LIB_ROOT / "dflash-libllama-cuda", "vulkan": LIB_ROOT / "dflash-libllama-vulkan"}
 BUILT_FOR = "llama-cpp-python.version"  # the file in each build's folder naming the llama-cpp-python it was built from
+PATCHES = "patches"  # the file in each build's folder naming tools/build_libllama.sh's patches in it
+PROMPT_ROWS_PATCH = "prompt-rows"  # tools/patch_ggml_cpu.py's: verify rows apart from prompt rows
 UNLOADABLE: list[str] = []  # GPU builds found but not loadable here (their runtime is missing), for `dflash doctor`
 
 
@@ -72,9 +76,18 @@ def invariant_lib() -> Path | None:
     return INVARIANT_LIB if _current(INVARIANT_LIB) else None
 
 
-os.environ.setdefault("GGML_CPU_TILED_MM", "0")
+def splits_prompt_rows(folder: Path) -> bool:
+    """Whether the libllama in folder is a dflash build whose CPU matmul keeps verify rows apart from prompt rows."""
+    try:
+        return PROMPT_ROWS_PATCH in (folder / PATCHES).read_text().split()
+    except OSError:
+        return False
+
+
 if (_folder := invariant_lib()) is not None:
     os.environ.setdefault("LLAMA_CPP_LIB_PATH", str(_folder))
+if not splits_prompt_rows(Path(os.environ.get("LLAMA_CPP_LIB_PATH", "."))):
+    os.environ.setdefault("GGML_CPU_TILED_MM", "0")
 
 import llama_cpp  # noqa: E402
 

@@ -35,6 +35,8 @@ ARCHS = ("qwen35", "qwen3moe", "gemma4", "gpt-oss", "lfm2")
 NO_LOGITS_WITH_LAST_LAYER = {"lfm2"}  # graphs that skip the head when asked for the output embeddings
 SOURCE_ENV = "DFLASH_LLAMA_CPP_SOURCE"
 PROMPT = [5, 17, 99, 3, 42, 7, 8, 120, 11, 12]
+LONG_PROMPT = torch.randint(5, 4096, (100,), generator=torch.Generator().manual_seed(3)).tolist()  # 64+ rows: the
+# prompt batch takes ggml's fast kernels (tools/patch_ggml_cpu.py)
 NEW_TOKENS = 20
 
 
@@ -111,18 +113,22 @@ def test_features_equal_transformers_hidden_states_and_plain_decoding_equals_lla
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_dflash_equals_plain_decoding_torch_and_native_drafters(arch, models, drafters):
-    """T=0: both drafters, at blocks 4 and 16 and with the auto policy, give plain decoding's ids."""
+    """T=0: both drafters, at blocks 4 and 16 and with the auto policy, give plain decoding's ids, after a short
+    prompt and after a 100-token one (its rows through the fast kernels, the same in both modes)."""
     target = LlamaCppTarget.load(models[arch] / "model.gguf", LoadSpec(RuntimeConfig(threads=1), max_context=256))
-    plain, _ = run(target, None, PROMPT, Settings(max_new_tokens=NEW_TOKENS, draft=False))
-    for drafter in (
+    drafters_of_arch = (
         DFlashDrafter.load(drafters[arch], LoadSpec(max_context=256)),
         NativeDrafter.load(drafters[arch], target, LoadSpec()),
-    ):
-        for block in (4, 16):
-            ids, _ = run(target, drafter, PROMPT, Settings(max_new_tokens=NEW_TOKENS, block_size=block))
-            assert ids == plain, (arch, type(drafter).__name__, block)
-        ids, stats = run(target, drafter, PROMPT, Settings(max_new_tokens=NEW_TOKENS), policy=auto_policy(16))
-        assert ids == plain and len(set(stats.block_sizes)) > 1, (arch, type(drafter).__name__, stats.block_sizes)
+    )
+    for prompt in (PROMPT, LONG_PROMPT):
+        plain, _ = run(target, None, prompt, Settings(max_new_tokens=NEW_TOKENS, draft=False))
+        for drafter in drafters_of_arch:
+            named = (arch, type(drafter).__name__, len(prompt))
+            for block in (4, 16):
+                ids, _ = run(target, drafter, prompt, Settings(max_new_tokens=NEW_TOKENS, block_size=block))
+                assert ids == plain, (*named, block)
+            ids, stats = run(target, drafter, prompt, Settings(max_new_tokens=NEW_TOKENS), policy=auto_policy(16))
+            assert ids == plain and len(set(stats.block_sizes)) > 1, (*named, stats.block_sizes)
 
 
 def test_a_hybrid_target_rolls_back_to_exactly_the_kept_tokens(models):

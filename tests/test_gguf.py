@@ -54,7 +54,10 @@ def run_ar(target, prompt: list[int]) -> list[int]:
 
 
 def test_tapped_features_and_logits_match_torch(tiny_gguf, heldout):
-    """F16 weights and F16 KV cache against the fp32 torch backend: features within 0.2% (relative L2 per row).
+    """F16 weights and F16 KV cache against the fp32 torch backend: features within 0.2% (relative L2 per row) for a
+    prompt's forward, 0.6% where every row is an output (a verify's order, in chunks of 63 rows: ggml-cpu's one-row
+    flash attention rounds Q to F16, its tiled path for 64+ query rows keeps Q in F32; 0.47% measured at 700 tokens).
+    Logits within 0.2% of the largest (0.4% in a verify's order; 0.22% measured).
 
     Layer 7 is the last: its feature is the final-normed hidden state (llama.cpp's output embeddings)."""
     gguf_target = LlamaCppTarget.load(tiny_gguf["f16"], LoadSpec(RuntimeConfig(threads=1), max_context=2048))
@@ -75,8 +78,9 @@ def test_tapped_features_and_logits_match_torch(tiny_gguf, heldout):
                 assert got.features.shape == want.features.shape == (len(prompt), 256 * len(layer_ids))
                 for part in range(len(layer_ids)):
                     a, b = (out.features[:, part * 256 : (part + 1) * 256] for out in (got, want))
-                    assert ((a - b).norm(dim=-1) / b.norm(dim=-1)).max() < 2e-3
-                assert ((got.logits - want.logits).abs().max() / want.logits.abs().max()) < 2e-3
+                    assert ((a - b).norm(dim=-1) / b.norm(dim=-1)).max() < (6e-3 if all_logits else 2e-3)
+                logits_bound = 4e-3 if all_logits else 2e-3
+                assert ((got.logits - want.logits).abs().max() / want.logits.abs().max()) < logits_bound
 
 
 def test_rollback_leaves_the_state_of_a_fresh_run(tiny_gguf, heldout):

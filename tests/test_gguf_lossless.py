@@ -84,8 +84,8 @@ def test_dflash_equals_llamacpp_one_token_greedy(kind, gguf_types, heldout, draf
 
 @pytest.mark.parametrize("kind", ["f16", "q8_0", *K_QUANTS])
 def test_a_verify_batch_has_the_logits_of_one_token_decodes(kind, gguf_types):
-    """A 16-token forward's logits equal, in every bit, those of 16 one-token forwards after the same prefix (F16
-    needs the libllama without tinyBLAS that install.sh builds; K-quants dflash's unrepacked, untiled matmuls)."""
+    """A 16-token forward's logits equal, in every bit, those of 16 one-token forwards after the same prefix (F16 and
+    K-quants need dflash's libllama, whose batches under 64 rows keep the one-token order, and unrepacked weights)."""
     target = LlamaCppTarget.load(gguf_types[kind], LoadSpec(RuntimeConfig(threads=1), max_context=256))
     ids = torch.randint(5, target.vocab_size, (56,), generator=torch.Generator().manual_seed(0))
     target.forward(ids[:40], all_logits=False, features=False)

@@ -31,7 +31,7 @@ PROMPT = "5,17,99,3,42,7,8,120,11,12"
 NEW_TOKENS = 16
 HYBRIDS = ("qwen35", "lfm2")
 LONG_PROMPTS = f"{PROMPT};300,7,1999,64,5,880,12"
-COPY_PROMPT = ",".join(["40,41,42,43,44,45,46,47,48,49,50,51"] * 4)
+COPY_PROMPT = ",".join(["40,41,42,43,44,45,46,47,48,49,50,51"] * 6)  # 72 ids: CPU layers take the prompt kernels
 LONG_TOKENS = 48
 
 

@@ -173,7 +173,9 @@ def test_a_gguf_target_trains_a_reduced_vocabulary_drafter_both_drafters_run(tin
     ids, length = shard["tokens"][0].tolist(), int(shard["lengths"][0])
     target.set_feature_layers(drafter.target_layer_ids)
     expected = target.forward(torch.tensor(ids[: length - 1]), features=True)
-    assert torch.allclose(shard["features"][0, : length - 1].float(), expected.features, rtol=2e-2, atol=3e-2)
+    stored = shard["features"][0, : length - 1].float()  # bf16, from a batched prefill (the tiled kernels, F32
+    # attention) where the forward above runs in verify order (one-row attention rounds Q to F16): 0.6% measured
+    assert ((stored - expected.features).norm(dim=-1) / expected.features.norm(dim=-1)).max() < 2e-2
     assert (
         expected.logits[int(shard["prompt_lengths"][0]) - 1 :].argmax(dim=1).tolist()
         == ids[int(shard["prompt_lengths"][0]) : length]

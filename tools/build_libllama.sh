@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Builds the libllama dflash loads: llama-cpp-python's own source (the version installed in the venv) with llamafile's
-# tinyBLAS off (-DGGML_LLAMAFILE=OFF), so F16/BF16/F32 verify batches sum in the order of one-token decodes on the CPU
-# and DFlash stays bitwise lossless there (docs/gguf.md), and with the layer-input taps set in the graph builders of
-# the architectures in TAPS (stock llama.cpp sets them for llama and qwen3, not gemma3: one line in the layer loop).
+# Builds the libllama dflash loads: llama-cpp-python's own source (the version installed in the venv) with ggml's CPU
+# matmul patched (tools/patch_ggml_cpu.py): prompt batches of 64 rows or more run llamafile's tinyBLAS and the tiled
+# K-quant matmul for all rows but their last, while verify and one-token batches and each batch's last row sum in the
+# one-token order, so DFlash stays bitwise lossless on the CPU (docs/gguf.md); and with the layer-input taps set in the
+# graph builders of the architectures in TAPS (stock llama.cpp sets them for llama and qwen3, not gemma3: one line in
+# the layer loop).
 # --backend vulkan or cuda adds that GPU backend to the same build (its CPU backend is the same as the CPU build's);
 # the libraries go to VENV/lib/dflash-libllama (cpu) or VENV/lib/dflash-libllama-BACKEND, where
-# dflash_local/llama_lib.py finds them. A build of the same version and taps there is kept.
+# dflash_local/llama_lib.py finds them. A build of the same version, taps and patches there is kept.
 #   tools/build_libllama.sh [--backend cpu|vulkan|cuda] [VENV]      # default: cpu, .venv
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,10 +20,10 @@ venv=${1:-.venv}
 python="$venv/bin/python"
 version=$("$python" -c 'import importlib.metadata as m; print(m.version("llama_cpp_python"))')
 taps="gemma3"
-patches=""  # what tools/patch_ggml_vulkan.py changed, for the Vulkan build: a build made before a new patch is redone
+patches="prompt-rows"  # what tools/patch_ggml_*.py change: a build made before a new patch is redone
 case "$backend" in
   cpu) dest="$venv/lib/dflash-libllama"; flags=() ;;
-  vulkan) dest="$venv/lib/dflash-libllama-vulkan"; flags=(-DGGML_VULKAN=ON); patches="headers descriptors" ;;
+  vulkan) dest="$venv/lib/dflash-libllama-vulkan"; flags=(-DGGML_VULKAN=ON); patches="$patches headers descriptors" ;;
   cuda)
     dest="$venv/lib/dflash-libllama-cuda"
     nvcc=$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")
@@ -43,7 +45,7 @@ if [ -f "$dest/libllama.so" ] && [ "$(cat "$dest/llama-cpp-python.version" 2>/de
   echo "==> libllama ($backend) for llama-cpp-python $version: already built"
   exit 0
 fi
-echo "==> building libllama $version for $backend without llamafile's tinyBLAS (lossless verification; minutes)"
+echo "==> building libllama $version for $backend with prompt rows apart from verify rows (lossless verification; minutes)"
 work=$(mktemp -d)
 stage=$(mktemp -d "$venv/lib/.dflash-libllama.XXXXXX")  # beside dest, so that the final rename is atomic
 chmod 755 "$stage"
@@ -60,6 +62,7 @@ for arch in $taps; do  # the tap goes first in the layer loop, as in src/models/
     exit 1
   fi
 done
+"$python" tools/patch_ggml_cpu.py "$src/ggml/src/ggml-cpu"
 if [ "$backend" = vulkan ]; then
   # builds against Debian 12's older Vulkan headers, and binds a live buffer to every descriptor (docs/gpu.md)
   "$python" tools/patch_ggml_vulkan.py "$src/ggml/src/ggml-vulkan"
@@ -69,7 +72,7 @@ if ! command -v cmake >/dev/null 2>&1; then  # as pip's own build of llama-cpp-p
   export PATH="$work/tools/bin:$PATH"
 fi
 # shellcheck disable=SC2086  # CMAKE_ARGS holds several options
-if ! cmake -S "$work/llama_cpp_python-$version" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DGGML_LLAMAFILE=OFF \
+if ! cmake -S "$work/llama_cpp_python-$version" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DGGML_LLAMAFILE=ON \
   -DLLAVA_BUILD=OFF "${flags[@]}" ${CMAKE_ARGS:-} >"$work/build.log" 2>&1 ||
   ! cmake --build "$work/build" --target llama -j "$(nproc)" >>"$work/build.log" 2>&1; then
   tail -n 40 "$work/build.log" >&2

@@ -30,6 +30,8 @@ FIXED_ROWS = 8  # a verify forward's rows on a GPU backend: every verify and eve
 # 8 is the widest batch llama.cpp's CUDA and Vulkan matrix-vector kernels take, where 8 rows cost about what one does.
 # A hybrid's padding leaves its recurrent state until the next rollback or forward, which drops it and any rejected
 # rows in one step through llama.cpp's snapshots (it takes back one suffix per decode, within that decode)
+VERIFY_ROWS = 63  # the most rows of a CPU forward whose every row's logits are read (a verify): dflash's libllama
+# takes the fast kernels for batches of 64 rows or more, all rows but the last (tools/patch_ggml_cpu.py)
 HEAD_CHUNK = 512  # output-head rows dequantized at a time when the head is first built (gguf-py dequantizes via
 # int and float intermediates several times the rows' fp32 size: 2048 rows of a 1B head peaked 0.3 GB above the rest)
 
@@ -338,10 +340,12 @@ class LlamaCppTarget:
         self._set_tapping(features)
         logits, feats = [], []
         every_output = features and self.num_layers - 1 in self.feature_layer_ids
-        width = self.fixed_rows if all_logits and self.fixed_rows else BATCH
+        width = (self.fixed_rows or VERIFY_ROWS) if all_logits else BATCH
         for offset in range(0, len(tokens), width):
             chunk = tokens[offset : offset + width]
-            padding = min(width - len(chunk), self.max_context - start - offset - len(chunk)) if width < BATCH else 0
+            padding = 0
+            if all_logits and self.fixed_rows:
+                padding = min(width - len(chunk), self.max_context - start - offset - len(chunk))
             self._decode(chunk + chunk[-1:] * padding, start + offset, all_logits)
             if all_logits or offset + width >= len(tokens):
                 rows = len(chunk) if all_logits or every_output else 1
