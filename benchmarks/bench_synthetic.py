@@ -31,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-from dflash_local.memory_estimate import DEFAULT_CONTEXT, estimate_files
+from dflash_local.defaults import DEFAULT_CONTEXT
+from dflash_local.memory_estimate import estimate_files
 
 from .step_costs import measure_steps, projected_speedup
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .block_policy import CostTable
 from .decode import Settings, Stats, collect
-from .drafters.lookup import LOOKUP_BLOCK
+from .defaults import block_limit
 from .errors import DFlashError
 from .generation import GenerationRequest, LoadedModels, block_policy, stream
 from .session import Session
@@ -64,7 +64,7 @@ def run_bench(models: LoadedModels, prompts: list[tuple[str, list[int]]], settin
     means, and each source's share of the drafting mode's tokens."""
     if not settings.draft:
         raise DFlashError("The benchmark compares drafting with autoregressive decoding: drop --no-draft.")
-    block = settings.block_size or (models.drafter.block_size if models.drafter else LOOKUP_BLOCK)
+    block = settings.block_size or block_limit(models.drafter)[0]
     methods = {
         "autoregressive": (models.drafter, replace(settings, draft=False)),
         "dflash": (models.drafter, settings),

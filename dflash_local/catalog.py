@@ -147,7 +147,8 @@ def _entry(name: str, table: object, path: Path) -> ModelEntry:
 
 def _memory_gb(table: dict, where: str) -> float:
     """memory_gb as written, or estimated from shape (a known architecture) and weights (how the target is stored)."""
-    from .memory_estimate import DEFAULT_CONTEXT, WEIGHT_KINDS, estimate_shape
+    from .defaults import DEFAULT_CONTEXT
+    from .memory_estimate import WEIGHT_KINDS, estimate_shape
     from .shapes import SHAPES
 
     if "shape" not in table and "weights" not in table:

@@ -16,6 +16,7 @@ from rich.text import Text
 
 from .chat_template import template_source, uses_thinking
 from .decode import Settings, Stats
+from .defaults import check_block
 from .errors import DFlashError
 from .generation import GenerationRequest, LoadedModels, device_label, placement_line, stream
 from .reasoning import ANSWER, Piece, ThinkSplit, opens_thinking
@@ -264,10 +265,7 @@ class Chat:
                 self.console.print("(block size auto: chosen every step)")
                 return True
             size = _number(arg, int, "/block needs auto or a whole number, e.g. /block 8")
-            limit = self.models.drafter.block_size if self.models.drafter else 0
-            if not 2 <= size <= limit:
-                raise DFlashError(f"The block size must be auto or between 2 and the drafter's trained {limit}.")
-            state.settings = replace(state.settings, block_size=size)
+            state.settings = replace(state.settings, block_size=check_block(size, self.models.drafter))
             self.console.print(f"(block size {size})")
         elif name == "/draft":
             if arg not in ("on", "off"):

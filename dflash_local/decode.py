@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .block_policy import BlockPolicy
+from .defaults import MAX_NEW_TOKENS, block_limit, check_block
 from .drafters.base import Drafter
-from .drafters.lookup import LOOKUP_BLOCK, point_logits, point_masses
+from .drafters.lookup import point_logits, point_masses
 from .drafters.suffix_index import Match
 from .errors import DFlashError
 from .grammar import Grammar
@@ -31,7 +32,7 @@ class Settings:
     """What to generate: length, sampling, block size, stop tokens, whether to draft at all and whether lookup drafts
     too, and a grammar the output must follow (its stop ids end the output too)."""
 
-    max_new_tokens: int = 128
+    max_new_tokens: int = MAX_NEW_TOKENS
     sampling: SamplingParams = SamplingParams()
     block_size: int | None = None
     draft: bool = True
@@ -148,11 +149,7 @@ def _block_size(drafter: Drafter | None, settings: Settings) -> int:
         return 1
     if drafter is None and not settings.lookup:
         raise DFlashError("Drafting is on but no drafter was given (pass a drafter or turn drafting off).")
-    top, whose = (LOOKUP_BLOCK, "lookup's") if drafter is None else (drafter.block_size, "the drafter's trained")
-    size = top if settings.block_size is None else settings.block_size
-    if not 2 <= size <= top:
-        raise DFlashError(f"The block size must be between 2 and {whose} {top}, not {size}.")
-    return size
+    return block_limit(drafter)[0] if settings.block_size is None else check_block(settings.block_size, drafter)
 
 
 def _check_prompt(target: Target, prompt_ids: list[int], settings: Settings) -> None:

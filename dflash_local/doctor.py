@@ -141,7 +141,8 @@ def fit_check(name: str, need_gb: float, basis: str) -> Check:
 
 def estimate_gb(target: Path, drafter: Path | None) -> tuple[float, str]:
     """GB a local model needs with a default-length context, from its files' shapes, and what that counts."""
-    from .memory_estimate import DEFAULT_CONTEXT, estimate_files
+    from .defaults import DEFAULT_CONTEXT
+    from .memory_estimate import estimate_files
 
     estimate = estimate_files(target, drafter, DEFAULT_CONTEXT)
     return estimate.total_gb, f"{DEFAULT_CONTEXT}-token context: {estimate.summary()}"

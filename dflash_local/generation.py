@@ -21,9 +21,9 @@ from .block_policy import (
     unwritable_warning,
 )
 from .decode import Settings, Stats, Step, generate
+from .defaults import block_limit
 from .drafters import load_drafter, native_runs
 from .drafters.base import Drafter
-from .drafters.lookup import LOOKUP_BLOCK
 from .errors import DFlashError
 from .kv_cache import KVCache
 from .offload import file_bytes
@@ -166,7 +166,7 @@ def _block_policy(target: Target, drafter: Drafter | None, costs: Path, spec: Lo
         spec.progress("calibrating: timing each block size on this machine (a first load, or a cached table found off)")
         return measure_costs(target, drafter)
 
-    block = LOOKUP_BLOCK if drafter is None else drafter.block_size
+    block = block_limit(drafter)[0]
     return load_policy(
         costs, block, calibrate, lambda sizes: time_steps(target, drafter, sizes, CHECK_ROUNDS), drafter is not None
     )

@@ -10,7 +10,6 @@ from .dimensions import Dimensions
 from .errors import DFlashError
 from .kv_cache import KVCache
 
-DEFAULT_CONTEXT = 4096  # the CLI's --max-context: what catalog and doctor figures assume
 WEIGHT_KINDS = ("q4_k_m", "q8_0", "f16", "bf16", "int4", "nf4")  # how a catalog target is stored: GGUF, or torch
 INT4_GROUP = 128  # quant.INT4_GROUP (not imported: this module stays free of torch)
 LLAMA_BATCH = 512  # n_batch = n_ubatch of LlamaCppTarget and the native drafter: the most tokens a graph holds

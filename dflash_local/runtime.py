@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .defaults import DEFAULT_CONTEXT
 from .errors import DFlashError
 from .kernels import check_mode, check_triton
 from .kv_cache import KVCache
@@ -132,7 +133,7 @@ class LoadSpec:
     cache length, the target's and the drafter's quantization, the backend, and where loading reports its phases."""
 
     runtime: RuntimeConfig = RuntimeConfig()
-    max_context: int = 4096
+    max_context: int = DEFAULT_CONTEXT
     quantize: str | None = None  # torch targets: None, "int4" or "nf4"
     drafter_quantize: str | None = None  # torch drafters: None, "int8" or "nf4"
     backend: str = "auto"  # auto, torch or llamacpp

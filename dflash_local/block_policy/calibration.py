@@ -10,7 +10,7 @@ from functools import partial
 
 import torch
 
-from ..drafters.lookup import LOOKUP_BLOCK
+from ..defaults import block_limit
 from ..drafters.suffix_index import SuffixIndex
 from ..runtime import StepClock
 from .costs import CostTable, Samples, fit, interpolate
@@ -71,7 +71,7 @@ def time_steps(target, drafter, sizes: list[int], rounds: int, steady: int = 0) 
     load lengthens a few rounds of each size, not every timing of one), `rounds` of them and on until `steady` rounds
     in a row left every fit (see fit) within STEADY_CHANGE, within MAX_ROUNDS and CALIBRATION_MAX_S. Both models are
     reset afterwards."""
-    block = drafter.block_size if drafter is not None else LOOKUP_BLOCK
+    block = block_limit(drafter)[0]
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(0, target.vocab_size, (CALIBRATION_CONTEXT + block,), generator=generator)
     ids = context.to(target.device)
@@ -112,7 +112,7 @@ def measure_costs(target, drafter, repeats: int = CALIBRATION_ROUNDS) -> CostTab
     """The pair's costs on this machine (with no drafter, the target's and lookup's): time_steps over CALIBRATION_SIZES
     up to the block (`repeats` rounds at least, then until steady), fitted (see fit) and interpolated to every size;
     the sizes between become stale."""
-    block = drafter.block_size if drafter is not None else LOOKUP_BLOCK
+    block = block_limit(drafter)[0]
     sizes = [k for k in CALIBRATION_SIZES if k < block] + [block]
     target_samples, draft_samples = time_steps(target, drafter, sizes, repeats, STEADY_ROUNDS)
     costs = CostTable(

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional, get_type_hints
 
 import typer
 
+from ..defaults import DEFAULT_CONTEXT, MAX_NEW_TOKENS
 from . import values
 
 if TYPE_CHECKING:
@@ -78,7 +79,7 @@ class ModelOptions:
     cpu_moe: Annotated[
         bool, typer.Option("--cpu-moe", help="GGUFs on a GPU: keep MoE expert tensors in host memory.")
     ] = False
-    max_context: Annotated[int, typer.Option("--max-context", help="KV cache length in tokens.")] = 4096
+    max_context: Annotated[int, typer.Option("--max-context", help="KV cache length in tokens.")] = DEFAULT_CONTEXT
     cache_type: Annotated[
         str, typer.Option("--cache-type", help="GGUF targets: the KV cache's type, f16, q8_0 or q4_0 (K and V).")
     ] = "f16"
@@ -137,7 +138,7 @@ class DecodeOptions:
     """The decode options as one value, and the one builder of decode's Settings from them."""
 
     drafter: Optional[str] = None
-    max_new_tokens: Optional[int] = 128
+    max_new_tokens: Optional[int] = MAX_NEW_TOKENS
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -241,7 +242,7 @@ def _grouped(
     return decorate
 
 
-def model_options(max_context: int | None = 4096) -> Callable[[Command], Command]:
+def model_options(max_context: int | None = DEFAULT_CONTEXT) -> Callable[[Command], Command]:
     """The model options after a command's own, --max-context defaulting to `max_context` (None: the command has
     none); the command gets them as one ModelOptions, `options`."""
     hints, keyword = get_type_hints(ModelOptions, include_extras=True), inspect.Parameter.KEYWORD_ONLY

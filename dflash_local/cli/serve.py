@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from ..defaults import MAX_BODY, MAX_CONNECTIONS, READ_TIMEOUT_S
 from ..errors import DFlashError
 from . import values
 from .app import user_errors
@@ -34,11 +35,15 @@ def serve(
         16, "--max-queue", "--queue-size", help="Requests that may wait; more are answered 429 (Anthropic: 529)."
     ),
     chat_template: ChatTemplate = None,
-    max_body: int = typer.Option(4 * 2**20, "--max-body", help="Largest request body in bytes; more is a 413."),
+    max_body: int = typer.Option(MAX_BODY, "--max-body", help="Largest request body in bytes; more is a 413."),
     read_timeout: float = typer.Option(
-        30.0, "--read-timeout", help="Seconds a client has to send its request's headers, then its body (else 408)."
+        READ_TIMEOUT_S,
+        "--read-timeout",
+        help="Seconds a client has to send its request's headers, then its body (else 408).",
     ),
-    max_connections: int = typer.Option(100, "--max-connections", help="Open connections; more are answered 503."),
+    max_connections: int = typer.Option(
+        MAX_CONNECTIONS, "--max-connections", help="Open connections; more are answered 503."
+    ),
     cors_origins: list[str] = typer.Option(
         [], "--cors-origin", help="A browser origin allowed to call the API (repeatable; default: none)."
     ),

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
+from ..defaults import MIN_BLOCK
 from ..errors import DFlashError
 from ..kv_cache import CACHE_TYPES, KVCache
 
 
 def block_size(option: str) -> int | None:
-    """--block-size as the engine wants it: None for auto, else a fixed size of at least 2."""
+    """--block-size as the engine wants it: None for auto, else a fixed size of at least MIN_BLOCK."""
     if option == "auto":
         return None
     try:
         size = int(option)
     except ValueError:
         raise DFlashError(f"--block-size must be auto or a whole number, got '{option}'.") from None
-    if size < 2:
-        raise DFlashError(f"--block-size must be at least 2 (up to the drafter's trained size), got {size}.")
+    if size < MIN_BLOCK:
+        raise DFlashError(f"--block-size must be at least {MIN_BLOCK} (up to the drafter's trained size), got {size}.")
     return size
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..defaults import MIN_BLOCK
 from ..dimensions import Dimensions
 from ..errors import DFlashError
 from ..layers import check_rope
@@ -73,7 +74,7 @@ def check_drafter_config(config: dict[str, Any], path: Path) -> None:
     if config.get("draft_vocab_size") is not None:
         check_int(config["draft_vocab_size"], "draft_vocab_size", path, minimum=2)
     name, value = field("block_size", 16)
-    check_int(value, name, path, minimum=2)
+    check_int(value, name, path, minimum=MIN_BLOCK)
     name, value = field("mask_token_id")
     if value is not None:
         check_int(value, name, path, minimum=0)

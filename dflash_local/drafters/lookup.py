@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import torch
 
-LOOKUP_BLOCK = 16  # the verify size lookup drafts up to where no drafter sets the block
-
 
 def point_logits(tokens: list[int], vocab: int, device: torch.device) -> torch.Tensor:
     """Logits [len(tokens), vocab]: 0 at each row's token, -inf elsewhere (what a grammar masks row by row)."""

@@ -23,6 +23,7 @@ from uvicorn import Config
 from uvicorn import Server as Uvicorn
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
+from ..defaults import MAX_BODY, MAX_CONNECTIONS, READ_TIMEOUT_S
 from ..errors import DFlashError
 from .protocol import BadRequest, Refused, error_response
 
@@ -34,9 +35,9 @@ MAX_HEADER_BYTES = 16 * 2**10  # of an unfinished request head (uvicorn's h11_ma
 class Limits:
     """What one client may hold: body bytes, seconds to send its headers and then its body, open connections."""
 
-    max_body: int = 4 * 2**20
-    read_timeout: float = 30.0
-    max_connections: int = 100
+    max_body: int = MAX_BODY
+    read_timeout: float = READ_TIMEOUT_S
+    max_connections: int = MAX_CONNECTIONS
 
 
 async def _read(request: Request, limit: int) -> bytes:

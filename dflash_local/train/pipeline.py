@@ -14,6 +14,7 @@ import gguf
 import numpy as np
 import torch
 
+from ..defaults import MIN_BLOCK
 from ..drafters.config import DrafterConfig
 from ..errors import DFlashError
 from ..gguf.file import GGUFTensor, read_gguf, read_header
@@ -41,8 +42,8 @@ class DistillProgress:
 
 def check_request(request: TrainRequest) -> None:
     """Fail early, with one sentence, on inputs that cannot work."""
-    if request.train.block_size < 2:
-        raise DFlashError(f"The block size must be at least 2, not {request.train.block_size}.")
+    if request.train.block_size < MIN_BLOCK:
+        raise DFlashError(f"The block size must be at least {MIN_BLOCK}, not {request.train.block_size}.")
     if request.train.layers < 1:
         raise DFlashError("The drafter needs at least 1 layer.")
     if request.target.suffix == ".gguf":
