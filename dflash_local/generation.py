@@ -35,6 +35,8 @@ from .tokenizer import Detokenizer, TextTokenizer, stop_token_ids
 
 if TYPE_CHECKING:
     from .gguf.tokenizer import GGUFTokenizer
+    from .grammar import Grammar
+    from .sampling import SamplingParams
 
 
 @dataclass
@@ -51,9 +53,31 @@ class LoadedModels:
     warnings: tuple[str, ...] = ()  # e.g. the block costs cannot be kept (an unwritable state folder)
     devices: dict = field(default_factory=dict)  # where the target's layers and the drafter run (placed_on)
 
-    def stops(self, ignore_eos: bool) -> frozenset[int]:
-        """The stop ids of a request: the end-of-sequence ids, or none with ignore_eos."""
-        return frozenset() if ignore_eos else self.stop_ids
+
+def decode_settings(
+    models: LoadedModels,
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    block_size: int | None,
+    *,
+    no_draft: bool = False,
+    lookup: bool = True,
+    ignore_eos: bool = False,
+    seed: int | None = None,
+    grammar: Grammar | None = None,
+) -> Settings:
+    """decode's Settings for a request to `models`, the one builder (chat, generate, bench, serve): drafting unless
+    no_draft, or no drafter is loaded and lookup is off; the end-of-sequence ids stop it unless ignore_eos."""
+    return Settings(
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        block_size=block_size,
+        draft=not no_draft and (models.drafter is not None or lookup),
+        stop_ids=frozenset() if ignore_eos else models.stop_ids,
+        seed=seed,
+        grammar=grammar,
+        lookup=lookup,
+    )
 
 
 OUT_OF_MEMORY = (torch.OutOfMemoryError, MemoryError)

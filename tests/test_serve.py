@@ -20,6 +20,10 @@ import pytest
 from typer.testing import CliRunner
 
 from dflash_local.cli import app
+from dflash_local.cli.options import DecodeOptions
+from dflash_local.generation import load_models
+from dflash_local.runtime import LoadSpec, RuntimeConfig
+from dflash_local.sampling import SamplingParams
 from dflash_local.server.engine import Engine, Job, StopCutter
 from dflash_local.server.hardening import exposure_warning
 from dflash_local.server.protocol import BadRequest, Sampling, parse_sampling
@@ -292,3 +296,24 @@ def test_a_non_loopback_address_without_a_key_is_warned_about():
         assert exposure_warning(host, None) is None
     assert exposure_warning("0.0.0.0", "key") is None
     assert exposure_warning("0.0.0.0", None).startswith("warning: listening on 0.0.0.0 without --api-key")
+
+
+def test_serve_without_a_drafter_at_a_fixed_block_drafts_by_lookup_as_chat_does():
+    """No drafter and a fixed --block-size: serve's settings are chat's (one builder), so lookup drafts what followed
+    the text's end where it came before, and the answer is plain decoding's; --no-draft drafts nothing."""
+    from test_serve_clients import KEY, serving
+
+    models = load_models(TARGET, None, LoadSpec(RuntimeConfig(device="cpu"), max_context=256), auto_block=False)
+    sampling = Sampling(max_tokens=MAX_TOKENS, params=SamplingParams())
+    chat = DecodeOptions(max_new_tokens=MAX_TOKENS, block_size="4").settings(models)
+    assert Engine(models, 4, None, size=1).settings(sampling, 10) == chat and chat.draft
+    assert not Engine(models, 4, None, size=1, no_draft=True).settings(sampling, 10).draft
+    prompt = "one two three four five six seven eight " * 6 + "one two"
+    answers = {}
+    for no_draft in (False, True):
+        with serving(Engine(models, 4, None, size=1, no_draft=no_draft)) as base:
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=120)
+            answer = client.completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=MAX_TOKENS)
+            answers[no_draft] = (answer.choices[0].text, answer.usage.model_extra["dflash"]["tokens_by_source"])
+    assert answers[False][0] == answers[True][0]
+    assert answers[False][1].get("lookup", 0) > 0 and "lookup" not in answers[True][1]

@@ -159,17 +159,18 @@ class DecodeOptions:
         return SamplingParams(self.temperature, self.top_p, self.top_k)
 
     def settings(self, models: LoadedModels) -> Settings:
-        """decode's Settings for `models`: drafting unless --no-draft, or no drafter is loaded and --no-lookup."""
-        from ..decode import Settings
+        """decode's Settings for `models`, checked (generation.decode_settings)."""
+        from ..generation import decode_settings
 
-        return Settings(
-            max_new_tokens=self.max_new_tokens,
-            sampling=self.sampling(),
-            block_size=self.block(),
-            draft=not self.no_draft and (models.drafter is not None or self.lookup),
-            stop_ids=models.stops(self.ignore_eos),
-            seed=self.seed,
+        return decode_settings(
+            models,
+            self.max_new_tokens,
+            self.sampling(),
+            self.block(),
+            no_draft=self.no_draft,
             lookup=self.lookup,
+            ignore_eos=self.ignore_eos,
+            seed=self.seed,
         )
 
 

@@ -84,7 +84,7 @@ def serve(
         drafter = None if decode.no_draft else resolved.drafter
         models = options.load(resolved, drafter, resolved.backend, block_size is None and not decode.no_draft)
         models.tokenizer.config = use_template(models.tokenizer.config, template, resolved.target)
-        worker = Engine(models, block_size, max_new_tokens, max_queue, resolved.thinking, decode.seed)
+        worker = Engine(models, block_size, max_new_tokens, max_queue, resolved.thinking, decode.seed, decode.no_draft)
         warning = exposure_warning(host, api_key)
         if warning:
             typer.echo(warning, err=True)

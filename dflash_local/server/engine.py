@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from ..chat_template import TURN_ENDS, template_source
 from ..decode import Settings, Stats
 from ..errors import DFlashError
-from ..generation import OUT_OF_MEMORY, GenerationRequest, LoadedModels, out_of_memory, stream
+from ..generation import OUT_OF_MEMORY, GenerationRequest, LoadedModels, decode_settings, out_of_memory, stream
 from ..grammar import compile_grammar, prepare_tokenizer
 from ..reasoning import held, opens_thinking
 from .protocol import Sampling
@@ -105,6 +105,7 @@ class Engine:
         size: int,
         thinking: bool | None = None,
         seed: int | None = None,
+        no_draft: bool = False,
     ) -> None:
         if models.tokenizer is None:
             raise DFlashError("The model has no tokenizer (tokenizer.json), so it cannot be served.")
@@ -113,6 +114,7 @@ class Engine:
         self.max_new_tokens = max_new_tokens
         self.thinking = thinking  # the drafter's thinking mode: what chat templates render unless a request says
         self.seed = seed  # serve's --seed: the seed of requests that name none (None: a fresh one each)
+        self.no_draft = no_draft  # serve's --no-draft: plain decoding, lookup's drafts too
         self.size, self.waiting, self.arrived = size, deque[Job](), threading.Condition()
         self.counts = {"served": 0, "cancelled": 0, "failed": 0}
         self.busy = False
@@ -179,19 +181,20 @@ class Engine:
             job.emit(Failure(500, f"The generation failed ({type(exc).__name__}: {exc})."))
 
     def settings(self, sampling: Sampling, prompt_tokens: int) -> Settings:
-        """The loop's settings for a request: no max_tokens means serve's --max-new-tokens, else up to the context;
-        no seed means serve's --seed."""
-        room = self.models.target.max_context - prompt_tokens
+        """The loop's settings for a request (generation.decode_settings): no max_tokens means serve's
+        --max-new-tokens, else up to the context; no seed means serve's --seed."""
         models = self.models
+        room = models.target.max_context - prompt_tokens
         grammar = None
         if sampling.grammar is not None:
             grammar = compile_grammar(sampling.grammar, models.tokenizer, models.target.vocab_size, models.stop_ids)
-        return Settings(
-            max_new_tokens=sampling.max_tokens or self.max_new_tokens or max(room, 1),
-            sampling=sampling.params,
-            block_size=self.block_size,
-            draft=self.models.drafter is not None or self.models.policy is not None,  # no drafter: lookup's policy
-            stop_ids=self.models.stops(sampling.ignore_eos),
+        return decode_settings(
+            models,
+            sampling.max_tokens or self.max_new_tokens or max(room, 1),
+            sampling.params,
+            self.block_size,
+            no_draft=self.no_draft,
+            ignore_eos=sampling.ignore_eos,
             seed=self.seed if sampling.seed is None else sampling.seed,
             grammar=grammar,
         )
