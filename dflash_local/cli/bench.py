@@ -4,28 +4,44 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 
+from ..defaults import MAX_NEW_TOKENS
 from ..errors import DFlashError
 from . import values
 from .app import user_errors
 from .files import prompt_file, resolve
-from .options import DecodeOptions, ModelOptions, Own, decode_options, model_options
-
-
-@model_options(None)
-@decode_options(
-    drafter=Own(),
-    max_new_tokens=Own(),
-    block_size=Own(),
-    temperature=Own(),
-    seed=Own(0, None),
-    ignore_eos=Own(True, "Generate all max-new-tokens.", ("--ignore-eos/--stop-at-eos",)),
-    lookup=Own(),
+from .options import (
+    BlockSize,
+    CacheType,
+    CacheTypeK,
+    CacheTypeV,
+    CpuMoe,
+    CudaGraphs,
+    DecodeOptions,
+    Device,
+    Drafter,
+    DrafterKind,
+    DrafterQuantize,
+    DType,
+    GpuLayers,
+    Kernels,
+    Lookup,
+    MaxNewTokens,
+    ModelOptions,
+    Offline,
+    Quantize,
+    Temperature,
+    Threads,
+    Token,
+    picked,
 )
+
+
 def bench(
+    ctx: typer.Context,
     names: Optional[list[str]] = typer.Argument(
         None, help="Model names (dflash models), Hub repos, folders or .gguf files; default: tiny.", show_default=False
     ),
@@ -38,13 +54,34 @@ def bench(
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG: histogram and tokens/s."),
-    *,
-    decode: DecodeOptions,
-    options: ModelOptions,
+    drafter: Drafter = None,
+    max_new_tokens: MaxNewTokens = MAX_NEW_TOKENS,
+    block_size: BlockSize = "auto",
+    temperature: Temperature = 0.0,
+    seed: Annotated[Optional[int], typer.Option("--seed")] = 0,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos/--stop-at-eos", help="Generate all max-new-tokens.")] = True,
+    lookup: Lookup = True,
+    device: Device = "auto",
+    dtype: DType = "auto",
+    kernels: Kernels = "auto",
+    cuda_graphs: CudaGraphs = True,
+    drafter_kind: DrafterKind = "auto",
+    threads: Threads = None,
+    gpu_layers: GpuLayers = "auto",
+    cpu_moe: CpuMoe = False,
+    cache_type: CacheType = "f16",
+    cache_type_k: CacheTypeK = None,
+    cache_type_v: CacheTypeV = None,
+    offline: Offline = False,
+    quantize: Quantize = "auto",
+    drafter_quantize: DrafterQuantize = "none",
+    token: Token = None,
 ) -> None:
     """Autoregressive vs the default mode (the DFlash drafter and lookup, as the block policy picks) on the same target,
     prompt by prompt, with each source's share of the tokens; one table per model."""
+    given = locals()
     with user_errors():
+        decode, options = picked(DecodeOptions, given), picked(ModelOptions, given, progress=ctx.obj)
         values.check_numbers(decode.max_new_tokens, seed=decode.seed)
         block_size = decode.block()
         if limit is not None and limit < 1:
@@ -52,6 +89,10 @@ def bench(
         if calibrate and block_size is not None:
             raise DFlashError("--calibrate measures the costs behind --block-size auto; drop --block-size.")
         decode.sampling()  # checks them before anything loads
+
+        from ..vulkan_probe import expose_for
+
+        expose_for(device)  # before llama.cpp loads: which Vulkan devices it may use
         reports = []
         for model in names or ["tiny"]:
             report = _bench_model(model, prompts, limit, calibrate, as_json, decode, options)

@@ -2,42 +2,88 @@
 
 from __future__ import annotations
 
+from typing import Annotated, Optional
+
 import typer
 
 from . import values
 from .app import user_errors
 from .files import resolve
-from .options import ChatTemplate, DecodeOptions, ModelOptions, Own, decode_options, model_options
-
-
-@model_options(2048)
-@decode_options(
-    drafter=Own(),
-    max_new_tokens=Own(256, "Longest answer in tokens."),
-    temperature=Own(),
-    top_p=Own(),
-    top_k=Own(),
-    block_size=Own(),
-    no_draft=Own(help="Start with drafting off."),
-    lookup=Own(),
-    ignore_eos=Own(help="Answer until --max-new-tokens, past end-of-turn."),
+from .options import (
+    BlockSize,
+    CacheType,
+    CacheTypeK,
+    CacheTypeV,
+    ChatTemplate,
+    CpuMoe,
+    CudaGraphs,
+    DecodeOptions,
+    Device,
+    Drafter,
+    DrafterKind,
+    DrafterQuantize,
+    DType,
+    GpuLayers,
+    Kernels,
+    Lookup,
+    MaxContext,
+    ModelOptions,
+    Offline,
+    Quantize,
+    Temperature,
+    Threads,
+    Token,
+    TopK,
+    TopP,
+    picked,
 )
+
+
 def chat(
+    ctx: typer.Context,
     model: str = typer.Argument("tiny", help="A model name (dflash models), a Hub repo, a folder or a .gguf file."),
     chat_template: ChatTemplate = None,
-    *,
-    decode: DecodeOptions,
-    options: ModelOptions,
+    drafter: Drafter = None,
+    max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", help="Longest answer in tokens.")] = 256,
+    temperature: Temperature = 0.0,
+    top_p: TopP = 1.0,
+    top_k: TopK = 0,
+    block_size: BlockSize = "auto",
+    no_draft: Annotated[bool, typer.Option("--no-draft", help="Start with drafting off.")] = False,
+    lookup: Lookup = True,
+    ignore_eos: Annotated[
+        bool, typer.Option("--ignore-eos", help="Answer until --max-new-tokens, past end-of-turn.")
+    ] = False,
+    device: Device = "auto",
+    dtype: DType = "auto",
+    kernels: Kernels = "auto",
+    cuda_graphs: CudaGraphs = True,
+    drafter_kind: DrafterKind = "auto",
+    threads: Threads = None,
+    gpu_layers: GpuLayers = "auto",
+    cpu_moe: CpuMoe = False,
+    max_context: MaxContext = 2048,
+    cache_type: CacheType = "f16",
+    cache_type_k: CacheTypeK = None,
+    cache_type_v: CacheTypeV = None,
+    offline: Offline = False,
+    quantize: Quantize = "auto",
+    drafter_quantize: DrafterQuantize = "none",
+    token: Token = None,
 ) -> None:
     """Chat with a model: streaming answers, live tokens/s and acceptance, /help for commands."""
+    given = locals()
     with user_errors():
+        decode, options = picked(DecodeOptions, given), picked(ModelOptions, given, progress=ctx.obj)
         values.check_numbers(decode.max_new_tokens, options.max_context)
         block_size = decode.block()
 
         from ..chat import run_chat
         from ..chat_template import read_template, use_template
         from ..generation import memory_guard
+        from ..vulkan_probe import expose_for
 
+        expose_for(device)  # before llama.cpp loads: which Vulkan devices it may use
         decode.sampling()  # checks them before anything loads
         template = None if chat_template is None else read_template(chat_template)
         resolved = resolve(model, decode.drafter, options.offline, options.token)

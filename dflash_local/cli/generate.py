@@ -6,31 +6,49 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 
+from ..defaults import DEFAULT_CONTEXT, MAX_NEW_TOKENS
 from ..errors import DFlashError
 from . import values
 from .app import user_errors
 from .files import resolve
-from .options import DecodeOptions, ModelOptions, Own, decode_options, model_options
-
-
-@model_options()
-@decode_options(
-    drafter=Own(help="DFlash drafter: a folder or a Hub repo."),
-    max_new_tokens=Own(),
-    temperature=Own(),
-    top_p=Own(),
-    top_k=Own(),
-    seed=Own(),
-    block_size=Own(),
-    no_draft=Own(),
-    lookup=Own(),
-    ignore_eos=Own(),
+from .options import (
+    BlockSize,
+    CacheType,
+    CacheTypeK,
+    CacheTypeV,
+    CpuMoe,
+    CudaGraphs,
+    DecodeOptions,
+    Device,
+    DrafterKind,
+    DrafterQuantize,
+    DType,
+    GpuLayers,
+    IgnoreEos,
+    Kernels,
+    Lookup,
+    MaxContext,
+    MaxNewTokens,
+    ModelOptions,
+    NoDraft,
+    Offline,
+    Quantize,
+    Seed,
+    Temperature,
+    Threads,
+    Token,
+    TopK,
+    TopP,
+    picked,
 )
+
+
 def generate(
+    ctx: typer.Context,
     target: str = typer.Option(..., "--target", help="A model name, a Hub repo, an HF-layout folder or a .gguf file."),
     prompt: Optional[str] = typer.Option(
         None, "--prompt", help="Prompt text, UTF-8 (other bytes are an error); needs the target's tokenizer."
@@ -39,43 +57,71 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
     backend: str = typer.Option("auto", "--backend", help="auto (llamacpp for .gguf), torch or llamacpp."),
     json_schema: Optional[Path] = typer.Option(None, "--json-schema", help="Output JSON following this schema file."),
-    *,
-    decode: DecodeOptions,
-    options: ModelOptions,
+    drafter: Annotated[Optional[str], typer.Option("--drafter", help="DFlash drafter: a folder or a Hub repo.")] = None,
+    max_new_tokens: MaxNewTokens = MAX_NEW_TOKENS,
+    temperature: Temperature = 0.0,
+    top_p: TopP = 1.0,
+    top_k: TopK = 0,
+    seed: Seed = None,
+    block_size: BlockSize = "auto",
+    no_draft: NoDraft = False,
+    lookup: Lookup = True,
+    ignore_eos: IgnoreEos = False,
+    device: Device = "auto",
+    dtype: DType = "auto",
+    kernels: Kernels = "auto",
+    cuda_graphs: CudaGraphs = True,
+    drafter_kind: DrafterKind = "auto",
+    threads: Threads = None,
+    gpu_layers: GpuLayers = "auto",
+    cpu_moe: CpuMoe = False,
+    max_context: MaxContext = DEFAULT_CONTEXT,
+    cache_type: CacheType = "f16",
+    cache_type_k: CacheTypeK = None,
+    cache_type_v: CacheTypeV = None,
+    offline: Offline = False,
+    quantize: Quantize = "auto",
+    drafter_quantize: DrafterQuantize = "none",
+    token: Token = None,
 ) -> None:
     """Generate one continuation of a prompt, with DFlash drafting or without."""
+    given = locals()
     with user_errors():
+        decode, options = picked(DecodeOptions, given), picked(ModelOptions, given, progress=ctx.obj)
         if (prompt is None) == (prompt_ids is None):
             raise DFlashError("Give exactly one of --prompt or --prompt-ids.")
         values.check_numbers(decode.max_new_tokens, options.max_context, decode.seed)
         block_size = decode.block()
-        given = values.prompt_text(prompt) if prompt is not None else values.parse_ids(prompt_ids, "--prompt-ids")
+        text = values.prompt_text(prompt) if prompt is not None else values.parse_ids(prompt_ids, "--prompt-ids")
 
         from ..generation import GenerationRequest, run_request
         from ..grammar import compile_grammar, json_schema_grammar, load_schema
+        from ..vulkan_probe import expose_for
 
+        expose_for(device)  # before llama.cpp loads: which Vulkan devices it may use
         decode.sampling()  # checks them before anything loads
         grammar_text = None if json_schema is None else json_schema_grammar(load_schema(json_schema))
         resolved = resolve(target, decode.drafter, options.offline, options.token)
         if not decode.no_draft and resolved.drafter is None and not decode.lookup:
             raise DFlashError("Pass --drafter DIR, drop --no-lookup, or --no-draft for plain autoregressive decoding.")
         backend = resolved.backend if backend == "auto" else backend
-        drafter = None if decode.no_draft else resolved.drafter
-        models = options.load(resolved, drafter, backend, block_size is None)
+        models = options.load(resolved, None if decode.no_draft else resolved.drafter, backend, block_size is None)
         vocab, stops = models.target.vocab_size, models.stop_ids
         grammar = None if grammar_text is None else compile_grammar(grammar_text, models.tokenizer, vocab, stops)
-        request = GenerationRequest(given, replace(decode.settings(models), grammar=grammar))
+        request = GenerationRequest(text, replace(decode.settings(models), grammar=grammar))
         on_text = None if as_json else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
-        result = run_request(models, request, on_text=on_text)
-        if as_json:
-            typer.echo(json.dumps(result | {"devices": models.devices}))
-            return
-        if models.tokenizer is None:
-            typer.echo(",".join(map(str, result["output_ids"])))
-        else:
-            typer.echo()
-        typer.echo(
-            f"[{result['new_tokens']} tokens · tau {result['tau']:.2f} · "
-            f"{result['decode_tokens_per_s']:.1f} tok/s decode · prefill {result['prefill_s'] * 1000:.0f} ms]",
-            err=True,
-        )
+        _report(run_request(models, request, on_text=on_text), models.devices, as_json, models.tokenizer is None)
+
+
+def _report(result: dict, devices: dict, as_json: bool, ids_only: bool) -> None:
+    """The result: one JSON object (with where the models ran), or after the streamed text (the ids, without a
+    tokenizer) a summary line on stderr."""
+    if as_json:
+        typer.echo(json.dumps(result | {"devices": devices}))
+        return
+    typer.echo(",".join(map(str, result["output_ids"])) if ids_only else "")
+    typer.echo(
+        f"[{result['new_tokens']} tokens · tau {result['tau']:.2f} · "
+        f"{result['decode_tokens_per_s']:.1f} tok/s decode · prefill {result['prefill_s'] * 1000:.0f} ms]",
+        err=True,
+    )

@@ -4,96 +4,175 @@ from __future__ import annotations
 
 import os
 import shlex
-from typing import Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from ..defaults import MAX_BODY, MAX_CONNECTIONS, READ_TIMEOUT_S
+from ..defaults import DEFAULT_CONTEXT, MAX_BODY, MAX_CONNECTIONS, READ_TIMEOUT_S
 from ..errors import DFlashError
 from . import values
 from .app import user_errors
 from .files import check_storage, resolve
-from .options import ChatTemplate, DecodeOptions, ModelOptions, Own, decode_options, model_options
-
-
-@model_options()
-@decode_options(
-    drafter=Own(),
-    max_new_tokens=Own(None, "Default answer length when a request has no max_tokens (default: the context)."),
-    block_size=Own(),
-    no_draft=Own(),
-    seed=Own(None, "Seed of requests that name none: the same request, the same answer (default: a fresh one each)."),
+from .options import (
+    BlockSize,
+    CacheType,
+    CacheTypeK,
+    CacheTypeV,
+    ChatTemplate,
+    CpuMoe,
+    CudaGraphs,
+    DecodeOptions,
+    Device,
+    Drafter,
+    DrafterKind,
+    DrafterQuantize,
+    DType,
+    GpuLayers,
+    Kernels,
+    MaxContext,
+    ModelOptions,
+    NoDraft,
+    Offline,
+    Quantize,
+    Threads,
+    Token,
+    picked,
 )
+
+if TYPE_CHECKING:
+    from ..server import Limits
+
+# serve's own options (and its help for --max-new-tokens and --seed).
+ApiKey = Annotated[
+    Optional[str],
+    typer.Option("--api-key", envvar="DFLASH_API_KEY", help="Require Authorization: Bearer KEY on /v1 requests."),
+]
+MaxQueue = Annotated[
+    int,
+    typer.Option("--max-queue", "--queue-size", help="Requests that may wait; more are answered 429 (Anthropic: 529)."),
+]
+MaxBody = Annotated[int, typer.Option("--max-body", help="Largest request body in bytes; more is a 413.")]
+ReadTimeout = Annotated[
+    float,
+    typer.Option(
+        "--read-timeout", help="Seconds a client has to send its request's headers, then its body (else 408)."
+    ),
+]
+MaxConnections = Annotated[int, typer.Option("--max-connections", help="Open connections; more are answered 503.")]
+EngineName = Annotated[
+    Optional[str],
+    typer.Option(
+        "--engine", help="vllm or sglang: print that engine's launch command for this pair instead of serving."
+    ),
+]
+ServeMaxNewTokens = Annotated[
+    Optional[int],
+    typer.Option(
+        "--max-new-tokens", help="Default answer length when a request has no max_tokens (default: the context)."
+    ),
+]
+ServeSeed = Annotated[
+    Optional[int],
+    typer.Option(
+        "--seed",
+        help="Seed of requests that name none: the same request, the same answer (default: a fresh one each).",
+    ),
+]
+
+
 def serve(
+    ctx: typer.Context,
     model: str = typer.Argument("tiny", help="A model name (dflash models), a Hub repo, a folder or a .gguf file."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (other machines: 0.0.0.0)."),
     port: int = typer.Option(8000, "--port", help="TCP port (0: any free one)."),
-    api_key: Optional[str] = typer.Option(
-        None, "--api-key", envvar="DFLASH_API_KEY", help="Require Authorization: Bearer KEY on /v1 requests."
-    ),
-    max_queue: int = typer.Option(
-        16, "--max-queue", "--queue-size", help="Requests that may wait; more are answered 429 (Anthropic: 529)."
-    ),
+    api_key: ApiKey = None,
+    max_queue: MaxQueue = 16,
     chat_template: ChatTemplate = None,
-    max_body: int = typer.Option(MAX_BODY, "--max-body", help="Largest request body in bytes; more is a 413."),
-    read_timeout: float = typer.Option(
-        READ_TIMEOUT_S,
-        "--read-timeout",
-        help="Seconds a client has to send its request's headers, then its body (else 408).",
-    ),
-    max_connections: int = typer.Option(
-        MAX_CONNECTIONS, "--max-connections", help="Open connections; more are answered 503."
-    ),
+    max_body: MaxBody = MAX_BODY,
+    read_timeout: ReadTimeout = READ_TIMEOUT_S,
+    max_connections: MaxConnections = MAX_CONNECTIONS,
     cors_origins: list[str] = typer.Option(
         [], "--cors-origin", help="A browser origin allowed to call the API (repeatable; default: none)."
     ),
-    engine: Optional[str] = typer.Option(
-        None, "--engine", help="vllm or sglang: print that engine's launch command for this pair instead of serving."
-    ),
+    engine: EngineName = None,
     run_engine: bool = typer.Option(False, "--exec", help="With --engine: then run it (in place of dflash)."),
-    *,
-    decode: DecodeOptions,
-    options: ModelOptions,
+    drafter: Drafter = None,
+    max_new_tokens: ServeMaxNewTokens = None,
+    block_size: BlockSize = "auto",
+    no_draft: NoDraft = False,
+    seed: ServeSeed = None,
+    device: Device = "auto",
+    dtype: DType = "auto",
+    kernels: Kernels = "auto",
+    cuda_graphs: CudaGraphs = True,
+    drafter_kind: DrafterKind = "auto",
+    threads: Threads = None,
+    gpu_layers: GpuLayers = "auto",
+    cpu_moe: CpuMoe = False,
+    max_context: MaxContext = DEFAULT_CONTEXT,
+    cache_type: CacheType = "f16",
+    cache_type_k: CacheTypeK = None,
+    cache_type_v: CacheTypeV = None,
+    offline: Offline = False,
+    quantize: Quantize = "auto",
+    drafter_quantize: DrafterQuantize = "none",
+    token: Token = None,
 ) -> None:
     """Serve a model over OpenAI's, Anthropic's and Ollama's HTTP APIs (or print a vLLM/SGLang command for the
     same pair)."""
+    given = locals()
     with user_errors():
+        decode, options = picked(DecodeOptions, given), picked(ModelOptions, given, progress=ctx.obj)
         block_size = decode.block()
         if engine is not None:
             _hand_off(engine, model, decode.drafter, block_size, run_engine, options.offline, options.token)
             return
         if run_engine:
             raise DFlashError("--exec runs an engine's command: use it with --engine vllm or --engine sglang.")
-        max_new_tokens = decode.max_new_tokens
         values.check_numbers(1 if max_new_tokens is None else max_new_tokens, options.max_context, decode.seed)
-        counts = {"--max-queue": max_queue, "--max-body": max_body, "--max-connections": max_connections}
-        for flag, value in counts.items():
-            if value < 1:
-                raise DFlashError(f"{flag} must be at least 1, got {value}.")
-        if not 0 < read_timeout < float("inf"):
-            raise DFlashError(f"--read-timeout must be a number of seconds above 0, got {read_timeout:g}.")
-        if not 0 <= port < 2**16:
-            raise DFlashError(f"--port must be from 0 to 65535, got {port}.")
+        limits = _limits(max_queue, max_body, read_timeout, max_connections, port)
 
         from ..chat_template import read_template, use_template
-        from ..server import Engine, Limits, create_app, exposure_warning, listen, run_server
+        from ..server import Engine, create_app, listen, run_server
+        from ..vulkan_probe import expose_for
 
+        expose_for(device)  # before llama.cpp loads: which Vulkan devices it may use
         template = None if chat_template is None else read_template(chat_template)
         sock = listen(host, port)  # before loading: a taken port fails at once
         resolved = resolve(model, decode.drafter, options.offline, options.token)
-        drafter = None if decode.no_draft else resolved.drafter
-        models = options.load(resolved, drafter, resolved.backend, block_size is None and not decode.no_draft)
+        drafter_path = None if decode.no_draft else resolved.drafter
+        models = options.load(resolved, drafter_path, resolved.backend, block_size is None and not decode.no_draft)
         models.tokenizer.config = use_template(models.tokenizer.config, template, resolved.target)
         worker = Engine(models, block_size, max_new_tokens, max_queue, resolved.thinking, decode.seed, decode.no_draft)
-        warning = exposure_warning(host, api_key)
-        if warning:
-            typer.echo(warning, err=True)
-        address = sock.getsockname()
-        shown = f"[{address[0]}]" if ":" in address[0] else address[0]
-        apis = "OpenAI, Anthropic and Ollama APIs"
-        typer.echo(f"serving {model} on http://{shown}:{address[1]}/v1 ({apis}; Ctrl-C stops)", err=True)
-        limits = Limits(max_body, read_timeout, max_connections)
+        _announce(model, host, api_key, sock.getsockname())
         run_server(create_app(worker, model, api_key, limits, tuple(cors_origins)), sock, limits)
+
+
+def _announce(model: str, host: str, api_key: str | None, address: tuple) -> None:
+    """On stderr: the exposure warning where one is due, then where the model is served."""
+    from ..server import exposure_warning
+
+    warning = exposure_warning(host, api_key)
+    if warning:
+        typer.echo(warning, err=True)
+    shown = f"[{address[0]}]" if ":" in address[0] else address[0]
+    apis = "OpenAI, Anthropic and Ollama APIs"
+    typer.echo(f"serving {model} on http://{shown}:{address[1]}/v1 ({apis}; Ctrl-C stops)", err=True)
+
+
+def _limits(max_queue: int, max_body: int, read_timeout: float, max_connections: int, port: int) -> Limits:
+    """serve's limits as the server wants them, each checked (and --max-queue and --port) before anything loads."""
+    from ..server import Limits
+
+    counts = {"--max-queue": max_queue, "--max-body": max_body, "--max-connections": max_connections}
+    for flag, value in counts.items():
+        if value < 1:
+            raise DFlashError(f"{flag} must be at least 1, got {value}.")
+    if not 0 < read_timeout < float("inf"):
+        raise DFlashError(f"--read-timeout must be a number of seconds above 0, got {read_timeout:g}.")
+    if not 0 <= port < 2**16:
+        raise DFlashError(f"--port must be from 0 to 65535, got {port}.")
+    return Limits(max_body, read_timeout, max_connections)
 
 
 def _hand_off(
