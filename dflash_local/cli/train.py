@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
@@ -13,7 +13,12 @@ from . import values
 from .app import user_errors
 from .options import Device, Seed, Threads
 
-# The options that are TrainSettings' fields under the same names (their defaults are those fields').
+# The options that are TrainRequest's and TrainSettings' fields under the same names (TrainSettings' give the defaults
+# of theirs).
+REQUEST_OPTIONS = (
+    "target", "corpus", "out", "work", "prompt_tokens", "max_prompts", "mask_token_id", "draft_vocab", "threads",
+    "resume", "device", "init",
+)  # fmt: skip
 TRAIN_OPTIONS = (
     "layers", "block_size", "steps", "batch_size", "anchors", "lr", "warmup", "eval_every", "seed", "gamma",
     "soft_weight",
@@ -83,33 +88,27 @@ def train(
         from ..train.pipeline import run_training
         from ..vulkan_probe import expose_for
 
-        expose_for(device)
-
-        request = TrainRequest(
-            target=target,
-            corpus=corpus,
-            out=out,
-            work=work,
-            prompt_tokens=prompt_tokens,
-            max_prompts=max_prompts,
-            mask_token_id=mask_token_id,
-            target_layer_ids=values.parse_ids(target_layer_ids, "--target-layer-ids") if target_layer_ids else None,
-            draft_vocab=draft_vocab,
-            threads=threads,
-            resume=resume,
-            device=device,
-            init=init,
-            distill=DistillSettings(
-                new_tokens=new_tokens,
-                batch_size=distill_batch,
-                sampled_fraction=sampled_fraction,
-                seed=seed,
-                soft_top_k=soft_top_k,
-            ),
-            train=TrainSettings(**{name: given[name] for name in TRAIN_OPTIONS}),
-        )
-        tau = render_training(run_training(request))
+        expose_for(device)  # before llama.cpp loads: which Vulkan devices it may use
+        tau = render_training(run_training(_request(given)))
         typer.echo(f"drafter written to {out} (held-out tau estimate {tau})")
+
+
+def _request(given: dict[str, Any]) -> TrainRequest:
+    """The training request from train's arguments (its locals() on entry), --target-layer-ids parsed."""
+    ids = given["target_layer_ids"]
+    distill = DistillSettings(
+        new_tokens=given["new_tokens"],
+        batch_size=given["distill_batch"],
+        sampled_fraction=given["sampled_fraction"],
+        seed=given["seed"],
+        soft_top_k=given["soft_top_k"],
+    )
+    return TrainRequest(
+        **{name: given[name] for name in REQUEST_OPTIONS},
+        target_layer_ids=values.parse_ids(ids, "--target-layer-ids") if ids else None,
+        distill=distill,
+        train=TrainSettings(**{name: given[name] for name in TRAIN_OPTIONS}),
+    )
 
 
 def render_training(events: Iterator[DistillProgress | WarmStart | TrainEvent]) -> str:
