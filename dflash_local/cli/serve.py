@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shlex
+from functools import partial
 from typing import Optional
 
 import typer
@@ -46,6 +47,11 @@ def serve(
         None, "--engine", help="vllm or sglang: print that engine's launch command for this pair instead of serving."
     ),
     run_engine: bool = typer.Option(False, "--exec", help="With --engine: then run it (in place of dflash)."),
+    cache_ram: int = typer.Option(
+        4096,
+        "--cache-ram",
+        help="MiB of RAM for other conversations' saved prompt states, least recently used out (0: off).",
+    ),
     *,
     decode: DecodeOptions,
     options: ModelOptions,
@@ -67,11 +73,15 @@ def serve(
                 raise DFlashError(f"{flag} must be at least 1, got {value}.")
         if not 0 < read_timeout < float("inf"):
             raise DFlashError(f"--read-timeout must be a number of seconds above 0, got {read_timeout:g}.")
+        if cache_ram < 0:
+            raise DFlashError(f"--cache-ram must be 0 (off) or more MiB, got {cache_ram}.")
         if not 0 <= port < 2**16:
             raise DFlashError(f"--port must be from 0 to 65535, got {port}.")
 
         from ..chat_template import read_template, use_template
+        from ..prompt_cache import PromptCache
         from ..server import Engine, Limits, create_app, exposure_warning, listen, run_server
+        from ..session import Session
 
         template = None if chat_template is None else read_template(chat_template)
         sock = listen(host, port)  # before loading: a taken port fails at once
@@ -79,7 +89,10 @@ def serve(
         drafter = None if decode.no_draft else resolved.drafter
         models = options.load(resolved, drafter, resolved.backend, block_size is None and not decode.no_draft)
         models.tokenizer.config = use_template(models.tokenizer.config, template, resolved.target)
-        worker = Engine(models, block_size, max_new_tokens, max_queue, resolved.thinking, decode.seed)
+        if cache_ram:
+            models.session = Session(PromptCache(cache_ram * 2**20))
+        report = partial(typer.echo, err=True)
+        worker = Engine(models, block_size, max_new_tokens, max_queue, resolved.thinking, decode.seed, report)
         warning = exposure_warning(host, api_key)
         if warning:
             typer.echo(warning, err=True)
