@@ -1,28 +1,34 @@
 """serve's prompt cache across conversations (dflash_local/prompt_cache.py, Session's swap): conversation A, then B,
 then A with one more turn reuses A's caches and answers as fresh caches do (the bundled torch pair, a GGUF target with
-llama.cpp's native drafter, a hybrid qwen35 target through its checkpoints); the store's budget and matching; every
-API's usage reports the cached tokens in its own shape; Claude Code's billing header is dropped."""
+llama.cpp's native drafter, a hybrid qwen35 target through its checkpoints with lookup's and its MTP layer's drafts);
+the store's budget and matching; every API's usage reports the cached tokens in its own shape; Claude Code's billing
+header is dropped."""
 
 from __future__ import annotations
 
 import json
 import urllib.request
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 from test_architectures import build_tiny
+from test_mtp import loaded
 from test_serve_clients import KEY, TINY, serving
 from test_serve_messages import TEMPLATE
 from test_session import common_prefix, first_prompt, request_of, same_turns
 
 from dflash_local.chat_template import read_template, use_template
+from dflash_local.decode import Settings, run
+from dflash_local.drafters.base import Drafter
 from dflash_local.generation import LoadedModels, load_models, run_request
 from dflash_local.prompt_cache import MIN_GAIN, PromptCache, Saved
 from dflash_local.runtime import LoadSpec, RuntimeConfig
 from dflash_local.server.anthropic_api import parse_request
 from dflash_local.server.engine import Engine
 from dflash_local.session import Session
+from dflash_local.targets.base import Target
 
 CPU = LoadSpec(RuntimeConfig(device="cpu"), max_context=512)
 BILLING = "x-anthropic-billing-header: cc_version=2.1.332.{}; cc_entrypoint=sdk-cli;"
@@ -109,32 +115,44 @@ def test_a_b_then_a_again_reuses_as_answers_from_fresh_caches_on_a_gguf_target(t
     same_turns(conversations(models, monkeypatch, PromptCache(2**30)), conversations(models, monkeypatch, None))
 
 
-def hybrid_turns(models: LoadedModels, cache: PromptCache | None) -> list[tuple[list[int], int]]:
-    """A, B, A' continuing A's prompt but not its answer, B' continuing B's whole sequence: each answer and how many
-    prompt tokens came from the caches (without a cache, every request starts from empty caches)."""
-    a1, b1, turns = list(range(40, 80)), list(range(300, 330)), []
-    models.session = Session(cache)
+def hybrid_turns(target: Target, drafter: Drafter | None, cache: PromptCache | None, monkeypatch) -> tuple[list, list]:
+    """A, B, A' continuing A's prompt but not its answer, B' continuing B's whole sequence: each turn's answer,
+    acceptance lengths and drafts, and how many prompt tokens came from the caches (without a cache, each starts
+    from empty caches)."""
+    a1, b1, turns, counts, drafts = list(range(40, 80)), list(range(300, 330)), [], [], []
+    if drafter is not None:
+        propose = drafter.propose
+        monkeypatch.setattr(drafter, "propose", lambda *args, **kw: drafts.append(propose(*args, **kw)) or drafts[-1])
+    session = Session(cache)
     for extend in (lambda: a1, lambda: b1, lambda: a1 + [7, 8, 9] + turns[0][0], lambda: b1 + turns[1][0] + [11]):
-        prompt = extend()
-        if cache is None:
-            models.session.invalidate()
-        result = run_request(models, request_of(models, prompt, new_tokens=20))
-        turns.append((result["output_ids"], len(prompt) - result["prefill_tokens"]))
-    return turns
+        prompt, drafted = extend(), len(drafts)
+        session = session if cache is not None else Session()
+        ids, stats = run(target, drafter, prompt, Settings(max_new_tokens=20, block_size=4), session=session)
+        turns.append((ids, stats.acceptance_lengths, torch.cat(drafts[drafted:] or [torch.empty(0)]).float()))
+        counts.append(len(prompt) - stats.prefill_tokens)
+    monkeypatch.undo()
+    return turns, counts
 
 
-def test_a_hybrid_target_reuses_its_exact_checkpoints(tmp_path_factory):
-    """qwen35 (recurrent layers; lookup drafts): A' is served by A's checkpoint at the end of its prompt, B' by B's
-    whole sequence (saved when A' replaced it); the answers are those of fresh caches."""
+@pytest.mark.parametrize("drafting", ["lookup", "mtp"])
+def test_a_hybrid_target_reuses_its_exact_checkpoints(mtp_model, drafting, monkeypatch):
+    """qwen35 (recurrent layers; lookup's drafts, or its MTP layer's): A' is served by A's checkpoint at the end of
+    its prompt, B' by B's whole sequence (saved when A' replaced it); answers, acceptance lengths and drafts are
+    those of fresh caches."""
+    target, drafter = loaded(mtp_model)
+    drafter = drafter if drafting == "mtp" else None
+    assert target.recurrent
+    cached, counts = hybrid_turns(target, drafter, PromptCache(2**30), monkeypatch)
+    fresh, _ = hybrid_turns(target, drafter, None, monkeypatch)
+    assert [turn[:2] for turn in cached] == [turn[:2] for turn in fresh]
+    assert all(torch.equal(got[2], want[2]) for got, want in zip(cached, fresh, strict=True))  # same batches: bitwise
+    assert counts == [0, 0, 40, 30 + len(cached[1][0]) - 1]
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory) -> Path:
     pytest.importorskip("llama_cpp")
-    path = build_tiny(tmp_path_factory.mktemp("hybrid"), "qwen35") / "qwen35" / "model.gguf"
-    spec = LoadSpec(RuntimeConfig(device="cpu", threads=1), max_context=256)
-    models = load_models(path, None, spec, auto_block=False)
-    assert models.target.recurrent
-    cached, fresh = hybrid_turns(models, PromptCache(2**30)), hybrid_turns(models, None)
-    assert [answer for answer, _ in cached] == [answer for answer, _ in fresh]
-    b_answer = cached[1][0]
-    assert [count for _, count in cached] == [0, 0, 40, 30 + len(b_answer) - 1]
+    return build_tiny(tmp_path_factory.mktemp("hybrid"), "qwen35-mtp") / "qwen35-mtp"
 
 
 def test_the_billing_header_is_dropped_from_the_system_text():
