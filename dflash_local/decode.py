@@ -216,6 +216,7 @@ class _Decoding:
         if out.features is not None:
             self.pending.append(out.features)
         self.session.record(self.tokens, self.start, self.drafted_to, self.pending)
+        self.session.checkpoint()
         return [first]
 
     def choose(self, policy: BlockPolicy | None, block_size: int) -> tuple[str, int, Match | None]:

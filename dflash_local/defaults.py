@@ -12,6 +12,7 @@ MAX_NEW_TOKENS = 128  # --max-new-tokens of generate and bench, and decode's Set
 MAX_BODY = 4 * 2**20  # serve --max-body: the largest request body in bytes
 READ_TIMEOUT_S = 30.0  # serve --read-timeout: seconds for a request's headers, then for its body
 MAX_CONNECTIONS = 100  # serve --max-connections: open connections at once
+CACHE_RAM_MIB = 4096  # serve --cache-ram: MiB of saved prompt states of other conversations
 MIN_BLOCK = 2  # the smallest block that drafts: the known token and one draft
 LOOKUP_BLOCK = 16  # the verify size lookup drafts up to where no drafter sets the block
 

@@ -152,3 +152,20 @@ def quiet_llama_logs() -> None:
 def first_llama_error() -> str:
     """llama.cpp's first error line since quiet_llama_logs(), without its function-name prefix ('' if none)."""
     return _errors[0].split(": ", 1)[-1] if _errors else ""
+
+
+def save_sequence(ctx) -> bytearray:
+    """Sequence 0's memory in a context (KV cells, a recurrent state) as llama.cpp serializes it."""
+    state = bytearray(llama_cpp.llama_state_seq_get_size(ctx, 0))
+    buffer = (ctypes.c_uint8 * len(state)).from_buffer(state)
+    if not llama_cpp.llama_state_seq_get_data(ctx, buffer, len(state), 0):
+        raise DFlashError("llama.cpp could not save a sequence's state for the prompt cache.")
+    return state
+
+
+def load_sequence(ctx, state: bytearray) -> None:
+    """Replace the context's memory with a state from save_sequence."""
+    llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
+    buffer = (ctypes.c_uint8 * len(state)).from_buffer(state)
+    if not llama_cpp.llama_state_seq_set_data(ctx, buffer, len(state), 0):
+        raise DFlashError("llama.cpp could not restore a sequence's state from the prompt cache.")

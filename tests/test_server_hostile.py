@@ -302,6 +302,7 @@ def test_connections_over_the_cap_get_a_503_and_the_cap_frees_up(engine):
         ("--max-connections", "-1", "error: --max-connections must be at least 1, got -1."),
         ("--read-timeout", "0", "error: --read-timeout must be a number of seconds above 0, got 0."),
         ("--read-timeout", "nan", "error: --read-timeout must be a number of seconds above 0, got nan."),
+        ("--cache-ram", "-1", "error: --cache-ram must be 0 (off) or more MiB, got -1."),
     ],
 )
 def test_a_limit_out_of_range_is_one_error_line(flag, value, message):

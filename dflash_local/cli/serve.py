@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import shlex
+from functools import partial
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from ..defaults import DEFAULT_CONTEXT, MAX_BODY, MAX_CONNECTIONS, READ_TIMEOUT_S
+from ..defaults import CACHE_RAM_MIB, DEFAULT_CONTEXT, MAX_BODY, MAX_CONNECTIONS, READ_TIMEOUT_S
 from ..errors import DFlashError
 from . import values
 from .app import user_errors
@@ -71,6 +72,12 @@ ServeMaxNewTokens = Annotated[
         "--max-new-tokens", help="Default answer length when a request has no max_tokens (default: the context)."
     ),
 ]
+CacheRam = Annotated[
+    int,
+    typer.Option(
+        "--cache-ram", help="MiB of RAM for other conversations' saved prompt states, least recently used out (0: off)."
+    ),
+]
 ServeSeed = Annotated[
     Optional[int],
     typer.Option(
@@ -117,6 +124,7 @@ def serve(
     quantize: Quantize = "auto",
     drafter_quantize: DrafterQuantize = "none",
     token: Token = None,
+    cache_ram: CacheRam = CACHE_RAM_MIB,
 ) -> None:
     """Serve a model over OpenAI's, Anthropic's and Ollama's HTTP APIs (or print a vLLM/SGLang command for the
     same pair)."""
@@ -130,10 +138,12 @@ def serve(
         if run_engine:
             raise DFlashError("--exec runs an engine's command: use it with --engine vllm or --engine sglang.")
         values.check_numbers(1 if max_new_tokens is None else max_new_tokens, options.max_context, decode.seed)
-        limits = _limits(max_queue, max_body, read_timeout, max_connections, port)
+        limits = _limits(max_queue, max_body, read_timeout, max_connections, port, cache_ram)
 
         from ..chat_template import read_template, use_template
+        from ..prompt_cache import PromptCache
         from ..server import Engine, create_app, listen, run_server
+        from ..session import Session
         from ..vulkan_probe import expose_for
 
         expose_for(device)  # before llama.cpp loads: which Vulkan devices it may use
@@ -143,7 +153,12 @@ def serve(
         drafter_path = None if decode.no_draft else resolved.drafter
         models = options.load(resolved, drafter_path, resolved.backend, block_size is None and not decode.no_draft)
         models.tokenizer.config = use_template(models.tokenizer.config, template, resolved.target)
-        worker = Engine(models, block_size, max_new_tokens, max_queue, resolved.thinking, decode.seed, decode.no_draft)
+        if cache_ram:
+            models.session = Session(PromptCache(cache_ram * 2**20))
+        report = partial(typer.echo, err=True)
+        worker = Engine(
+            models, block_size, max_new_tokens, max_queue, resolved.thinking, decode.seed, decode.no_draft, report
+        )
         _announce(model, host, api_key, sock.getsockname())
         run_server(create_app(worker, model, api_key, limits, tuple(cors_origins)), sock, limits)
 
@@ -160,8 +175,11 @@ def _announce(model: str, host: str, api_key: str | None, address: tuple) -> Non
     typer.echo(f"serving {model} on http://{shown}:{address[1]}/v1 ({apis}; Ctrl-C stops)", err=True)
 
 
-def _limits(max_queue: int, max_body: int, read_timeout: float, max_connections: int, port: int) -> Limits:
-    """serve's limits as the server wants them, each checked (and --max-queue and --port) before anything loads."""
+def _limits(
+    max_queue: int, max_body: int, read_timeout: float, max_connections: int, port: int, cache_ram: int
+) -> Limits:
+    """serve's limits as the server wants them, each checked (and --max-queue, --port and --cache-ram) before
+    anything loads."""
     from ..server import Limits
 
     counts = {"--max-queue": max_queue, "--max-body": max_body, "--max-connections": max_connections}
@@ -172,6 +190,8 @@ def _limits(max_queue: int, max_body: int, read_timeout: float, max_connections:
         raise DFlashError(f"--read-timeout must be a number of seconds above 0, got {read_timeout:g}.")
     if not 0 <= port < 2**16:
         raise DFlashError(f"--port must be from 0 to 65535, got {port}.")
+    if cache_ram < 0:
+        raise DFlashError(f"--cache-ram must be 0 (off) or more MiB, got {cache_ram}.")
     return Limits(max_body, read_timeout, max_connections)
 
 

@@ -23,6 +23,14 @@ class Drafter(Protocol):
 
     def reset(self) -> None: ...
 
+    def save_state(self) -> object:
+        """The context cache's state and length, for load_state (the prompt cache)."""
+        ...
+
+    def load_state(self, state: object) -> None:
+        """Hold a saved state and its length again."""
+        ...
+
     def propose(
         self,
         target: Target,

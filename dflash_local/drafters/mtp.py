@@ -17,7 +17,7 @@ import torch
 
 from ..errors import DFlashError
 from ..kv_cache import KVCache
-from ..llama_lib import first_llama_error, llama_cpp, mtp_functions
+from ..llama_lib import first_llama_error, llama_cpp, load_sequence, mtp_functions, save_sequence
 from ..runtime import LoadSpec
 from ..targets.llamacpp import BATCH, LlamaCppTarget, context_params
 
@@ -88,6 +88,15 @@ class MtpDrafter:
         llama_cpp.llama_memory_clear(self._memory, True)
         self.length, self._first = 0, 0
         self._hidden = self._hidden[:0]
+
+    def save_state(self) -> tuple[bytearray, int, np.ndarray, int]:
+        """The MTP cache's state and length and the target's hidden states kept, for load_state (the prompt cache)."""
+        return save_sequence(self._ctx), self.length, self._hidden.copy(), self._first
+
+    def load_state(self, state: tuple[bytearray, int, np.ndarray, int]) -> None:
+        """Hold a saved MTP cache again (its length and hidden states with it)."""
+        load_sequence(self._ctx, state[0])
+        self.length, self._hidden, self._first = state[1], state[2].copy(), state[3]
 
     def _state(self, position: int) -> np.ndarray:
         """The target's hidden state at position (kept since the last rollback past it), else zeros."""

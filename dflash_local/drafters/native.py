@@ -23,7 +23,14 @@ from ..errors import DFlashError
 from ..gguf.file import read_header
 from ..gguf.shape import LAYER_TENSORS, add_shape, rope_factors
 from ..kv_cache import KVCache
-from ..llama_lib import dflash2_functions, first_llama_error, llama_cpp, quiet_llama_logs
+from ..llama_lib import (
+    dflash2_functions,
+    first_llama_error,
+    llama_cpp,
+    load_sequence,
+    quiet_llama_logs,
+    save_sequence,
+)
 from ..offload import Placement
 from ..paths import files_identity, identity_key, state_dir
 from ..runtime import LoadSpec
@@ -228,6 +235,15 @@ class NativeDrafter:
     def reset(self) -> None:
         llama_cpp.llama_memory_clear(self._memory, True)
         self.length = 0
+
+    def save_state(self) -> tuple[bytearray, int]:
+        """The draft KV cache's state and length, for load_state (the prompt cache)."""
+        return save_sequence(self._ctx), self.length
+
+    def load_state(self, state: tuple[bytearray, int]) -> None:
+        """Hold a saved draft KV cache again (its length with it)."""
+        load_sequence(self._ctx, state[0])
+        self.length = state[1]
 
     def _process(self) -> None:
         status = llama_cpp.llama_process(self._ctx, llama_cpp.LLAMA_PROCESS_TYPE_DECODE, self._batch)

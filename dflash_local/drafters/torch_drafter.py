@@ -232,6 +232,16 @@ class DFlashDrafter:
     def reset(self) -> None:
         self.length = 0
 
+    def save_state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the cached context K/V up to length, for load_state (the prompt cache)."""
+        return self.cache_k[..., : self.length, :].clone(), self.cache_v[..., : self.length, :].clone()
+
+    def load_state(self, state: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Hold a saved context cache again (its length with it)."""
+        for cache, saved in zip((self.cache_k, self.cache_v), state, strict=True):
+            cache[..., : saved.shape[-2], :] = saved
+        self.length = state[0].shape[-2]
+
     @torch.inference_mode()
     def propose(
         self,

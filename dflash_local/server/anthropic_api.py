@@ -35,6 +35,7 @@ ERROR_TYPES = {
     529: "overloaded_error",
 }
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
+BILLING_HEADER = "x-anthropic-billing-header:"  # Claude Code's per-request system block (cc_version=...; ...)
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -127,6 +128,14 @@ def _tools(body: dict) -> list[dict] | None:
     return functions
 
 
+def _without_billing(system: object) -> object:
+    """The system blocks without Claude Code's billing header (a text block it sends first, changing with every
+    request: at the prompt's start it would defeat the prompt cache; vLLM, ollama and llama-server drop it too)."""
+    if not isinstance(system, list):
+        return system
+    return [b for b in system if not (isinstance(b, dict) and str(b.get("text", "")).startswith(BILLING_HEADER))]
+
+
 def _tool_choice(body: dict) -> object:
     """tool_choice in OpenAI's words: auto, required (any), a named function (tool), or none."""
     choice = body.get("tool_choice")
@@ -157,7 +166,7 @@ def parse_request(body: dict) -> ChatRequest:
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list of {role, content} objects.", "messages")
     turns = [turn for index, m in enumerate(messages) for turn in _turns(m, f"messages[{index}]")]
-    system = _text(body.get("system") or "", "system")
+    system = _text(_without_billing(body.get("system") or ""), "system")
     choice = _tool_choice(body)
     tools = parse_tools({"tools": _tools(body), "tool_choice": choice})
     sampling = Sampling(
@@ -217,7 +226,8 @@ class Reply:
         return self._message(_content(parts), *_stop(parts.calls, ending), _usage(ending))
 
     async def stream(self, events: AsyncIterator[Event]) -> AsyncIterator[str]:
-        usage = {"input_tokens": self.reading.job.prompt_tokens, "output_tokens": 0}
+        job = self.reading.job
+        usage = _counts(job.prompt_tokens, job.cached_tokens) | {"output_tokens": 0}
         yield _event("message_start", {"message": self._message([], None, None, usage)})
         yield _event("ping", {})
         blocks, calls = Blocks(), []
@@ -268,9 +278,14 @@ def _stop(calls: list[dict], ending: Ending) -> tuple[str, str | None]:
     return STOP_REASONS[ending.finish_reason], None
 
 
+def _counts(prompt_tokens: int, cached: int) -> dict:
+    """Anthropic's input counts: input_tokens are those prefilled, cache_read_input_tokens those the caches held."""
+    return {"input_tokens": prompt_tokens - cached, "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+
+
 def _usage(ending: Ending) -> dict:
     """Anthropic's usage, with the DFlash loop's numbers beside it."""
-    counts = {"input_tokens": ending.prompt_tokens, "output_tokens": ending.stats.new_tokens}
+    counts = _counts(ending.prompt_tokens, ending.cached_tokens) | {"output_tokens": ending.stats.new_tokens}
     return counts | {"dflash": dflash_stats(ending.stats)}
 
 

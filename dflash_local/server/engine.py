@@ -61,6 +61,7 @@ class Ending:
     prompt_tokens: int
     stats: Stats
     stop_sequence: str | None = None  # the request's stop string that ended it, if one did
+    cached_tokens: int = 0  # prompt tokens whose state came from the caches (not prefilled)
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,7 @@ class Job:
     count_only: bool = False  # render and count the prompt's tokens, generate nothing
     opened: bool = False  # whether the rendered prompt opened a <think> (set before the first event)
     prompt_tokens: int = 0  # the rendered prompt's length (set before the first event)
+    cached_tokens: int = 0  # of which the caches held (set before the first text event)
 
     def emit(self, event: Event) -> None:
         """Hand an event to the request's coroutine (thread-safe)."""
@@ -106,6 +108,7 @@ class Engine:
         thinking: bool | None = None,
         seed: int | None = None,
         no_draft: bool = False,
+        report: Callable[[str], None] | None = None,
     ) -> None:
         if models.tokenizer is None:
             raise DFlashError("The model has no tokenizer (tokenizer.json), so it cannot be served.")
@@ -115,6 +118,7 @@ class Engine:
         self.thinking = thinking  # the drafter's thinking mode: what chat templates render unless a request says
         self.seed = seed  # serve's --seed: the seed of requests that name none (None: a fresh one each)
         self.no_draft = no_draft  # serve's --no-draft: plain decoding, lookup's drafts too
+        self.report = report  # takes one line per generation (serve prints it on stderr)
         self.size, self.waiting, self.arrived = size, deque[Job](), threading.Condition()
         self.counts = {"served": 0, "cancelled": 0, "failed": 0}
         self.busy = False
@@ -213,6 +217,7 @@ class Engine:
             with closing(stream(self.models, GenerationRequest(ids, self.settings(sampling, len(ids))))) as chunks:
                 for chunk in chunks:
                     stats = chunk.stats
+                    job.cached_tokens = len(ids) - stats.prefill_tokens
                     if job.cancelled.is_set():
                         return None
                     text = cutter.add(chunk.text)
@@ -225,4 +230,15 @@ class Engine:
             raise out_of_memory(what, self.models.target.device.type) from None
         job.emit(cutter.flush())
         finish = "stop" if cutter.hit is not None or stats.finish_reason == "stop" else "length"
-        return Ending(finish, len(ids), stats, cutter.hit if cutter.hit in sampling.stop else None)
+        if self.report is not None:
+            self.report(request_line(len(ids), job.cached_tokens, stats))
+        stop = cutter.hit if cutter.hit in sampling.stop else None
+        return Ending(finish, len(ids), stats, stop, job.cached_tokens)
+
+
+def request_line(prompt_tokens: int, cached: int, stats: Stats) -> str:
+    """One generation's line on serve's stderr: prompt and cached tokens, prefill time, generated tokens, tok/s."""
+    return (
+        f"request: {prompt_tokens} prompt tokens ({cached} cached), prefill {stats.prefill_s:.2f} s, "
+        f"{stats.new_tokens} generated at {stats.decode_tokens_per_s:.1f} tok/s"
+    )

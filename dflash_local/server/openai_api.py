@@ -25,12 +25,14 @@ from .tools import parse_tools
 
 
 def usage(ending: Ending) -> dict:
-    """OpenAI usage plus a `dflash` object: tau, acceptance lengths, block sizes, decode tokens/s, prefilled tokens."""
+    """OpenAI usage (cached_tokens: the prompt's tokens the caches held) plus a `dflash` object: tau, acceptance
+    lengths, block sizes, decode tokens/s, prefilled tokens."""
     stats = ending.stats
     return {
         "prompt_tokens": ending.prompt_tokens,
         "completion_tokens": stats.new_tokens,
         "total_tokens": ending.prompt_tokens + stats.new_tokens,
+        "prompt_tokens_details": {"cached_tokens": ending.cached_tokens},
         "dflash": dflash_stats(stats),
     }
 

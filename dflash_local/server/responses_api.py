@@ -283,7 +283,7 @@ def _usage(ending: Ending) -> dict:
     stats = ending.stats
     return {
         "input_tokens": ending.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": ending.cached_tokens},
         "output_tokens": stats.new_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": ending.prompt_tokens + stats.new_tokens,

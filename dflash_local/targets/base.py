@@ -29,6 +29,8 @@ class Target(Protocol):
     cache_owner: object | None  # the Session that last filled this model's cache (session.Session sets it)
     verify_rows: int | None  # the most rows the decode loop verifies in one forward (None: a whole block), the next
     # forward only while every draft so far stands: a rollback then stays inside the last forward
+    recurrent: bool  # part of its state cannot drop a suffix (a hybrid): a saved state serves only prompts that
+    # continue all of it
 
     @property
     def vocab_size(self) -> int: ...
@@ -44,6 +46,14 @@ class Target(Protocol):
     def reset(self) -> None: ...
 
     def rollback(self, length: int) -> None: ...
+
+    def save_state(self) -> object:
+        """The cached positions' state, for load_state (the prompt cache)."""
+        ...
+
+    def load_state(self, state: object, tokens: list[int]) -> None:
+        """Hold a saved state again: the cache of `tokens`."""
+        ...
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor: ...
 

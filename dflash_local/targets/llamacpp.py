@@ -13,7 +13,7 @@ import torch
 
 from ..errors import DFlashError
 from ..gguf.file import GGUFModel, read_gguf
-from ..llama_lib import first_llama_error, llama_cpp, quiet_llama_logs, tap_functions
+from ..llama_lib import first_llama_error, llama_cpp, load_sequence, quiet_llama_logs, save_sequence, tap_functions
 from ..offload import ModelParams, Placement
 from ..quant import Int8Matrix
 from ..runtime import LoadSpec, pick_dtype
@@ -248,6 +248,18 @@ class LlamaCppTarget:
         self._last_decode = 0
         for offset in range(0, len(tokens), BATCH):
             self._decode(tokens[offset : offset + BATCH], offset, all_logits=False)
+        self._fed[:] = tokens
+
+    def save_state(self) -> bytearray:
+        """The cached positions' state (KV cells, a recurrent state), for load_state (the prompt cache)."""
+        if self._padding:
+            self.rollback(self.length)
+        return save_sequence(self._ctx)
+
+    def load_state(self, state: bytearray, tokens: list[int]) -> None:
+        """Hold a saved state again: the cache of `tokens` (as save_state gave it)."""
+        load_sequence(self._ctx, state)
+        self.length, self._last_decode, self._padding = len(tokens), 0, 0
         self._fed[:] = tokens
 
     def _dequantize(self, tensor, rows) -> np.ndarray:

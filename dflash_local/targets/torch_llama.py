@@ -274,6 +274,7 @@ class TorchLlamaTarget:
         self.length = 0
         self.cache_owner: object | None = None  # the Session that last filled its cache
         self.verify_rows: int | None = None  # a whole block in one forward
+        self.recurrent = False  # every cached position can be dropped
         self.feature_layer_ids: list[int] = []
         self.graphs = StepGraphs() if cuda_graphs and self.device.type == "cuda" else None
 
@@ -344,6 +345,16 @@ class TorchLlamaTarget:
 
     def reset(self) -> None:
         self.length = 0
+
+    def save_state(self) -> tuple[torch.Tensor, ...]:
+        """Copies of the cached K/V up to length, for load_state (the prompt cache)."""
+        return tuple(cache[..., : self.length, :].clone() for cache in self.cache)
+
+    def load_state(self, state: tuple[torch.Tensor, ...], tokens: list[int]) -> None:
+        """Hold a saved state again: the cache of `tokens` (as save_state gave it)."""
+        for cache, saved in zip(self.cache, state, strict=True):
+            cache[..., : saved.shape[-2], :] = saved
+        self.length = len(tokens)
 
     def rollback(self, length: int) -> None:
         """Forget every cached position at or after `length`."""
