@@ -336,6 +336,16 @@ def local_target(name: str) -> Path | None:
     return path if path.exists() else None
 
 
+def resolve_drafter(name: str, fetch) -> Path:
+    """The local drafter a path, Hub repo or catalog name (the entry's drafter) names."""
+    catalog = load_catalog()
+    if not Path(name).expanduser().exists() and name in catalog:
+        if catalog[name].drafter is None:
+            raise DFlashError(f"The catalog model '{name}' has no DFlash drafter.")
+        return local_path(catalog[name].drafter, fetch)
+    return _drafter_path(name, fetch)
+
+
 def _drafter_path(drafter: str, fetch) -> Path:
     path = Path(drafter).expanduser()
     if path.exists():
