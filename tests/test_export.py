@@ -56,7 +56,7 @@ def trained(tmp_path_factory) -> tuple[Path, Path]:
     return target, root / "drafter"
 
 
-def _export(drafter: Path, to: str, out: Path, *more: str) -> str:
+def _export(drafter: Path | str, to: str, out: Path, *more: str) -> str:
     result = invoke("export", drafter, "--to", to, "--out", out, *more)
     assert result.exit_code == 0, result.stderr
     return result.stdout
@@ -147,7 +147,7 @@ def test_the_serving_lines(tmp_path):
     vllm = _export(TINY / "drafter", "vllm", tmp_path / "v", "--target", "Org/Target")
     spec = json.dumps({"method": "dflash", "model": str(tmp_path / "v"), "num_speculative_tokens": 15})
     assert f"vllm serve Org/Target --speculative-config '{spec}'" in vllm
-    sglang = _export(TINY / "drafter", "sglang", tmp_path / "s", "--target", "Org/Target")
+    sglang = _export("tiny", "sglang", tmp_path / "s", "--target", "Org/Target", "--offline")  # a catalog name
     assert "--speculative-algorithm DFLASH" in sglang and "--speculative-num-draft-tokens 16" in sglang
 
 

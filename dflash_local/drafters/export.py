@@ -21,8 +21,6 @@ from .config import DrafterConfig
 from .gguf_drafter import is_drafter_gguf
 
 ENGINES = ("vllm", "sglang", "gguf")
-# Drafter fields that vLLM's and SGLang's DFlash loaders do not read: a drafter using one would draft differently there
-UNREAD_FIELDS = ("input_embedding_scale", "output_multiplier", "final_logit_softcapping", "draft_vocab_size")
 # DFlash fields a config may hold at its top level; z-lab's layout keeps them in dflash_config
 MOVED_FIELDS = ("mask_token_id", "target_layer_ids")
 HEAD_TENSORS = ("embed_tokens.weight", "lm_head.weight", "model.embed_tokens.weight")  # borrowed from the target
@@ -59,14 +57,14 @@ def _check_portable(cfg: DrafterConfig, engine: str) -> None:
     """Raise one sentence when the drafter uses a field the engine's DFlash loader ignores, or is DFlash2's."""
     if cfg.dflash2 is not None:
         raise DFlashError(f"{cfg.source} is a DFlash2 drafter; {engine}'s DFlash loader runs DFlash drafters only.")
-    used = {
+    unread = {  # fields vLLM's and SGLang's DFlash loaders do not read, and whether this drafter uses each
         "input_embedding_scale": cfg.input_embedding_scale != 1.0,
         "output_multiplier": cfg.output_multiplier != 1.0,
         "final_logit_softcapping": cfg.final_logit_softcapping is not None,
         "draft_vocab_size": cfg.draft_vocab_size is not None,
     }
-    for field in UNREAD_FIELDS:
-        if used[field]:
+    for field, used in unread.items():
+        if used:
             raise DFlashError(
                 f"{cfg.source} uses {field}, which {engine}'s DFlash loader does not read, so it would draft "
                 "differently there; export it with --to gguf for llama.cpp instead."
@@ -90,7 +88,6 @@ def write_zlab(folder: Path, cfg: DrafterConfig, out: Path, num_target_layers: i
     """config.json and model.safetensors (the layers, fc and norms as stored; no embedding or head) at out, which
     appears whole or not at all."""
     tensors = {name: t.contiguous() for name, t in load_weights(folder, None).items() if name not in HEAD_TENSORS}
-    tensors.pop("d2t", None)
     partial = _staging(out, folder=True)
     try:
         partial.mkdir()
@@ -107,7 +104,6 @@ def write_zlab(folder: Path, cfg: DrafterConfig, out: Path, num_target_layers: i
 def write_gguf(folder: Path, cfg: DrafterConfig, out: Path, target: Path) -> None:
     """The drafter as llama.cpp's `dflash` GGUF for the GGUF target (its vocabulary, and its head rows for a draft
     vocabulary), through the native drafter's writer; out appears whole or not at all."""
-    from ..llama_lib import llama_cpp  # noqa: F401  (loads dflash's libllama before the target)
     from ..runtime import LoadSpec, RuntimeConfig
     from ..targets.llamacpp import LlamaCppTarget
     from .config import check_fits
@@ -132,7 +128,7 @@ def serve_line(engine: str, out: Path, target: str | None, block_size: int) -> s
     from ..handoff import EnginePair, launch_command
 
     if engine == "gguf":
-        return f"llama-server -m {target} -md {out} --spec-type draft-dflash"
+        return shlex.join(["llama-server", "-m", str(target), "-md", str(out), "--spec-type", "draft-dflash"])
     return shlex.join(launch_command(engine, EnginePair(target or "TARGET", str(out), block_size)))
 
 
