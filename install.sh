@@ -7,7 +7,7 @@
 # build where the machine has a GPU: CUDA where nvidia-smi works (with the system's nvcc, else NVIDIA's toolkit wheels),
 # Vulkan where a hardware Vulkan device is present (--gpu overrides; a GPU build that fails leaves the CPU install working). Every install goes through the lock,
 # constraints.txt, so users get the versions CI tested. --dev adds the test tools to .venv and creates .venv-oracle:
-# the reference implementation (PyPI dflash + transformers) the tests call as an oracle; with --gpu vulkan on a
+# the reference implementations (PyPI dflash + transformers, and speculators) the tests call as oracles; with --gpu vulkan on a
 # machine without a Vulkan device, it also installs Mesa's software one (lavapipe) for the GPU-path tests.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -98,6 +98,10 @@ if [ "$dev" = 1 ]; then
   # shellcheck disable=SC2086
   "${oracle[@]}" $torch_spec
   "${oracle[@]}" "dflash[local]==0.1.0"
+  # vLLM's speculators, the independent DFlash reference for `dflash export` (tests/speculators_reference.py): without
+  # its training and data extras (torchvision, torchaudio, CUDA transfer engines), with the runtime deps it imports
+  "${oracle[@]}" --no-deps speculators==0.9.0
+  "${oracle[@]}" hs-connectors loguru openai protobuf psutil pydantic-settings
   # llama.cpp's own converter, its gguf-py and vocabularies, from the sdist of the pinned llama-cpp-python: the oracle
   # python runs them to write tiny random GGUFs of new architectures (tests/tiny_archs.py, tests/test_architectures.py);
   # and its vendored chat templates, which tests/test_template_equality.py renders with dflash and with transformers

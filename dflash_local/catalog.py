@@ -337,6 +337,21 @@ def local_target(name: str) -> Path | None:
     return path if path.exists() else None
 
 
+def resolve_drafter(name: str, fetch) -> Path:
+    """The local drafter a path, Hub repo or catalog name (the entry's drafter) names."""
+    catalog = load_catalog()
+    path = Path(name).expanduser()
+    if path.exists():
+        return path
+    if name in catalog:
+        if catalog[name].drafter is None:
+            raise DFlashError(f"The catalog model '{name}' has no DFlash drafter.")
+        return local_path(catalog[name].drafter, fetch)
+    if REPO_NAME.match(name) and is_repo_name(name.partition(":")[0]):
+        return local_path(repo_source(name, DRAFTER_FILES), fetch)
+    raise DFlashError(f"'{name}' is neither a drafter folder, a Hub repo (owner/name) nor a catalog model.")
+
+
 def _drafter_path(drafter: str, fetch) -> Path:
     path = Path(drafter).expanduser()
     if path.exists():

@@ -3,11 +3,13 @@
 #   tools/refresh_lock.sh            # PYTHON=python3.11 picks the interpreter (the lock is made for its version)
 # constraints.txt: torch, `-e .[dev]` (runtime + gguf + gpu + test tools), with triton at the version the PyPI
 # (CUDA) torch wheel pins, so that GPU machines resolve the same lock. constraints-oracle.txt: the reference
-# oracle's venv (torch + dflash[local]). ./install.sh installs through them.
+# oracle's venv (torch + dflash[local] + speculators). ./install.sh installs through them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 torch=2.13.0
 oracle="dflash[local]==0.1.0"
+speculators="speculators==0.9.0"  # as install.sh: without its training extras, with the runtime deps it imports
+speculators_deps="hs-connectors loguru openai protobuf psutil pydantic-settings"
 python=${PYTHON:-python3}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -41,4 +43,8 @@ lock constraints.txt "$work/main" "What ./install.sh installs (pip -c): dflash-l
 pip=("$work/oracle/bin/python" -m pip install --quiet --disable-pip-version-check)
 "${pip[@]}" "torch==$torch"
 "${pip[@]}" "$oracle"
-lock constraints-oracle.txt "$work/oracle" "The test oracle's venv (.venv-oracle, ./install.sh --dev): $oracle."
+"${pip[@]}" --no-deps "$speculators"
+# shellcheck disable=SC2086
+"${pip[@]}" $speculators_deps
+lock constraints-oracle.txt "$work/oracle" \
+  "The test oracle's venv (.venv-oracle, ./install.sh --dev): $oracle, $speculators (--no-deps) and its imports."

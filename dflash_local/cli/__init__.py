@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import bench, chat, convert, doctor, generate, models, serve, train
+from . import bench, chat, convert, doctor, export, generate, models, serve, train
 from .app import app
 from .status import StartupStatus
 
@@ -12,7 +12,7 @@ __all__ = ["app", "main"]
 for command in (generate.generate, chat.chat, serve.serve, bench.bench, convert.convert, models.pull):
     app.command()(command)
 app.command(name="models")(models.list_models)
-for command in (models.rm, doctor.doctor, train.train):
+for command in (models.rm, doctor.doctor, train.train, export.export):
     app.command()(command)
 
 

@@ -54,3 +54,18 @@ def prompt_file(prompts: str, offline: bool, token: str | None) -> Path:
         check_storage(hub_cache=not offline)
         return fetch_prompt_set(prompts, token, offline)
     return Path(prompts)
+
+
+def drafter_folder(name: str, offline: bool, token: str | None) -> Path:
+    """The local drafter a path, Hub repo or catalog name (its drafter) names, pulling it unless offline."""
+    from ..catalog import resolve_drafter
+    from ..downloads import Downloader
+
+    downloader = Downloader(token, offline)
+
+    def fetch(source: HubSource) -> Path:
+        if not offline:
+            check_storage()
+        return downloader(source)
+
+    return resolve_drafter(name, fetch)

@@ -85,9 +85,10 @@ def _copy_tokenizer(writer: gguf.GGUFWriter, target: LlamaCppTarget) -> None:
             writer.add_uint32(key, int(value))
 
 
-def write_drafter_gguf(folder: Path, cfg: DrafterConfig, target: LlamaCppTarget, out: Path, key: str) -> None:
+def write_drafter_gguf(folder: Path, cfg: DrafterConfig, target: LlamaCppTarget, out: Path, key: str | None) -> None:
     """A published-layout drafter as a `dflash` GGUF whose target_layers are llama.cpp tap ids (id + 1), its sliding
-    layers' window and pattern as llama.cpp's converter writes them, stamped with its cache key: matrices F16 but fc,
+    layers' window and pattern as llama.cpp's converter writes them, stamped with its cache key (None: an exported
+    file, unstamped): matrices F16 but fc,
     which takes the target's raw features, F32 (llama.cpp's CPU matmul rounds an F16 weight's activations to F16,
     and Gemma's features exceed its range: seen 1.0e5), norms F32."""
     refusal = cfg.native_refusal()
@@ -96,7 +97,8 @@ def write_drafter_gguf(folder: Path, cfg: DrafterConfig, target: LlamaCppTarget,
     sliding = [kind == "sliding_attention" for kind in cfg.layer_types]
     weights = load_weights(folder, None, "cpu")
     writer = gguf.GGUFWriter(str(out), "dflash")
-    writer.add_string(CACHE_KEY_FIELD, key)
+    if key is not None:
+        writer.add_string(CACHE_KEY_FIELD, key)
     add_shape(writer, cfg, int(cfg.raw.get("max_position_embeddings", 4096)))
     writer.add_uint32("dflash.block_size", cfg.block_size)
     for name, value in (cfg.dflash2 or {}).items():  # DFlash2's convolutions and selector, as llama.cpp's converter

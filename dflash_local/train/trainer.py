@@ -46,8 +46,9 @@ def drafter_config(
     extra: dict | None = None,
     d2t: torch.Tensor | None = None,
 ) -> dict:
-    """A published-layout (Qwen3-style + dflash_config) config.json for a drafter of this target; extra holds fields
-    that make it embed and cap as the target does, d2t its draft vocabulary (target ids, in llama.cpp's layout)."""
+    """A published-layout (z-lab's: Qwen3-style + dflash_config) config.json for a drafter of this target; extra
+    holds fields that make it embed and cap as the target does, d2t its draft vocabulary (target ids, llama.cpp's
+    layout)."""
     raw = target.raw
     config = {
         "architectures": ["DFlashDraftModel"],
@@ -68,7 +69,8 @@ def drafter_config(
         "layer_types": ["full_attention"] * layers,
         "block_size": block_size,
         "num_target_layers": target.dims.layers,
-        "dflash_config": {"mask_token_id": mask_id, "target_layer_ids": layer_ids},
+        # z-lab's layout as vLLM, SGLang and llama.cpp's converter read it (block_size in both places, as z-lab's)
+        "dflash_config": {"mask_token_id": mask_id, "target_layer_ids": layer_ids, "block_size": block_size},
         "dtype": "bfloat16",
         **(extra or {}),
     }
