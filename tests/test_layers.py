@@ -24,8 +24,11 @@ LAYERS = (
     ),
     ("targets", "tokenizer", "gguf.tokenizer", "grammar", "reasoning"),  # the targets, vocabularies, grammars, <think>
     ("drafters", "gguf.convert"),  # what builds on a target
-    ("block_policy", "session", "decode"),  # the decode loop
-    ("generation", "handoff", "doctor", "chat", "bench", "server", "model_list", "train", "cli", "__main__"),  # fronts
+    ("block_policy", "prompt_cache", "session", "decode"),  # the decode loop
+    (  # fronts
+        *("generation", "handoff", "export", "doctor", "chat", "bench", "server", "model_list", "train", "cli"),
+        *("__main__",),
+    ),
 )
 
 

@@ -24,7 +24,7 @@ def export(
 ) -> None:
     """Export a drafter for vLLM, SGLang or llama-server and print the command that serves it there."""
     with user_errors():
-        from ..drafters.export import export_drafter
+        from ..export import export_drafter
         from .files import drafter_folder
 
         exported = export_drafter(drafter_folder(drafter, offline, token), to, out, target)

@@ -14,11 +14,11 @@ from typing import Any
 
 from safetensors.torch import save_file
 
-from ..atomic import unwritable_reason
-from ..errors import DFlashError
-from ..weights import load_weights, read_config
-from .config import DrafterConfig
-from .gguf_drafter import is_drafter_gguf
+from .atomic import unwritable_reason
+from .drafters.config import DrafterConfig
+from .drafters.gguf_drafter import is_drafter_gguf
+from .errors import DFlashError
+from .weights import load_weights, read_config
 
 ENGINES = ("vllm", "sglang", "gguf")
 # DFlash fields a config may hold at its top level; z-lab's layout keeps them in dflash_config
@@ -104,10 +104,10 @@ def write_zlab(folder: Path, cfg: DrafterConfig, out: Path, num_target_layers: i
 def write_gguf(folder: Path, cfg: DrafterConfig, out: Path, target: Path) -> None:
     """The drafter as llama.cpp's `dflash` GGUF for the GGUF target (its vocabulary, and its head rows for a draft
     vocabulary), through the native drafter's writer; out appears whole or not at all."""
-    from ..runtime import LoadSpec, RuntimeConfig
-    from ..targets.llamacpp import LlamaCppTarget
-    from .config import check_fits
-    from .native import write_drafter_gguf
+    from .drafters.config import check_fits
+    from .drafters.native import write_drafter_gguf
+    from .runtime import LoadSpec, RuntimeConfig
+    from .targets.llamacpp import LlamaCppTarget
 
     if target.suffix != ".gguf" or not target.is_file():
         raise DFlashError(f"--to gguf needs --target TARGET.gguf, the GGUF target llama-server will run; got {target}.")
@@ -125,7 +125,7 @@ def write_gguf(folder: Path, cfg: DrafterConfig, out: Path, target: Path) -> Non
 def serve_line(engine: str, out: Path, target: str | None, block_size: int) -> str:
     """The command that serves the exported drafter beside its target on the engine (TARGET where none was named):
     `dflash serve --engine`'s commands for vLLM and SGLang, llama-server's draft-dflash speculative type."""
-    from ..handoff import EnginePair, launch_command
+    from .handoff import EnginePair, launch_command
 
     if engine == "gguf":
         return shlex.join(["llama-server", "-m", str(target), "-md", str(out), "--spec-type", "draft-dflash"])
