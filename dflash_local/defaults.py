@@ -14,6 +14,7 @@ READ_TIMEOUT_S = 30.0  # serve --read-timeout: seconds for a request's headers, 
 MAX_CONNECTIONS = 100  # serve --max-connections: open connections at once
 CACHE_RAM_MIB = 4096  # serve --cache-ram: MiB of saved prompt states of other conversations
 MIN_BLOCK = 2  # the smallest block that drafts: the known token and one draft
+DRAFTER_BLOCK = 16  # the block of a drafter whose config names none, and the block dflash train trains
 LOOKUP_BLOCK = 16  # the verify size lookup drafts up to where no drafter sets the block
 
 

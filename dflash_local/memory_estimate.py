@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from .defaults import DRAFTER_BLOCK
 from .dimensions import Dimensions
 from .errors import DFlashError
 from .kv_cache import KVCache
@@ -111,7 +112,7 @@ def estimate(
     backend: str,
     drafter_weights: int = 0,
     drafter: Dimensions | None = None,
-    block_size: int = 16,
+    block_size: int = DRAFTER_BLOCK,
     drafter_element: int = 2,
     drafter_kind: str = "native",
     cache: KVCache = KVCache(),
@@ -197,7 +198,7 @@ def estimate_files(
         return estimate(sizes, _weight_files_bytes(target), context, backend, cache=cache)
     config = _config(drafter)
     drafter_sizes = Dimensions.from_config(config | {"vocab_size": sizes.vocab})
-    block = int(config.get("block_size", 16))
+    block = int(config.get("block_size", DRAFTER_BLOCK))
     draft = _weight_files_bytes(drafter)
     stored = _weight_files_bytes(target)
     return estimate(sizes, stored, context, backend, draft, drafter_sizes, block, drafter_element, drafter_kind, cache)

@@ -10,7 +10,7 @@ from functools import partial
 
 import torch
 
-from ..defaults import block_limit
+from ..defaults import MIN_BLOCK, block_limit
 from ..drafters.suffix_index import SuffixIndex
 from ..runtime import StepClock
 from .costs import CostTable, Samples, fit, interpolate
@@ -117,7 +117,7 @@ def measure_costs(target, drafter, repeats: int = CALIBRATION_ROUNDS) -> CostTab
     target_samples, draft_samples = time_steps(target, drafter, sizes, repeats, STEADY_ROUNDS)
     costs = CostTable(
         interpolate(fit(target_samples), range(1, block + 1)),
-        interpolate(fit(draft_samples), range(2, block + 1)),
+        interpolate(fit(draft_samples), range(MIN_BLOCK, block + 1)),
         target_samples,
         draft_samples,
         time.time(),

@@ -3,6 +3,7 @@ them fastest by the measured costs."""
 
 from __future__ import annotations
 
+from ..defaults import MIN_BLOCK
 from ..drafters.suffix_index import LEVELS
 from .acceptance import AcceptanceEstimate, expected_tokens
 from .costs import CostTable
@@ -33,9 +34,9 @@ class LookupAcceptance:
 def fastest_lookup(
     rates: list[float], costs: CostTable, top: int, lookup_s: float, scale: float = 1.0
 ) -> tuple[int, float]:
-    """The verify size k in 2..top with the most expected tokens per second (the target's cost of k times `scale`,
-    plus lookup's), and that speed."""
+    """The verify size k in MIN_BLOCK..top with the most expected tokens per second (the target's cost of k times
+    `scale`, plus lookup's), and that speed."""
     tokens = expected_tokens(rates, top)
-    speeds = {k: tokens[k] / (scale * costs.target_s[k] + lookup_s) for k in range(2, top + 1)}
+    speeds = {k: tokens[k] / (scale * costs.target_s[k] + lookup_s) for k in range(MIN_BLOCK, top + 1)}
     best = max(speeds, key=speeds.__getitem__)
     return best, speeds[best]

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..defaults import MIN_BLOCK
 from ..drafters.suffix_index import Match
 from .acceptance import DECAY, HISTORY_DECAY, AcceptanceEstimate, expected_tokens
 from .costs import COST_WEIGHT, CostTable, Samples, inconsistencies
@@ -78,14 +79,14 @@ class BlockPolicy:
         the probe of a plain run, or while drafting every explore_interval() choices.
         """
         top = min(self.block_size, limit)
-        if top < 2:
+        if top < MIN_BLOCK:
             return 1
         if self.plain_run % RECHECK and self.plain_run + 1 < self.probe_at:
             self.plain_run += 1
             return 1
         self.settle()
         tokens, speeds = self.speeds(top)
-        best_draft = max(range(2, top + 1), key=speeds.__getitem__)
+        best_draft = max(range(MIN_BLOCK, top + 1), key=speeds.__getitem__)
         best = best_draft if speeds[best_draft] > speeds[1] else 1
         explore = self.explore_size(tokens, speeds[best], top)
         if best > 1:
@@ -114,7 +115,7 @@ class BlockPolicy:
             self.settle()
             k = 1
         top = min(self.block_size, limit, len(match.tokens) + 1) if match is not None else 1
-        if top >= 2:
+        if top >= MIN_BLOCK:
             rates = self.lookup.rates(match.length)
             length, speed = fastest_lookup(rates, self.costs, top, self.lookup_s, self.lookup_scale)
             if speed > self.speed(k):
@@ -136,7 +137,7 @@ class BlockPolicy:
         """The sizes a load times to check the costs: decode-1, the drafting size a choice from them rests on (the
         fastest by them), and the block."""
         speeds = self.speeds(self.block_size)[1]
-        best = max(range(2, self.block_size + 1), key=speeds.__getitem__)
+        best = max(range(MIN_BLOCK, self.block_size + 1), key=speeds.__getitem__)
         return sorted({1, best, self.block_size})
 
     def explore_size(self, tokens: list[float], best_speed: float, top: int) -> int | None:
@@ -159,9 +160,9 @@ class BlockPolicy:
         return max(1, round(extra / (PROBE_SHARE * best_s)))
 
     def trial_limit(self) -> int:
-        """The largest k worth risking on what the drafter has shown so far: 2 for a drafter with no history,
+        """The largest k worth risking on what the drafter has shown so far: MIN_BLOCK for a drafter with no history,
         doubling with each drafting step it has seen (a random drafter's first steps stay cheap)."""
-        return 2 << min(int(self.history.reached[0]), 16)
+        return MIN_BLOCK << min(int(self.history.reached[0]), 16)
 
     def probe_interval(self, k: int) -> int:
         """Plain steps between probes at k: the probe's extra cost stays under PROBE_SHARE, doubling per probe."""

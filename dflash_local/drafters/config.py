@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..defaults import MIN_BLOCK
+from ..defaults import DRAFTER_BLOCK, MIN_BLOCK
 from ..dimensions import Dimensions
 from ..errors import DFlashError
 from ..layers import check_rope
@@ -73,7 +73,7 @@ def check_drafter_config(config: dict[str, Any], path: Path) -> None:
         check_int(config["vocab_size"], "vocab_size", path)
     if config.get("draft_vocab_size") is not None:
         check_int(config["draft_vocab_size"], "draft_vocab_size", path, minimum=2)
-    name, value = field("block_size", 16)
+    name, value = field("block_size", DRAFTER_BLOCK)
     check_int(value, name, path, minimum=MIN_BLOCK)
     name, value = field("mask_token_id")
     if value is not None:
@@ -174,7 +174,7 @@ class DrafterConfig:
                 rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
                 attention_bias=bool(config.get("attention_bias", False)),
                 draft_vocab_size=int(config["draft_vocab_size"]) if config.get("draft_vocab_size") else None,
-                block_size=int(field("block_size", 16)),
+                block_size=int(field("block_size", DRAFTER_BLOCK)),
                 mask_token_id=int(mask_token_id),
                 target_layer_ids=[int(i) for i in layer_ids],
                 input_embedding_scale=float(field("input_embedding_scale", 1.0)),

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..defaults import DRAFTER_BLOCK
 from ..errors import DFlashError
 from ..gguf.file import read_header
 from .config import DFLASH2_FIELDS, DrafterConfig
@@ -53,7 +54,7 @@ def gguf_drafter_config(path: Path) -> DrafterConfig:
         "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
         "rope_theta": key("rope.freq_base", 10000.0),
         "max_position_embeddings": key("context_length", 4096),
-        "block_size": key("block_size", 16),
+        "block_size": key("block_size", DRAFTER_BLOCK),
         "input_embedding_scale": key("embedding_scale", 1.0),
         "output_multiplier": key("logit_scale", 1.0),
         "final_logit_softcapping": key("final_logit_softcapping", None),

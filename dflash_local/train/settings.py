@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..defaults import DRAFTER_BLOCK
+
 
 @dataclass(frozen=True)
 class DistillSettings:
@@ -25,7 +27,7 @@ class TrainSettings:
     """Drafter shape and optimisation settings."""
 
     layers: int = 2
-    block_size: int = 16
+    block_size: int = DRAFTER_BLOCK
     steps: int = 2000
     batch_size: int = 8
     anchors: int = 16
