@@ -30,7 +30,8 @@ from dflash_local.drafters.torch_drafter import DFlashDrafter
 from dflash_local.errors import DFlashError
 from dflash_local.runtime import LoadSpec
 from dflash_local.sampling import SamplingParams
-from dflash_local.targets.torch_llama import TargetConfig, TorchLlamaTarget
+from dflash_local.target_config import TargetConfig
+from dflash_local.targets.torch_llama import TorchLlamaTarget
 from dflash_local.weights import read_config
 
 TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"

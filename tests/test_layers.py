@@ -20,6 +20,7 @@ LAYERS = (
     ),
     (  # blocks
         *("chat_template", "offload", "runtime", "layers", "quant", "cuda_graphs", "sampling", "gguf.shape"),
+        *("target_config",),
         *("gguf.tensors",),
     ),
     ("targets", "tokenizer", "gguf.tokenizer", "grammar", "reasoning"),  # the targets, vocabularies, grammars, <think>

@@ -16,7 +16,7 @@ import numpy as np
 from ..atomic import unwritable_reason
 from ..errors import DFlashError
 from ..llama_lib import llama_cpp, quiet_llama_logs
-from ..targets.torch_llama import TargetConfig
+from ..target_config import TargetConfig
 from ..weights import StoredTensor, read_config, read_stored, stored_tensors
 from .shape import LAYER_TENSORS, add_shape, rope_factors
 

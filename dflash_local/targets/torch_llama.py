@@ -2,74 +2,22 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from ..cuda_graphs import StepGraphs, cache_span
-from ..dimensions import Dimensions
 from ..errors import DFlashError
-from ..layers import MLP, RMSNorm, apply_rope, check_rope, rope_cos_sin, rope_inv_freq, set_kernels
+from ..layers import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq, set_kernels
 from ..quant import GroupQuantEmbedding, GroupQuantLinear, check_quantize, install_4bit, install_int4, prequantized
 from ..runtime import LoadSpec, check_kernels, pick_dtype
-from ..weights import check_attention_shape, check_int, check_optional, load_weights, need, read_config
+from ..target_config import TargetConfig
+from ..weights import load_weights, read_config
 from .base import TargetOutput
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen3")
 GRAPH_MAX_STEPS = 32  # forwards of at most this many tokens (decode, verify) run as CUDA graphs on CUDA
-
-
-@dataclass(frozen=True)
-class TargetConfig:
-    """The fields of an HF config.json that a Llama-family decoder needs."""
-
-    model_type: str
-    dims: Dimensions
-    rms_norm_eps: float
-    attention_bias: bool
-    mlp_bias: bool
-    max_position_embeddings: int
-    raw: dict[str, Any]
-
-    @property
-    def qk_norm(self) -> bool:
-        return self.model_type == "qwen3"
-
-    @classmethod
-    def from_dict(cls, config: dict[str, Any], source: Path) -> TargetConfig:
-        model_type = config.get("model_type")
-        if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
-            raise DFlashError(
-                f"{source}: model_type '{model_type}' is not supported by the torch backend "
-                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})."
-            )
-        check_target_config(config, Path(source) / "config.json")
-        try:
-            return cls(
-                model_type=model_type,
-                dims=Dimensions.from_config(config),
-                rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-                attention_bias=bool(config.get("attention_bias", False)),
-                mlp_bias=bool(config.get("mlp_bias", False)),
-                max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
-                raw=config,
-            )
-        except KeyError as exc:
-            raise DFlashError(f"{source}/config.json lacks the field {exc.args[0]}.") from None
-
-
-def check_target_config(config: dict[str, Any], path: Path) -> None:
-    """Raise one sentence naming the file and field for any value of the wrong type or range in a target config."""
-    check_int(need(config, "vocab_size", path), "vocab_size", path)
-    check_attention_shape(config, path)
-    check_int(config.get("max_position_embeddings", 4096), "max_position_embeddings", path)
-    for key in ("tie_word_embeddings", "mlp_bias"):
-        check_optional(config, key, path, bool)
-    check_rope(config, path)
 
 
 class Attention(nn.Module):

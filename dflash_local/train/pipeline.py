@@ -20,7 +20,8 @@ from ..errors import DFlashError
 from ..gguf.file import GGUFTensor, read_gguf, read_header
 from ..memory_estimate import target_sizes
 from ..runtime import LoadSpec, RuntimeConfig, pick_device, plan_load
-from ..targets.torch_llama import TargetConfig, TorchLlamaTarget
+from ..target_config import TargetConfig
+from ..targets.torch_llama import TorchLlamaTarget
 from ..tokenizer import TextTokenizer, stop_token_ids
 from ..weights import read_config
 from . import warm_start

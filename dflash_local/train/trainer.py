@@ -19,7 +19,7 @@ from ..drafters.config import DrafterConfig, default_target_layer_ids
 from ..drafters.torch_drafter import DFlashModel
 from ..errors import DFlashError
 from ..runtime import bf16_is_fast
-from ..targets.torch_llama import TargetConfig
+from ..target_config import TargetConfig
 from .evaluate import evaluate, label_map_of
 from .objective import block_loss, make_blocks
 from .settings import TrainSettings

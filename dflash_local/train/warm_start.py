@@ -13,7 +13,8 @@ from ..drafters.config import DrafterConfig
 from ..drafters.torch_drafter import DFlashModel
 from ..errors import DFlashError
 from ..gguf.shape import LAYER_TENSORS
-from ..targets.torch_llama import LlamaModel, TargetConfig
+from ..target_config import TargetConfig
+from ..targets.torch_llama import LlamaModel
 from ..weights import read_config, read_weights
 
 # target layer number -> its tensors under a drafter layer's names (those it has); -1: {"norm.weight": final norm}
