@@ -126,7 +126,9 @@ def engine_command(engine: str, args: argparse.Namespace, port: int) -> list[str
     threads, context = str(args.threads), str(args.context)
     if engine == "llama-server":
         command = [args.llama_server, "-m", args.model, "--port", str(port), "-t", threads, "-tb", threads]
-        command += ["-c", context, "-np", "1", "--no-webui", "--api-key", KEY]
+        # --no-repack: stock llama-server's default weight repacking segfaults while loading on this machine's CPU
+        # (its AMX buffer); dflash's libllama does not repack either, so both run the same weight layout
+        command += ["-c", context, "-np", "1", "--no-webui", "--no-repack", "--api-key", KEY]
         return command + (["--chat-template", args.chat_template] if args.chat_template else ["--jinja"])
     command = [sys.executable, "-m", "dflash_local", "serve", args.model, "--port", str(port), "--threads", threads]
     command += ["--max-context", context, "--api-key", KEY]
