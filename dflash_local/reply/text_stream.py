@@ -1,6 +1,6 @@
 """Generated tokens as a reply's typed pieces, on the worker, for `dflash chat` and `dflash serve` alike.
 
-The stop rule, the same everywhere: an answer ends at a stop token (whose text never shows) or at the first stop
+The stop rule, the same in chat and serve: an answer ends at a stop token (whose text never shows) or at the first stop
 string in its text, which is cut there: the request's own, and, unless the answer goes past stop tokens (--ignore-eos),
 the end-of-turn texts (the stop tokens' texts, the template's ChatML turn markers), so a model that spells
 `<|im_end|>` in several tokens ends a chat answer and a serve answer alike.
