@@ -19,7 +19,9 @@ from .decode import Settings, Stats
 from .defaults import check_block
 from .errors import DFlashError
 from .generation import GenerationRequest, LoadedModels, device_label, placement_line, stream
-from .reasoning import ANSWER, Piece, ThinkSplit, opens_thinking
+from .reasoning import ANSWER, Piece, opens_thinking
+from .reply.channels import Parts, ReplyReader, reply_family
+from .reply.text_stream import TextStream, end_texts, ending
 from .sampling import SamplingParams
 
 HELP = """commands:
@@ -162,6 +164,8 @@ class Chat:
         switch = uses_thinking(models.tokenizer.config)
         self.state = ChatState(settings, (True if thinking is None else thinking) if switch else None)
         self.where = device_label(models.devices) if models.devices else None
+        self.family = reply_family(models.tokenizer.config)  # how replies write reasoning (as serve reads them)
+        self.ends = end_texts(models.tokenizer, models.stop_ids)
         self.completion = template_source(models.tokenizer.config) is None  # a base model: lines continue the text
         if self.completion:
             self.notes.print("[dim](this model has no chat template: each line continues the text so far)[/dim]")
@@ -202,13 +206,13 @@ class Chat:
         """
         candidate = [*self.state.messages, {"role": "user", "content": text}]
         messages, ids = self.fit(candidate)
-        settings, stats = self.state.settings, Stats()
-        prompt_tail = self.models.tokenizer.decode(ids[-8:])  # a template may open the thinking itself
-        splitter, answer = ThinkSplit(opens_thinking(prompt_tail)), []
+        settings, stats, answer = self.state.settings, Stats(), []
+        reader = ReplyReader(self.family, None, opens_thinking(self.models.tokenizer.decode(ids[-8:])))
+        ends = ending(self.ends, self.models.stop_ids, settings.stop_ids)
+        reply = TextStream(self.models.tokenizer, self.models.stop_ids, (), ends, reader)
         view = TerminalAnswer(self.console) if self.console.is_terminal else PipedAnswer(self.console, self.notes)
         turn: dict[str, str] | None = None
-        # the stop token's text never shows, even with --ignore-eos (which generates past it)
-        chunks = stream(self.models, GenerationRequest(ids, settings), stop_text=False)
+        chunks = stream(self.models, GenerationRequest(ids, settings))
         try:
             try:
                 with closing(chunks):
@@ -217,14 +221,15 @@ class Chat:
                             turn = self.commit(messages, (len(candidate) - len(messages)) // 2)
                         stats = chunk.stats
                         status = status_line(stats, settings.draft, self.state.thinking, self.where)
-                        view.update(_kept(splitter.add(chunk.text), answer), status)
-                status = status_line(stats, settings.draft, self.state.thinking, self.where)
-                view.update(_kept(splitter.add("", last=True), answer), status)
+                        view.update(_kept(reply.add(chunk.step.token_ids), answer), status)
+                        if reply.hit is not None:
+                            break
             finally:
+                if turn is not None:  # the text held back shows too, and the history keeps what showed
+                    status = status_line(stats, settings.draft, self.state.thinking, self.where)
+                    view.update(_kept(reply.finish(stats.finish_reason)[0], answer), status)
+                    turn["content"] = "".join(answer)
                 view.close()
-                if turn is not None:
-                    text = "".join(answer) + ("" if splitter.inside else splitter.pending)
-                    turn["content"] = text.lstrip("\n") if splitter.thought else text
         except KeyboardInterrupt:
             if turn is None:
                 raise
@@ -302,10 +307,10 @@ class Chat:
         )
 
 
-def _kept(pieces: list[Piece], answer: list[str]) -> list[Piece]:
-    """pieces, their answer text (the turn the history keeps: no thinking) added to answer."""
-    answer.extend(text for text, kind in pieces if kind == ANSWER)
-    return pieces
+def _kept(parts: Parts, answer: list[str]) -> list[Piece]:
+    """The parts' pieces, their answer text (the turn the history keeps: no thinking, no markup) added to answer."""
+    answer.append(parts.content)
+    return parts.pieces
 
 
 def _number(text: str, kind: type, message: str):

@@ -27,11 +27,12 @@ from .drafters.base import Drafter
 from .errors import DFlashError
 from .kv_cache import KVCache
 from .offload import file_bytes
+from .reply.text_stream import TextStream
 from .runtime import LoadSpec, plan_load
 from .session import Session
 from .targets import load_target
 from .targets.base import Target
-from .tokenizer import Detokenizer, TextTokenizer, stop_token_ids
+from .tokenizer import TextTokenizer, stop_token_ids
 
 if TYPE_CHECKING:
     from .gguf.tokenizer import GGUFTokenizer
@@ -226,10 +227,9 @@ def prompt_ids_of(models: LoadedModels, prompt: str | list[int]) -> list[int]:
 
 @dataclass
 class Chunk:
-    """One step of a streamed generation: the step, the text its tokens complete, and the running stats."""
+    """One step of a streamed generation: the step and the running stats (reply.TextStream reads its tokens)."""
 
     step: Step
-    text: str
     stats: Stats
 
 
@@ -244,28 +244,22 @@ def stream(
     request: GenerationRequest,
     drafter: Drafter | None = None,
     session: Session | None = None,
-    stop_text: bool = True,
 ) -> Iterator[Chunk]:
     """Generate, one chunk per step: the one path from every front-end to the decode loop.
 
     With block_size None the models' policy picks each step's source and size (auto); another drafter than the
     models' drafts its own block without one. The models' session reuses the caches' longest common prefix with the
-    prompt; pass a fresh Session to start from empty caches. stop_text False leaves the stop tokens' text out."""
+    prompt; pass a fresh Session to start from empty caches."""
     settings = request.settings
     drafter = models.drafter if drafter is None else drafter
     policy = block_policy(models, settings, drafter)
     ids = prompt_ids_of(models, request.prompt)
-    detokenizer = Detokenizer(models.tokenizer) if models.tokenizer else None
     stats = Stats()
     session = models.session if session is None else session
     with closing(generate(models.target, drafter, ids, settings, policy, session)) as steps:
         for step in steps:
             stats.add(step)
-            text = ""
-            if detokenizer is not None:
-                shown = step.token_ids if stop_text else [t for t in step.token_ids if t not in models.stop_ids]
-                text = detokenizer.add(shown)
-            yield Chunk(step, text, stats)
+            yield Chunk(step, stats)
 
 
 class StopGeneration(Exception):
@@ -283,13 +277,14 @@ def run_request(models: LoadedModels, request: GenerationRequest, on_text: Calla
     request = GenerationRequest(ids, request.settings)
     stats = Stats()
     output_ids: list[int] = []
+    reply = TextStream(models.tokenizer, models.stop_ids) if models.tokenizer and on_text else None
     try:
-        with closing(stream(models, request, stop_text=False)) as chunks:
+        with closing(stream(models, request)) as chunks:
             for chunk in chunks:
                 output_ids.extend(chunk.step.token_ids)
                 stats = chunk.stats
-                if models.tokenizer and on_text:
-                    on_text(chunk.text)
+                if reply is not None and on_text is not None:
+                    on_text(reply.add(chunk.step.token_ids).content)
     except StopGeneration:
         stats.finish_reason = "stop"
     except OUT_OF_MEMORY:

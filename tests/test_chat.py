@@ -24,7 +24,9 @@ from dflash_local.chat import Chat, piped_lines
 from dflash_local.decode import Settings, Step, run
 from dflash_local.errors import DFlashError
 from dflash_local.generation import load_models
-from dflash_local.reasoning import ANSWER, TAG, THINKING, ThinkSplit
+from dflash_local.reasoning import ANSWER, TAG, THINKING
+from dflash_local.reply.channels import THINK, ReplyReader
+from dflash_local.reply.text_stream import TextStream
 from dflash_local.runtime import LoadSpec, RuntimeConfig
 from dflash_local.tokenizer import TextTokenizer
 
@@ -360,14 +362,17 @@ def test_thinking_is_dimmed_and_kept_out_of_the_history(models, monkeypatch):
 
 
 def test_tags_split_across_deltas():
-    splitter, text = ThinkSplit(), THOUGHT + "Use <b> a + b.<thi"
-    pieces = [piece for n in range(0, len(text), 2) for piece in splitter.add(text[n : n + 2])]
-    pieces += splitter.add("", last=True)
+    text = THOUGHT + "Use <b> a + b.<thi"
+    reply = TextStream(None, frozenset(), reader=ReplyReader(THINK, None))  # text in: no tokenizer
+    parts = [reply.add_text(text[n : n + 2]) for n in range(0, len(text), 2)] + [reply.finish(None)[0]]
+    pieces = [piece for part in parts for piece in part.pieces]
     assert "".join(p for p, _ in pieces) == text
-    assert "".join(p for p, kind in pieces if kind != ANSWER) == "<think>\nThey want a sum.\n</think>"
-    assert "".join(p for p, kind in pieces if kind == ANSWER) == "\n\nUse <b> a + b.<thi"
-    opened = ThinkSplit(inside=True)  # the template opened the thinking in the prompt
-    assert opened.add("hmm</think>\n\nok") == [("hmm", THINKING), ("</think>", TAG), ("\n\nok", ANSWER)]
+    assert "".join(p for p, kind in pieces if kind != ANSWER) == "<think>\nThey want a sum.\n</think>\n\n"
+    assert "".join(p for p, kind in pieces if kind == ANSWER) == "Use <b> a + b.<thi"
+    opened = TextStream(None, frozenset(), reader=ReplyReader(THINK, None, inside=True))  # the prompt opened it
+    assert opened.add_text("hmm</think>\n\nok").pieces == [
+        *(("hmm", THINKING), ("</think>", TAG), ("\n\n", TAG), ("ok", ANSWER))
+    ]
 
 
 def test_the_catalog_says_how_the_drafter_thinks(tmp_path, monkeypatch):

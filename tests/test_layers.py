@@ -23,7 +23,7 @@ LAYERS = (
         *("target_config",),
         *("gguf.tensors",),
     ),
-    ("targets", "tokenizer", "gguf.tokenizer", "grammar", "reasoning"),  # the targets, vocabularies, grammars, <think>
+    ("targets", "tokenizer", "gguf.tokenizer", "grammar", "reasoning", "reply"),  # targets, vocabularies, replies
     ("drafters", "gguf.convert"),  # what builds on a target
     ("block_policy", "prompt_cache", "session", "decode"),  # the decode loop
     (  # fronts

@@ -22,9 +22,10 @@ from typer.testing import CliRunner
 from dflash_local.cli import app
 from dflash_local.cli.options import DecodeOptions
 from dflash_local.generation import load_models
+from dflash_local.reply.text_stream import End, TextStream
 from dflash_local.runtime import LoadSpec, RuntimeConfig
 from dflash_local.sampling import SamplingParams
-from dflash_local.server.engine import Engine, Job, StopCutter
+from dflash_local.server.engine import Engine, Job
 from dflash_local.server.hardening import exposure_warning
 from dflash_local.server.protocol import BadRequest, Sampling, parse_sampling
 from dflash_local.tokenizer import TextTokenizer, stop_token_ids
@@ -209,13 +210,15 @@ def test_the_api_key_is_required(url, client):
     assert [m.id for m in client.models.list()] == ["tiny"]
 
 
-def test_the_stop_cutter_never_sends_text_after_a_stop_string():
-    cutter = StopCutter(("STOP", "<|end|>"))
-    sent = [cutter.add(delta) for delta in ("Hello S", "T", "ill <", "|e", "nd|> more")]
+def test_the_text_stream_never_sends_text_after_a_stop_string():
+    reply = TextStream(None, frozenset(), ("STOP",), ("<|end|>",))  # text in: no tokenizer
+    sent = [reply.add_text(delta).content for delta in ("Hello S", "T", "ill <", "|e", "nd|> more")]
     assert sent == ["Hello ", "", "STill ", "", ""]
-    assert (cutter.text, cutter.hit, cutter.flush()) == ("Hello STill ", "<|end|>", "")
-    unfinished = StopCutter(("STOP",))
-    assert (unfinished.add("a ST"), unfinished.flush(), unfinished.hit) == ("a ", "ST", None)
+    rest, end = reply.finish("length")
+    assert (reply.text, reply.hit, rest.content, end) == ("Hello STill ", "<|end|>", "", End("stop", None))
+    unfinished = TextStream(None, frozenset(), ("STOP",))
+    sent = unfinished.add_text("a ST").content
+    assert (sent, unfinished.finish(None)[0].content, unfinished.hit) == ("a ", "ST", None)
 
 
 def test_a_full_queue_refuses_instead_of_waiting():

@@ -16,17 +16,17 @@ import openai
 import pytest
 from test_architectures import llama_cpp_source
 from test_serve_clients import KEY, TINY, serving
-from test_serve_tools import ENDING, HISTORY, TEMPLATES, WEATHER, rendered
+from test_serve_tools import ENDING, HISTORY, TEMPLATES, WEATHER, read, read_whole, rendered
 
 from dflash_local.decode import Stats
 from dflash_local.generation import load_models
+from dflash_local.reply.channels import GEMMA4, HARMONY, PLAIN, THINK, ReplyReader, reply_family
+from dflash_local.reply.text_stream import TextStream
 from dflash_local.runtime import LoadSpec, RuntimeConfig
 from dflash_local.server import engine as engine_module
 from dflash_local.server import ollama_api
-from dflash_local.server.channels import GEMMA4, HARMONY, PLAIN, THINK, ReplyReader, read_reply, reply_family
 from dflash_local.server.engine import Engine
 from dflash_local.server.openai_api import Shape
-from dflash_local.server.request import Reading
 
 NAMES = [WEATHER]
 HARMONY_CALL = (
@@ -127,13 +127,12 @@ def test_gemma4_renders_the_tools_and_the_tool_history_itself():
 def test_each_familys_reasoning_answer_and_calls_are_read_whole_and_in_every_split(
     family, text, reasoning, content, calls
 ):
-    whole = read_reply(family, NAMES, text)
+    whole = read_whole(family, NAMES, text)
     assert (whole.reasoning, whole.content) == (reasoning, content)
     assert [json.loads(c["function"]["arguments"]) for c in whole.calls] == calls
     assert all(c["function"]["name"] == "get_weather" and c["id"].startswith("call_") for c in whole.calls)
     for size in (1, 2, 3, 7):  # streamed: markers cut anywhere
-        reader = ReplyReader(family, NAMES)
-        parts = [reader.add(text[at : at + size]) for at in range(0, len(text), size)] + [reader.finish()]
+        parts = read(family, NAMES, [text[at : at + size] for at in range(0, len(text), size)])
         assert "".join(p.reasoning for p in parts) == reasoning
         assert "".join(p.content for p in parts).strip() == content
         assert [json.loads(c["function"]["arguments"]) for p in parts for c in p.calls] == calls
@@ -156,39 +155,33 @@ def test_each_familys_reasoning_answer_and_calls_are_read_whole_and_in_every_spl
     ],
 )
 def test_a_reply_no_reader_can_read_stays_text(family, text):
-    parts = read_reply(family, NAMES, text)
+    parts = read_whole(family, NAMES, text)
     assert (parts.reasoning, parts.content, parts.calls) == ("", text, [])
 
 
 def test_gemma4s_markers_are_single_tokens_of_its_real_vocabulary_and_read_back_token_by_token():
     from dflash_local.gguf.tokenizer import GGUFTokenizer
-    from dflash_local.tokenizer import Detokenizer
 
     tokenizer = GGUFTokenizer.load(llama_cpp_source() / "models" / "ggml-vocab-gemma-4.gguf")
     for marker in ("<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", '<|"|>'):
         assert tokenizer.token_id(marker) is not None, marker
     ids = tokenizer.encode(GEMMA4_CALL, add_special_tokens=False)
-    detokenizer, reader, parts = Detokenizer(tokenizer), ReplyReader(GEMMA4, NAMES), []
-    for token in ids:
-        parts.append(reader.add(detokenizer.add([token])))
-    parts.append(reader.finish())
+    reply = TextStream(tokenizer, frozenset(), reader=ReplyReader(GEMMA4, NAMES))
+    parts = [reply.add([token]) for token in ids] + [reply.finish("stop")[0]]
     assert "".join(p.reasoning for p in parts) == "I need the weather."
     assert [json.loads(c["function"]["arguments"])["city"] for p in parts for c in p.calls] == ["Paris"]
 
 
 def chunks_of(family: str, pieces: list[str], tools: list[dict] | None) -> list[dict]:
-    """The SSE chunks a chat stream writes for these text events, for a model of this family."""
+    """The SSE chunks a chat stream writes for these text deltas, for a model of this family."""
 
     async def events() -> AsyncIterator:
-        for piece in pieces:
-            yield piece
+        for parts in read(family, tools, pieces):
+            yield parts
         yield ENDING
 
     async def collect() -> list[str]:
-        return [
-            line
-            async for line in Shape("m", reading=Reading(family, tools, SimpleNamespace(opened=False))).stream(events())
-        ]
+        return [line async for line in Shape("m", chat=True).stream(events())]
 
     return [json.loads(line.removeprefix("data: ")) for line in asyncio.run(collect())[:-1]]
 
@@ -220,14 +213,14 @@ def scripted(tiny_models, monkeypatch):
 
     def make(template: str, text: str) -> Engine:
         def stream(models, request):
-            for at in range(0, len(text), 4):
-                yield SimpleNamespace(text=text[at : at + 4], stats=Stats())
+            ids = models.tokenizer.encode(text, add_special_tokens=False)
+            for at in range(0, len(ids), 2):
+                yield SimpleNamespace(step=SimpleNamespace(token_ids=ids[at : at + 2]), stats=Stats())
 
         monkeypatch.setattr(engine_module, "stream", stream)
         monkeypatch.setattr(tiny_models.tokenizer, "config", tiny_models.tokenizer.config | config(template))
-        engine = Engine(tiny_models, 4, None, size=2)
-        engine.eos_texts = ()  # the pair's stop texts hold harmony's <|end|>, which is no stop token for gpt-oss
-        return engine
+        monkeypatch.setattr(tiny_models, "stop_ids", frozenset())  # the pair's <|end|> is no stop token for gpt-oss
+        return Engine(tiny_models, 4, None, size=2)
 
     return make
 
@@ -275,7 +268,7 @@ def test_a_reply_the_reader_cannot_read_is_answered_as_text_never_a_500(scripted
 
 
 def test_ollama_reply_shape_carries_thinking():
-    reply = ollama_api.Reply("m", Reading(HARMONY, None, SimpleNamespace(opened=False))).whole(HARMONY_ANSWER, ENDING)
+    reply = ollama_api.Reply("m", chat=True).whole(read_whole(HARMONY, None, HARMONY_ANSWER), ENDING)
     parsed = ollama.ChatResponse.model_validate(reply)
     assert (parsed.message.thinking, parsed.message.content) == ("It is sunny, say so.", "18 C and sunny in Paris.")
 

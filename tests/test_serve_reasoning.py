@@ -48,8 +48,9 @@ def scripted(tiny_models, monkeypatch):
             prompts.append(models.tokenizer.decode(request.prompt))
             stats = Stats()
             stats.finish_reason = "stop"  # the reply ends as the model's end-of-turn would end it
-            for at in range(0, len(text), 3):
-                yield SimpleNamespace(text=text[at : at + 3], stats=stats)
+            ids = models.tokenizer.encode(text, add_special_tokens=False)
+            for at in range(0, len(ids), 2):
+                yield SimpleNamespace(step=SimpleNamespace(token_ids=ids[at : at + 2]), stats=stats)
 
         monkeypatch.setattr(engine_module, "stream", stream)
         source = (TEMPLATES / template).read_text()

@@ -8,7 +8,6 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
-from types import SimpleNamespace
 
 import ollama
 import openai
@@ -18,14 +17,15 @@ from test_serve_clients import KEY, TINY, serving
 from dflash_local.chat_template import render_chat, takes_tools
 from dflash_local.decode import Stats
 from dflash_local.generation import load_models
+from dflash_local.reply.channels import PLAIN, Parts, ReplyReader, collected
+from dflash_local.reply.text_stream import TextStream
+from dflash_local.reply.tool_calls import parse_calls
 from dflash_local.runtime import LoadSpec, RuntimeConfig
 from dflash_local.server import ollama_api
-from dflash_local.server.channels import PLAIN
 from dflash_local.server.engine import Ending, Engine
 from dflash_local.server.openai_api import Shape
 from dflash_local.server.protocol import BadRequest, parse_messages
-from dflash_local.server.request import Reading
-from dflash_local.server.tools import conversation, parse_calls, parse_tools
+from dflash_local.server.tools import conversation, parse_tools
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 WEATHER = {
@@ -38,6 +38,22 @@ WEATHER = {
 }
 CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
 ENDING = Ending("stop", 5, Stats())
+
+
+def read(family: str, tools: list[dict] | None, deltas: list[str], inside: bool = False) -> list[Parts]:
+    """The parts the worker's TextStream gives for a reply's text deltas (its finish last)."""
+    reply = TextStream(None, frozenset(), reader=ReplyReader(family, tools, inside))  # text in: no tokenizer
+    return [reply.add_text(delta) for delta in deltas] + [reply.finish("stop")[0]]
+
+
+def read_whole(family: str, tools: list[dict] | None, text: str, inside: bool = False) -> Parts:
+    """A whole reply read as the server collects it."""
+    parts = Parts()
+    for part in read(family, tools, [text], inside):
+        parts += part
+    return collected(parts)
+
+
 HISTORY = [
     {"role": "user", "content": "Weather in Paris?"},
     {
@@ -131,17 +147,12 @@ def streamed(pieces: list[str], tools: list[dict] | None = None) -> list[dict]:
     """The SSE chunks a chat stream writes for these text events."""
 
     async def events() -> AsyncIterator:
-        for piece in pieces:
-            yield piece
+        for parts in read(PLAIN, tools, pieces):
+            yield parts
         yield ENDING
 
     async def collect() -> list[str]:
-        return [
-            line
-            async for line in Shape("tiny", reading=Reading(PLAIN, tools, SimpleNamespace(opened=False))).stream(
-                events()
-            )
-        ]
+        return [line async for line in Shape("tiny", chat=True).stream(events())]
 
     lines = asyncio.run(collect())
     assert lines[-1] == "data: [DONE]\n\n"
@@ -217,16 +228,16 @@ def test_the_openai_client_sends_tools_and_tool_history_and_reads_text_back(tool
 
 def test_ollama_replies_carry_the_calls_in_ollamas_shape_whole_and_streamed():
     text = 'Sure.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
-    reply = ollama_api.Reply("tiny", Reading(PLAIN, [WEATHER], SimpleNamespace(opened=False)))
-    whole = ollama.ChatResponse.model_validate(reply.whole(text, ENDING))
+    reply = ollama_api.Reply("tiny", chat=True)
+    whole = ollama.ChatResponse.model_validate(reply.whole(read_whole(PLAIN, [WEATHER], text), ENDING))
     assert whole.message.content == "Sure." and whole.done
     assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == [
         ("get_weather", {"city": "Paris"})
     ]
 
     async def events() -> AsyncIterator:
-        for piece in (text[:9], text[9:30], text[30:]):
-            yield piece
+        for parts in read(PLAIN, [WEATHER], [text[:9], text[9:30], text[30:]]):
+            yield parts
         yield ENDING
 
     async def lines() -> list[str]:

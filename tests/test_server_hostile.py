@@ -21,9 +21,10 @@ from typer.testing import CliRunner
 
 from dflash_local.cli import app
 from dflash_local.generation import load_models
+from dflash_local.reply.text_stream import TextStream
 from dflash_local.runtime import LoadSpec, RuntimeConfig
 from dflash_local.server.app import create_app
-from dflash_local.server.engine import Engine, StopCutter
+from dflash_local.server.engine import Engine
 from dflash_local.server.hardening import Limits, listen, uvicorn_server
 from dflash_local.server.protocol import BadRequest, parse_sampling
 
@@ -329,6 +330,8 @@ def test_a_long_stop_string_is_no_slower_than_the_text_it_holds_back():
             Counted.slices += 1
             return str.__getitem__(self, key)
 
-    cutter = StopCutter((Counted("x" * 100_000),))
-    assert [cutter.add(delta) for delta in ("Hello", " world", " x", "x", "y")] == ["Hello", " world", " ", "", "xxy"]
+    reply = TextStream(None, frozenset(), (Counted("x" * 100_000),))  # text in: no tokenizer
+    assert [reply.add_text(delta).content for delta in ("Hello", " world", " x", "x", "y")] == [
+        *("Hello", " world", " ", "", "xxy")
+    ]
     assert Counted.slices < 100  # was one slice per character of the stop string, at every step

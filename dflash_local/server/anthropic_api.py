@@ -14,13 +14,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ..reply.channels import Parts
 from ..sampling import SamplingParams
-from .channels import Parts, reply_family
 from .constrained import forced_call_grammar
-from .engine import Ending, Event, Failure
+from .engine import Ending, Event, Failure, Job
 from .exchange import Server
 from .protocol import BadRequest, Refused, Sampling, flag, number, stop_strings, whole
-from .request import REASONING, Blocks, ChatRequest, Reading, Step, chat_job, dflash_stats, one_system
+from .request import REASONING, Blocks, ChatRequest, Step, chat_job, dflash_stats, one_system
 from .tools import parse_tools
 
 log = logging.getLogger("dflash.serve")
@@ -210,8 +210,8 @@ class Reply:
 
     media_type = "text/event-stream"
 
-    def __init__(self, model: str, reading: Reading) -> None:
-        self.model, self.reading = model, reading
+    def __init__(self, model: str, job: Job) -> None:
+        self.model, self.job = model, job
         self.id = f"msg_{uuid.uuid4().hex}"
 
     def error(self, status: int, message: str, headers: dict[str, str] | None = None) -> Response:
@@ -221,17 +221,15 @@ class Reply:
         head = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content}
         return head | {"stop_reason": stop, "stop_sequence": sequence, "usage": usage}
 
-    def whole(self, text: str, ending: Ending) -> dict:
-        parts = self.reading.whole(text)
+    def whole(self, parts: Parts, ending: Ending) -> dict:
         return self._message(_content(parts), *_stop(parts.calls, ending), _usage(ending))
 
     async def stream(self, events: AsyncIterator[Event]) -> AsyncIterator[str]:
-        job = self.reading.job
-        usage = _counts(job.prompt_tokens, job.cached_tokens) | {"output_tokens": 0}
+        usage = _counts(self.job.prompt_tokens, self.job.cached_tokens) | {"output_tokens": 0}
         yield _event("message_start", {"message": self._message([], None, None, usage)})
         yield _event("ping", {})
         blocks, calls = Blocks(), []
-        async for event in self.reading.parts(events):
+        async for event in events:
             if isinstance(event, Parts):
                 calls += event.calls
                 for step in blocks.add(event):
@@ -292,12 +290,11 @@ def _usage(ending: Ending) -> dict:
 def routes(server: Server) -> list[Route]:
     """The Messages endpoints over the server's engine (the model is the one served, whatever name a request gives)."""
     engine, model = server.engine, server.model
-    family = reply_family(engine.models.tokenizer.config)
 
     async def messages(request: Request, body: dict) -> Response:
         chat = parse_request(body)
         job = chat_job(engine, chat)
-        return await server.answer(request, job, Reply(model, Reading(family, chat.tools, job)))
+        return await server.answer(request, job, Reply(model, job))
 
     async def count_tokens(request: Request, body: dict) -> Response:
         body = body | {"max_tokens": 1, "stream": False}
@@ -322,5 +319,5 @@ class Counted:
     def error(self, status: int, message: str, headers: dict[str, str] | None = None) -> Response:
         return error_response(status, message, headers)
 
-    def whole(self, text: str, ending: Ending) -> dict:
+    def whole(self, parts: Parts, ending: Ending) -> dict:
         return {"input_tokens": ending.prompt_tokens}

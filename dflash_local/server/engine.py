@@ -1,6 +1,6 @@
 """The one worker thread: takes jobs from a bounded queue in arrival order (a cancelled job gives up its place),
-iterates `generation.stream` for each and stops by checking (the client went away, a stop string appeared), handing
-text and the ending to the event loop."""
+iterates `generation.stream` for each through a TextStream and stops by checking (the client went away, a stop string
+appeared), handing the reply's parts and the ending to the event loop."""
 
 from __future__ import annotations
 
@@ -12,45 +12,16 @@ from collections.abc import Callable
 from contextlib import closing
 from dataclasses import dataclass, field
 
-from ..chat_template import TURN_ENDS, template_source
 from ..decode import Settings, Stats
 from ..errors import DFlashError
 from ..generation import OUT_OF_MEMORY, GenerationRequest, LoadedModels, decode_settings, out_of_memory, stream
 from ..grammar import compile_grammar, prepare_tokenizer
-from ..reasoning import held, opens_thinking
+from ..reasoning import opens_thinking
+from ..reply.channels import PLAIN, Parts, ReplyReader, reply_family
+from ..reply.text_stream import TextStream, end_texts, ending
 from .protocol import Sampling
 
 log = logging.getLogger("dflash.serve")
-
-
-class StopCutter:
-    """Streams generated text while holding back any tail that may begin a stop string; cuts at the first one."""
-
-    def __init__(self, stops: tuple[str, ...]) -> None:
-        self.stops = stops
-        self.text = ""
-        self.sent = 0
-        self.hit: str | None = None
-
-    def add(self, delta: str) -> str:
-        """Append delta; return the text now safe to send (nothing after a stop string is ever sent)."""
-        if self.hit is not None:
-            return ""
-        self.text += delta
-        found = [(self.text.find(s, max(0, self.sent - len(s))), s) for s in self.stops]
-        found = [(at, s) for at, s in found if at >= 0]
-        if found:
-            at, self.hit = min(found)
-            self.text = self.text[:at]
-            return self.flush()
-        end = len(self.text) - held(self.text[self.sent :], self.stops)  # only unsent text can be held back
-        out, self.sent = self.text[self.sent : end], end
-        return out
-
-    def flush(self) -> str:
-        """The text held back so far (at the end of a generation)."""
-        out, self.sent = self.text[self.sent :], len(self.text)
-        return out
 
 
 @dataclass(frozen=True)
@@ -72,27 +43,29 @@ class Failure:
     message: str
 
 
-Event = str | Ending | Failure  # text, then one Ending or Failure
+Event = Parts | Ending | Failure  # the reply's parts, then one Ending or Failure
 
 
 @dataclass
 class Job:
-    """One request's way through the worker: how to get its prompt ids, its sampling, and events back to the loop."""
+    """One request's way through the worker: how to get its prompt ids, its sampling, how its reply is read (the
+    model's family for a chat, and its tools), and events back to the loop."""
 
     prompt: Callable[[LoadedModels], list[int]]
     sampling: Sampling
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    sent: bool = False  # whether any text went out (a failure after it is the server's, a 500)
+    family: str = PLAIN  # how the reply is read (a completion's: as it is)
+    tools: list[dict] | None = None
+    sent: bool = False  # whether any parts went out (a failure after them is the server's, a 500)
     count_only: bool = False  # render and count the prompt's tokens, generate nothing
-    opened: bool = False  # whether the rendered prompt opened a <think> (set before the first event)
     prompt_tokens: int = 0  # the rendered prompt's length (set before the first event)
     cached_tokens: int = 0  # of which the caches held (set before the first text event)
 
     def emit(self, event: Event) -> None:
         """Hand an event to the request's coroutine (thread-safe)."""
-        self.sent = self.sent or isinstance(event, str)
+        self.sent = self.sent or isinstance(event, Parts)
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
@@ -122,9 +95,8 @@ class Engine:
         self.size, self.waiting, self.arrived = size, deque[Job](), threading.Condition()
         self.counts = {"served": 0, "cancelled": 0, "failed": 0}
         self.busy = False
-        self.eos_texts = tuple(t for t in (models.tokenizer.decode([i]) for i in sorted(models.stop_ids)) if t)
-        template = template_source(models.tokenizer.config) or ""
-        self.eos_texts += tuple(end for end in TURN_ENDS if end in template and end not in self.eos_texts)
+        self.eos_texts = end_texts(models.tokenizer, models.stop_ids)
+        self.family = reply_family(models.tokenizer.config)  # how a chat reply is read
         threading.Thread(target=self._work, name="dflash-generation", daemon=True).start()
         threading.Thread(target=self._prepare_grammar, name="dflash-grammar", daemon=True).start()
 
@@ -204,36 +176,36 @@ class Engine:
         )
 
     def _generate(self, job: Job) -> Ending | None:
-        """Iterate the generation, emitting text as it comes; stop when cancelled (no Ending) or at a stop string."""
-        sampling = job.sampling
-        cutter = StopCutter(sampling.stop + (() if sampling.ignore_eos else self.eos_texts))
-        ids = job.prompt(self.models)
-        job.opened = opens_thinking(self.models.tokenizer.decode(ids[-8:]))
-        job.prompt_tokens = len(ids)
-        stats = Stats()
+        """Iterate the generation, emitting parts as they come; stop when cancelled (no Ending) or at a stop string."""
+        models, sampling = self.models, job.sampling
+        ids = job.prompt(models)
+        job.prompt_tokens, stats = len(ids), Stats()
         if job.count_only:
             return Ending("stop", len(ids), stats)
+        settings = self.settings(sampling, len(ids))
+        reader = ReplyReader(job.family, job.tools, opens_thinking(models.tokenizer.decode(ids[-8:])))
+        ends = ending(self.eos_texts, models.stop_ids, settings.stop_ids)
+        text = TextStream(models.tokenizer, models.stop_ids, sampling.stop, ends, reader)
         try:
-            with closing(stream(self.models, GenerationRequest(ids, self.settings(sampling, len(ids))))) as chunks:
+            with closing(stream(models, GenerationRequest(ids, settings))) as chunks:
                 for chunk in chunks:
                     stats = chunk.stats
                     job.cached_tokens = len(ids) - stats.prefill_tokens
                     if job.cancelled.is_set():
                         return None
-                    text = cutter.add(chunk.text)
-                    if text or not job.sent:
-                        job.emit(text)
-                    if cutter.hit is not None:
+                    parts = text.add(chunk.step.token_ids)
+                    if parts or not job.sent:
+                        job.emit(parts)
+                    if text.hit is not None:
                         break
         except OUT_OF_MEMORY:
             what = f"A decoding step at {len(ids) + stats.new_tokens} tokens of context"
-            raise out_of_memory(what, self.models.target.device.type) from None
-        job.emit(cutter.flush())
-        finish = "stop" if cutter.hit is not None or stats.finish_reason == "stop" else "length"
+            raise out_of_memory(what, models.target.device.type) from None
+        parts, end = text.finish(stats.finish_reason)
+        job.emit(parts)
         if self.report is not None:
             self.report(request_line(len(ids), job.cached_tokens, stats))
-        stop = cutter.hit if cutter.hit in sampling.stop else None
-        return Ending(finish, len(ids), stats, stop, job.cached_tokens)
+        return Ending(end.reason, len(ids), stats, end.stop, job.cached_tokens)
 
 
 def request_line(prompt_tokens: int, cached: int, stats: Stats) -> str:

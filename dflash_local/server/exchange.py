@@ -11,6 +11,7 @@ from typing import Protocol
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from ..reply.channels import Parts, collected
 from .engine import Ending, Engine, Event, Failure, Job
 from .hardening import RETRY_AFTER_S, Limits, read_json
 from .protocol import Refused
@@ -26,7 +27,7 @@ class Reply(Protocol):
 
     def error(self, status: int, message: str, headers: dict[str, str] | None = None) -> Response: ...
 
-    def whole(self, text: str, ending: Ending) -> dict: ...
+    def whole(self, parts: Parts, ending: Ending) -> dict: ...
 
     def stream(self, events: AsyncIterator[Event]) -> AsyncIterator[str]: ...
 
@@ -53,7 +54,7 @@ async def _events(job: Job, first: Event) -> AsyncIterator[Event]:
     try:
         event = first
         yield event
-        while isinstance(event, str):
+        while isinstance(event, Parts):
             event = await job.events.get()
             yield event
     finally:
@@ -100,16 +101,16 @@ class Server:
         disconnect = asyncio.ensure_future(_disconnected(request))
         try:
             event = await _next_event(job, disconnect)
-            if isinstance(event, str) and job.sampling.stream:
+            if isinstance(event, Parts) and job.sampling.stream:
                 return StreamingResponse(reply.stream(_events(job, event)), media_type=reply.media_type)
-            texts = []
-            while isinstance(event, str):
-                texts.append(event)
+            parts = Parts()
+            while isinstance(event, Parts):
+                parts += event
                 event = await _next_event(job, disconnect)
             if event is None:
                 return Response(status_code=499)  # the client closed the request (nginx's code); it never sees this
             if isinstance(event, Failure):
                 return reply.error(event.status, event.message)
-            return JSONResponse(reply.whole("".join(texts), event))
+            return JSONResponse(reply.whole(collected(parts), event))
         finally:
             disconnect.cancel()

@@ -16,13 +16,13 @@ from starlette.routing import Route
 
 from ..chat_template import uses_thinking
 from ..generation import LoadedModels
+from ..reply.channels import PLAIN, Parts
 from ..sampling import SamplingParams
-from .channels import PLAIN, Parts, reply_family
 from .constrained import ollama_format_grammar
 from .engine import Ending, Event, Failure, Job
 from .exchange import Server
 from .protocol import BadRequest, Refused, Sampling, flag, number, parse_messages, stop_strings, whole
-from .request import ChatRequest, Reading, chat_job, plain_parts
+from .request import ChatRequest, chat_job
 from .tools import parse_tools
 
 log = logging.getLogger("dflash.serve")
@@ -73,9 +73,9 @@ class Reply:
 
     media_type = "application/x-ndjson"
 
-    def __init__(self, model: str, reading: Reading | None = None) -> None:
-        """reading: how a chat's reply is read (None: /api/generate's text as it is)."""
-        self.chat, self.model, self.reading = reading is not None, model, reading
+    def __init__(self, model: str, chat: bool = False) -> None:
+        """chat: /api/chat's answer (else /api/generate's)."""
+        self.chat, self.model = chat, model
         self.started = time.monotonic()
 
     def error(self, status: int, message: str, headers: dict[str, str] | None = None) -> Response:
@@ -97,8 +97,8 @@ class Reply:
             message["tool_calls"] = [{"function": function} for function in functions]
         return body | {"message": message, "done": done}
 
-    def whole(self, text: str, ending: Ending) -> dict:
-        return self._last(self.reading.whole(text) if self.reading else Parts(content=text), ending)
+    def whole(self, parts: Parts, ending: Ending) -> dict:
+        return self._last(parts, ending)
 
     def _last(self, parts: Parts, ending: Ending) -> dict:
         """The last line: done, why, the counts and the durations in nanoseconds."""
@@ -117,7 +117,7 @@ class Reply:
         """NDJSON lines: each text (a chat's reasoning as thinking; tool calls held back and sent with the last
         line), then the last line."""
         calls: list[dict] = []
-        async for event in self.reading.parts(events) if self.reading else plain_parts(events):
+        async for event in events:
             if isinstance(event, Parts):
                 if event.content or event.reasoning:
                     yield json.dumps(self.piece(event.content, thinking=event.reasoning)) + "\n"
@@ -134,8 +134,7 @@ DETAILS = {"format": "", "family": "dflash", "families": ["dflash"], "parameter_
 def routes(server: Server) -> list[Route]:
     """The Ollama endpoints over the server's engine (the model is the one served, whatever name a request gives)."""
     engine, model = server.engine, server.model
-    family = reply_family(engine.models.tokenizer.config)  # how the served model writes reasoning and calls
-    thinks = family != PLAIN or uses_thinking(engine.models.tokenizer.config)
+    thinks = engine.family != PLAIN or uses_thinking(engine.models.tokenizer.config)
     capabilities = ["completion", "tools"] + (["thinking"] if thinks else [])  # tools: the template's or generic
 
     async def chat(request: Request, body: dict) -> Response:
@@ -145,7 +144,7 @@ def routes(server: Server) -> list[Route]:
             raise BadRequest("'think' must be true or false.", "think")
 
         job = chat_job(engine, ChatRequest(messages, tools, sampling, think))
-        return await server.answer(request, job, Reply(model, Reading(family, tools, job)))
+        return await server.answer(request, job, Reply(model, chat=True))
 
     async def generate(request: Request, body: dict) -> Response:
         prompt, system, sampling = body.get("prompt") or "", body.get("system") or "", parse_options(body)

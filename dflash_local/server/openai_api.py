@@ -15,12 +15,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..generation import LoadedModels
-from .channels import Parts, reply_family
+from ..reply.channels import Parts
 from .constrained import forced_call_grammar, response_format_grammar
 from .engine import Ending, Event, Failure, Job
 from .exchange import Server
 from .protocol import error_response, parse_messages, parse_prompt, parse_sampling, parse_thinking
-from .request import ChatRequest, Reading, chat_job, dflash_stats, plain_parts
+from .request import ChatRequest, chat_job, dflash_stats
 from .tools import parse_tools
 
 
@@ -46,9 +46,9 @@ class Shape:
 
     media_type = "text/event-stream"
 
-    def __init__(self, model: str, include_usage: bool = False, reading: Reading | None = None) -> None:
-        """reading: how a chat's reply is read (None: a completion, its text as it is)."""
-        self.chat, self.model, self.include_usage, self.reading = reading is not None, model, include_usage, reading
+    def __init__(self, model: str, include_usage: bool = False, chat: bool = False) -> None:
+        """chat: a chat completion's answers (else a completion's)."""
+        self.chat, self.model, self.include_usage = chat, model, include_usage
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -60,11 +60,11 @@ class Shape:
         kind = "invalid_request_error" if status < 500 else "server_error"
         return error_response(status, message, kind, headers=headers)
 
-    def whole(self, text: str, ending: Ending) -> dict:
+    def whole(self, parts: Parts, ending: Ending) -> dict:
         if not self.chat:
-            choice = {"index": 0, "text": text, "finish_reason": ending.finish_reason}
+            choice = {"index": 0, "text": parts.content, "finish_reason": ending.finish_reason}
             return self._object("text_completion", [choice], usage(ending))
-        parts, finish = self.reading.whole(text), ending.finish_reason
+        finish = ending.finish_reason
         message = {"role": "assistant", "content": parts.content or (None if parts.calls else "")}
         if parts.reasoning:
             message["reasoning_content"] = parts.reasoning  # where llama-server and vLLM put it; clients read it there
@@ -105,7 +105,7 @@ class Shape:
         calls: list[dict] = []
         if self.chat:
             yield _sse(self.chunk(None))
-        async for event in self.reading.parts(events) if self.reading else plain_parts(events):
+        async for event in events:
             if isinstance(event, Failure):
                 yield _sse({"error": {"message": event.message, "type": "server_error", "param": None, "code": None}})
             elif isinstance(event, Parts):
@@ -124,14 +124,13 @@ class Shape:
 def routes(server: Server) -> list[Route]:
     """The OpenAI endpoints over the server's engine."""
     engine, model = server.engine, server.model
-    family = reply_family(engine.models.tokenizer.config)  # how the served model writes reasoning and calls
 
     async def chat(request: Request, body: dict) -> Response:
         messages, sampling, thinking = parse_messages(body), parse_sampling(body), parse_thinking(body)
         tools = parse_tools(body)
         grammar = forced_call_grammar(body, tools) or response_format_grammar(body)
         job = chat_job(engine, ChatRequest(messages, tools, replace(sampling, grammar=grammar), thinking))
-        return await server.answer(request, job, Shape(model, sampling.include_usage, Reading(family, tools, job)))
+        return await server.answer(request, job, Shape(model, sampling.include_usage, chat=True))
 
     async def completions(request: Request, body: dict) -> Response:
         prompt = parse_prompt(body)

@@ -1,20 +1,20 @@
 """The one inside shape of a chat request, whichever API brought it (OpenAI's chat completions, Ollama's /api/chat,
 Anthropic's Messages, OpenAI's Responses): the messages as templates take them, the function tools, the sampling and
-the thinking switch; the job that renders it; and its reply read back as one stream of reasoning, answer and calls,
-which each API writes in its own shape."""
+the thinking switch; the job that renders it and reads its reply into parts, which each API writes in its own
+shape."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from ..chat_template import takes_tools
 from ..decode import Stats
 from ..generation import LoadedModels
-from .channels import Parts, ReplyReader, read_reply
-from .engine import Ending, Engine, Event, Failure, Job
+from ..reply.channels import Parts
+from .engine import Engine, Job
 from .protocol import Sampling
 from .tools import conversation
 
@@ -34,14 +34,16 @@ class ChatRequest:
 
 def chat_job(engine: Engine, request: ChatRequest, count_only: bool = False) -> Job:
     """The job that renders the request with the model's chat template (the generic tool prompt where the template
-    renders no tools) and generates its reply (count_only: only counts the prompt's tokens)."""
+    renders no tools) and generates its reply, read as the model's family writes it (count_only: only counts the
+    prompt's tokens)."""
 
     def render(models: LoadedModels) -> list[int]:
         enable = engine.thinking if request.thinking is None else request.thinking
         turns, shown = conversation(request.messages, request.tools, takes_tools(models.tokenizer.config))
         return models.tokenizer.encode_chat(turns, True, enable, shown)
 
-    return Job(render, request.sampling, asyncio.get_running_loop(), count_only=count_only)
+    loop = asyncio.get_running_loop()
+    return Job(render, request.sampling, loop, family=engine.family, tools=request.tools, count_only=count_only)
 
 
 def one_system(messages: list[dict[str, Any]], system: str = "") -> list[dict[str, Any]]:
@@ -64,38 +66,6 @@ def dflash_stats(stats: Stats) -> dict:
         "prefill_tokens": stats.prefill_tokens,
         "tokens_by_source": stats.tokens_by_source,
     }
-
-
-@dataclass(frozen=True)
-class Reading:
-    """How a job's reply is read: the served model's family, the request's tools, and the job (whose prompt may
-    have opened the thinking)."""
-
-    family: str
-    tools: list[dict] | None
-    job: Job
-
-    def whole(self, text: str) -> Parts:
-        """The whole reply read at once."""
-        return read_reply(self.family, self.tools, text, self.job.opened)
-
-    async def parts(self, events: AsyncIterator[Event]) -> AsyncIterator[Parts | Ending | Failure]:
-        """The reply's parts as they stream (all calls with the last), then its Ending or a Failure."""
-        reader: ReplyReader | None = None
-        async for event in events:
-            reader = reader or ReplyReader(self.family, self.tools, self.job.opened)
-            if isinstance(event, str):
-                yield reader.add(event)
-            else:
-                if isinstance(event, Ending):
-                    yield reader.finish()
-                yield event
-
-
-async def plain_parts(events: AsyncIterator[Event]) -> AsyncIterator[Parts | Ending | Failure]:
-    """A completion's events as parts (all of its text the answer), as Reading.parts gives a chat's."""
-    async for event in events:
-        yield Parts(content=event) if isinstance(event, str) else event
 
 
 REASONING, TEXT = "reasoning", "text"

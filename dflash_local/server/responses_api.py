@@ -15,13 +15,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from ..reply.channels import Parts
 from ..sampling import SamplingParams
-from .channels import Parts, reply_family
 from .constrained import forced_call_grammar, response_format_grammar
 from .engine import Ending, Event, Failure
 from .exchange import Server
 from .protocol import BadRequest, Sampling, error_response, flag, number, top_p, whole
-from .request import REASONING, Blocks, ChatRequest, Reading, Step, chat_job, dflash_stats, one_system
+from .request import REASONING, Blocks, ChatRequest, Step, chat_job, dflash_stats, one_system
 from .tools import parse_tools
 
 log = logging.getLogger("dflash.serve")
@@ -178,8 +178,8 @@ class Reply:
 
     media_type = "text/event-stream"
 
-    def __init__(self, model: str, reading: Reading) -> None:
-        self.model, self.reading = model, reading
+    def __init__(self, model: str) -> None:
+        self.model = model
         self.id, self.created = f"resp_{uuid.uuid4().hex}", int(time.time())
         self.sequence = 0
 
@@ -212,8 +212,7 @@ class Reply:
         item = {"type": "message", "id": f"msg_{self.id[5:]}_{index}", "status": "completed", "role": "assistant"}
         return item | {"content": [part]}
 
-    def whole(self, text: str, ending: Ending) -> dict:
-        parts = self.reading.whole(text)
+    def whole(self, parts: Parts, ending: Ending) -> dict:
         output = []
         for index, (kind, value) in enumerate(((REASONING, parts.reasoning), ("text", parts.content))):
             if value:
@@ -229,7 +228,7 @@ class Reply:
         yield self._emit("response.created", {"response": self._response("in_progress", [])})
         yield self._emit("response.in_progress", {"response": self._response("in_progress", [])})
         blocks, output = Blocks(), []
-        async for event in self.reading.parts(events):
+        async for event in events:
             if isinstance(event, Parts):
                 for step in blocks.add(event):
                     yield self._step(step, output)
@@ -294,11 +293,10 @@ def _usage(ending: Ending) -> dict:
 def routes(server: Server) -> list[Route]:
     """The Responses endpoint over the server's engine (the model is the one served, whatever name a request gives)."""
     engine, model = server.engine, server.model
-    family = reply_family(engine.models.tokenizer.config)
 
     async def responses(request: Request, body: dict) -> Response:
         chat = parse_request(body)
         job = chat_job(engine, chat)
-        return await server.answer(request, job, Reply(model, Reading(family, chat.tools, job)))
+        return await server.answer(request, job, Reply(model))
 
     return [Route("/v1/responses", server.endpoint(responses), methods=["POST"])]

@@ -1,8 +1,8 @@
 """A chat reply read the way its model family writes it: reasoning apart from the answer (`<think>` blocks, harmony's
 analysis channel, Gemma 4's thought channel), and the family's own tool calls (gpt-oss's harmony messages, Gemma 4's
-`<|tool_call>` blocks), text by text as it streams. Which family is
-chosen once per served model, from the markers of its chat template; the answer then goes through tools.ToolText,
-which reads the Hermes-style `<tool_call>` JSON that every family may write (a forced call's grammar writes it)."""
+`<|tool_call>` blocks), text by text as TextStream feeds it. Which family is chosen once per model, from the markers
+of its chat template; the answer then goes through tool_calls.ToolText, which reads the Hermes-style `<tool_call>`
+JSON that every family may write (a forced call's grammar writes it)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..chat_template import template_source
-from ..reasoning import TAG, THINK_CLOSE, THINK_OPEN, THINKING, ThinkSplit, held
-from .tools import ToolText, make_call, tool_names
+from ..reasoning import ANSWER, TAG, THINK_CLOSE, THINK_OPEN, THINKING, Piece
+from .tool_calls import ToolText, make_call, tool_names
 
 HARMONY, GEMMA4, THINK, PLAIN = "harmony", "gemma4", "think", "plain"
 
@@ -33,15 +33,37 @@ def reply_family(tokenizer_config: dict[str, Any]) -> str:
 
 @dataclass
 class Parts:
-    """What one piece of a reply adds: reasoning text, answer text, and tool calls read whole."""
+    """What one piece of a reply adds: its text in order, each piece THINKING, ANSWER or TAG (markup, which chat shows
+    dimmed and the APIs leave out), and tool calls read whole."""
 
-    reasoning: str = ""
-    content: str = ""
+    pieces: list[Piece] = field(default_factory=list)
     calls: list[dict] = field(default_factory=list)
 
+    @classmethod
+    def of(cls, text: str, kind: str = ANSWER) -> Parts:
+        """Parts of one text of one kind."""
+        parts = cls()
+        parts.add(text, kind)
+        return parts
+
+    def add(self, text: str, kind: str) -> None:
+        """Append text of kind (nothing for no text)."""
+        if text:
+            self.pieces.append((text, kind))
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(text for text, kind in self.pieces if kind == THINKING)
+
+    @property
+    def content(self) -> str:
+        return "".join(text for text, kind in self.pieces if kind == ANSWER)
+
+    def __bool__(self) -> bool:
+        return bool(self.pieces or self.calls)
+
     def __iadd__(self, other: Parts) -> Parts:
-        self.reasoning += other.reasoning
-        self.content += other.content
+        self.pieces += other.pieces
         self.calls += other.calls
         return self
 
@@ -69,33 +91,34 @@ class Harmony:
             rest = self.text[self.at :]
             if self.mode == "start":
                 lead = rest.lstrip()
-                if not last and any(len(lead) < len(h) and h.startswith(lead) for h in self.HEADS):
+                if not lead and not last:
                     return out  # not yet known whether a header begins
                 self.mode = "header" if lead.startswith(self.HEADS) else "plain"
             elif self.mode == "plain":
                 self.at = len(self.text)
-                out.content += rest
+                out.add(rest, ANSWER)
                 return out
             elif self.mode == "header":
                 at = rest.find("<|message|>")
                 if at < 0:
                     if last:  # a header never finished: its text
-                        out.content += rest
+                        out.add(rest, ANSWER)
                         self.at = len(self.text)
                     return out
                 self._open(rest[:at])
                 self.at += at + len("<|message|>")
+                out.add(rest[: at + len("<|message|>")] if self.recipient is None else "", TAG)  # a call's: its own
             else:
                 ends = [(at, m) for m in self.ENDS if (at := rest.find(m)) >= 0]
                 if ends:
                     at, marker = min(ends)
                     out += self._body(rest[:at], done=True)
+                    out.add(marker, TAG)
                     self.at += at + len(marker)
                     self.mode = "header"
                     continue
-                keep = 0 if last else held(rest, self.MARKERS)
-                out += self._body(rest[: len(rest) - keep], done=last)
-                self.at += len(rest) - keep
+                out += self._body(rest, done=last)
+                self.at = len(self.text)
                 return out
 
     def _open(self, header: str) -> None:
@@ -109,13 +132,13 @@ class Harmony:
     def _body(self, text: str, done: bool) -> Parts:
         """Body text of the open message (done: its last)."""
         if self.recipient is None:
-            return Parts(reasoning=text) if self.reasoning else Parts(content=text)
+            return Parts.of(text, THINKING if self.reasoning else ANSWER)
         self.body += text
         if not done:
             return Parts()
         name = self.recipient.removeprefix("functions.") if self.recipient.startswith("functions.") else None
         call = make_call(name, self.body.strip(), self.names)
-        return Parts(calls=[call]) if call else Parts(content=f"{self.header}<|message|>{self.body}")
+        return Parts(calls=[call]) if call else Parts.of(f"{self.header}<|message|>{self.body}")
 
 
 GEMMA_STRING = '<|"|>'
@@ -128,11 +151,12 @@ class Gemma4:
 
     CLOSES = {"<|channel>": "<channel|>", "<|tool_call>": "<tool_call|>"}
     STRAY = ("<channel|>", "<|tool_response>")  # dropped where they stand alone
-    MARKERS = (*CLOSES, *CLOSES.values(), "<|tool_response>")
+    LABEL = "<|channel>thought\n"  # a marker too: TextStream holds back a part of it, so the label arrives whole
+    MARKERS = (*CLOSES, *CLOSES.values(), "<|tool_response>", LABEL)
 
     def __init__(self, names: set[str]) -> None:
         self.names, self.text, self.at = names, "", 0
-        self.inside, self.label = "", False  # the open block; whether a channel's name is still ahead
+        self.inside = ""  # the open block
 
     def add(self, delta: str, last: bool = False) -> Parts:
         """Read delta; return what is known now (last: the reply ended, nothing is held back)."""
@@ -143,36 +167,33 @@ class Gemma4:
             if not self.inside:
                 found = [(at, m) for m in (*self.CLOSES, *self.STRAY) if (at := rest.find(m)) >= 0]
                 if not found:
-                    keep = 0 if last else held(rest, self.MARKERS)
-                    out.content += rest[: len(rest) - keep]
-                    self.at += len(rest) - keep
+                    out.add(rest, ANSWER)
+                    self.at = len(self.text)
                     return out
                 at, marker = min(found)
-                out.content += rest[:at]
+                out.add(rest[:at], ANSWER)
                 self.at += at + len(marker)
                 self.inside = marker if marker in self.CLOSES else ""
-                self.label = marker == "<|channel>"
+                if marker == "<|channel>":  # `thought` and its newline
+                    marker += re.match(r"(?:thought)?\n?", self.text[self.at :]).group(0)  # type: ignore[union-attr]
+                    self.at += len(marker) - len("<|channel>")
+                out.add(marker if marker != "<|tool_call>" else "", TAG)  # a call's: its own
                 continue
             close = self.CLOSES[self.inside]
             at = rest.find(close)
-            if self.label:  # `thought` and its newline, once enough text has come to tell
-                if not last and at < 0 and len(rest) < len("thought\n") and "thought\n".startswith(rest):
-                    return out
-                self.at += len(re.match(r"(?:thought)?\n?", rest).group(0))  # type: ignore[union-attr]
-                self.label = False
-                continue
             if self.inside == "<|channel>":
-                end = at if at >= 0 else len(rest) - (0 if last else held(rest, (close,)))
-                out.reasoning += rest[:end]
-                self.at += end + (len(close) if at >= 0 else 0)
+                out.add(rest[: at if at >= 0 else len(rest)], THINKING)
                 if at < 0:
+                    self.at = len(self.text)
                     return out
+                out.add(close, TAG)
+                self.at += at + len(close)
             else:
                 if at < 0 and not last:
                     return out
                 end = at + len(close) if at >= 0 else len(rest)  # a call cut off at the end: its text
                 call = _gemma_call(rest[:at], self.names) if at >= 0 else None
-                out += Parts(calls=[call]) if call else Parts(content=self.inside + rest[:end])
+                out += Parts(calls=[call]) if call else Parts.of(self.inside + rest[:end])
                 self.at += end
             self.inside = ""
 
@@ -234,49 +255,57 @@ def _skip(text: str, at: int) -> int:
 
 
 class Think:
-    """`<think>...</think>` is reasoning, the rest the answer (`inside`: the prompt opened the thinking); the
-    newlines that begin each part are dropped, as templates write them after the tags."""
+    """`<think>...</think>` is reasoning, the rest the answer (`inside`: the prompt opened the thinking); the tags and
+    the newlines that begin each part (templates write them after the tags) are markup."""
+
+    MARKERS = (THINK_OPEN, THINK_CLOSE)
 
     def __init__(self, inside: bool) -> None:
-        self.split, self.strip = ThinkSplit(inside), True
+        self.inside, self.strip = inside, True
 
     def add(self, delta: str, last: bool = False) -> Parts:
-        """Read delta; return what is known now (last: the reply ended, nothing is held back)."""
+        """Read delta; return its pieces (TextStream holds back a tail that may begin a tag, so tags arrive whole)."""
         out = Parts()
-        for text, kind in self.split.add(delta, last):
-            if kind == TAG:
-                self.strip = True
-                continue
-            text = text.lstrip("\n") if self.strip else text
-            self.strip = self.strip and not text
-            if kind == THINKING:
-                out.reasoning += text
-            else:
-                out.content += text
-        return out
+        while True:
+            tag = THINK_CLOSE if self.inside else THINK_OPEN
+            at = delta.find(tag)
+            text = delta if at < 0 else delta[:at]
+            if self.strip:
+                body = text.lstrip("\n")
+                out.add(text[: len(text) - len(body)], TAG)
+                text, self.strip = body, not body
+            out.add(text, THINKING if self.inside else ANSWER)
+            if at < 0:
+                return out
+            out.add(tag, TAG)
+            self.inside, self.strip, delta = not self.inside, True, delta[at + len(tag) :]
 
 
 class Plain:
     """A family that writes its reply as it is: all of it the answer."""
 
+    MARKERS: tuple[str, ...] = ()
+
     def __init__(self, names: set[str]) -> None:
         self.names = names
 
     def add(self, delta: str, last: bool = False) -> Parts:
-        return Parts(content=delta)
+        return Parts.of(delta)
 
 
 FAMILIES = {HARMONY: Harmony, GEMMA4: Gemma4, PLAIN: Plain}
 
 
 class ReplyReader:
-    """One chat reply, streamed: the family's reading of it, then (with tools) Hermes-style calls in its answer."""
+    """One chat reply, streamed: the family's reading of it, then (with tools) Hermes-style calls in its answer;
+    `markers`: the texts whose beginning TextStream holds back."""
 
     def __init__(self, family: str, tools: list[dict] | None, inside: bool = False) -> None:
         """inside: the prompt opened a <think> (the think family's reply begins in its reasoning)."""
         names = tool_names(tools or [])
         self.family = Think(inside) if family == THINK else FAMILIES[family](names)
         self.tools = ToolText(tools) if tools else None
+        self.markers: tuple[str, ...] = self.family.MARKERS + (ToolText.MARKERS if tools else ())
 
     def add(self, delta: str) -> Parts:
         """Read delta; return the reasoning and answer text that can be sent now, and the family's calls read."""
@@ -287,20 +316,21 @@ class ReplyReader:
         out = self._answer(self.family.add("", last=True))
         if self.tools is not None:
             rest, calls = self.tools.finish()
-            out += Parts(content=rest, calls=calls)
+            out += Parts.of(rest)
+            out.calls += calls
         return out
 
     def _answer(self, parts: Parts) -> Parts:
         if self.tools is not None:
-            parts.content = self.tools.add(parts.content)
+            pieces = [(self.tools.add(text) if kind == ANSWER else text, kind) for text, kind in parts.pieces]
+            parts.pieces = [(text, kind) for text, kind in pieces if text]
         return parts
 
 
-def read_reply(family: str, tools: list[dict] | None, text: str, inside: bool = False) -> Parts:
-    """A whole reply read at once (the same reading as streamed): reasoning, answer, calls."""
-    reader = ReplyReader(family, tools, inside)
-    parts = reader.add(text)
-    parts += reader.finish()
-    if parts.calls:
-        parts.content = parts.content.strip()
-    return parts
+def collected(parts: Parts) -> Parts:
+    """A whole reply from its streamed parts: its reasoning, its answer (stripped where calls came with it), its
+    calls."""
+    out = Parts.of(parts.reasoning, THINKING)
+    out.add(parts.content.strip() if parts.calls else parts.content, ANSWER)
+    out.calls = parts.calls
+    return out
