@@ -7,7 +7,7 @@
 # build where the machine has a GPU: CUDA where nvidia-smi works (with the system's nvcc, else NVIDIA's toolkit wheels),
 # Vulkan where a hardware Vulkan device is present (--gpu overrides; a GPU build that fails leaves the CPU install working). Every install goes through the lock,
 # constraints.txt, so users get the versions CI tested. --dev adds the test tools to .venv and creates .venv-oracle:
-# the reference implementations (PyPI dflash + transformers, and speculators) the tests call as oracles; with --gpu vulkan on a
+# the reference implementations (PyPI dflash + transformers, and speculators) the tests call as oracles, and .venv-vllm; with --gpu vulkan on a
 # machine without a Vulkan device, it also installs Mesa's software one (lavapipe) for the GPU-path tests.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -102,6 +102,14 @@ if [ "$dev" = 1 ]; then
   # its training and data extras (torchvision, torchaudio, CUDA transfer engines), with the runtime deps it imports
   "${oracle[@]}" --no-deps speculators==0.9.0
   "${oracle[@]}" hs-connectors loguru openai protobuf psutil pydantic-settings
+  # vLLM itself (its CPU wheel), for the test that vLLM parses and loads what `dflash export --to vllm` writes
+  # (tests/vllm_reference.py): a venv of its own, as its transformers pin conflicts with the oracle's; exactly the lock
+  echo "==> creating .venv-vllm: vLLM's CPU build, the loader the export test checks against"
+  [ -x .venv-vllm/bin/python ] || "$python" -m venv .venv-vllm
+  vllm=(.venv-vllm/bin/python -m pip install --quiet --disable-pip-version-check)
+  # shellcheck disable=SC2086
+  "${vllm[@]}" $torch_spec
+  "${vllm[@]}" --no-deps -r constraints-vllm.txt
   # llama.cpp's own converter, its gguf-py and vocabularies, from the sdist of the pinned llama-cpp-python: the oracle
   # python runs them to write tiny random GGUFs of new architectures (tests/tiny_archs.py, tests/test_architectures.py);
   # and its vendored chat templates, which tests/test_template_equality.py renders with dflash and with transformers

