@@ -208,6 +208,39 @@ def test_no_such_path_or_method_is_answered_in_the_openai_shape_without_redirect
     assert "location" not in {name.lower() for name in headers}
 
 
+@pytest.mark.parametrize(
+    "method, path, status, kind, message",
+    [
+        ("GET", "/v1/messages/nothing", 404, "not_found_error", "Invalid URL (GET /v1/messages/nothing)"),
+        ("POST", "/v1/messages/batches", 404, "not_found_error", "Invalid URL (POST /v1/messages/batches)"),
+        ("GET", "/v1/messages", 405, "invalid_request_error", "GET /v1/messages is not allowed: use POST."),
+        ("PUT", "/v1/messages/count_tokens", 405, "invalid_request_error", "PUT /v1/messages/count_tokens is not"),
+    ],
+)
+def test_no_such_path_or_method_under_v1_messages_is_answered_in_anthropics_shape(
+    address, method, path, status, kind, message
+):
+    got, headers, body = ask(address, method, path, json.dumps(CHAT).encode() if method != "GET" else None)
+    assert (got, headers["content-type"]) == (status, "application/json")
+    assert set(body) == {"type", "error"} and body["type"] == "error" and set(body["error"]) == {"type", "message"}
+    assert body["error"]["type"] == kind and body["error"]["message"].startswith(message), body
+
+
+@pytest.mark.parametrize(
+    "method, path, status, message",
+    [
+        ("GET", "/api/ps", 404, "Invalid URL (GET /api/ps)"),
+        ("DELETE", "/api/delete", 404, "Invalid URL (DELETE /api/delete)"),
+        ("GET", "/api/chat", 405, "GET /api/chat is not allowed: use POST."),
+        ("POST", "/api/tags", 405, "POST /api/tags is not allowed: use "),
+    ],
+)
+def test_no_such_path_or_method_under_api_is_answered_in_ollamas_shape(address, method, path, status, message):
+    got, headers, body = ask(address, method, path, json.dumps(CHAT).encode() if method != "GET" else None)
+    assert (got, headers["content-type"]) == (status, "application/json")
+    assert set(body) == {"error"} and isinstance(body["error"], str) and body["error"].startswith(message), body
+
+
 def test_a_body_over_the_limit_is_a_413_before_it_is_read(engine):
     limit = 4096
     with serving(engine, Limits(max_body=limit)) as address:
@@ -310,7 +343,7 @@ def test_a_limit_out_of_range_is_one_error_line(flag, value, message):
     assert assert_one_error(CliRunner().invoke(app, ["serve", "tiny", flag, value])) == message
 
 
-def test_a_bug_is_a_500_in_the_openai_shape():
+def test_a_bug_is_a_500_in_the_shape_of_the_paths_api():
     class Broken(Engine):
         def submit(self, job) -> bool:
             raise RuntimeError("a bug")
@@ -318,8 +351,13 @@ def test_a_bug_is_a_500_in_the_openai_shape():
     models = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids: "", config={}), stop_ids=frozenset())
     with serving(Broken(models, None, None, size=1)) as address:
         status, _, body = ask(address, "POST", "/v1/chat/completions", json.dumps(CHAT).encode())
+        _, _, anthropic = ask(address, "POST", "/v1/messages", json.dumps(CHAT).encode())
+        _, _, ollama = ask(address, "POST", "/api/chat", json.dumps(CHAT).encode())
     assert status == 500 and body["error"]["type"] == "server_error"
     assert_openai_error(body, "The server failed (RuntimeError: a bug).")
+    failed = {"type": "api_error", "message": "The server failed (RuntimeError: a bug)."}
+    assert anthropic == {"type": "error", "error": failed}
+    assert ollama == {"error": "The server failed (RuntimeError: a bug)."}
 
 
 def test_a_long_stop_string_is_no_slower_than_the_text_it_holds_back():

@@ -39,9 +39,10 @@ BILLING_HEADER = "x-anthropic-billing-header:"  # Claude Code's per-request syst
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    """Anthropic's error body, {"type": "error", "error": {"type", "message"}}; a full queue is its 529 overloaded."""
+    """Anthropic's error body, {"type": "error", "error": {"type", "message"}} (another 4xx is an
+    invalid_request_error, another 5xx an api_error); a full queue is its 529 overloaded."""
     status = 529 if status == 429 else status
-    kind = ERROR_TYPES.get(status, "api_error")
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
     body = {"type": "error", "error": {"type": kind, "message": message}}
     return JSONResponse(body, status_code=status, headers=headers)
 

@@ -33,9 +33,14 @@ REFUSED = {"images": "images", "suffix": "'suffix'"}
 REFUSED |= {"context": "'context' token lists"}
 
 
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    """Ollama's error body: {"error": sentence}."""
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
 def refusal(exc: Refused) -> Response:
-    """A refusal in Ollama's error shape: {"error": sentence}."""
-    return JSONResponse({"error": str(exc)}, status_code=exc.status, headers=exc.headers())
+    """A refusal in Ollama's error shape."""
+    return error_response(exc.status, str(exc), exc.headers())
 
 
 def _now() -> str:
@@ -79,7 +84,7 @@ class Reply:
         self.started = time.monotonic()
 
     def error(self, status: int, message: str, headers: dict[str, str] | None = None) -> Response:
-        return JSONResponse({"error": message}, status_code=status, headers=headers)
+        return error_response(status, message, headers)
 
     def piece(self, text: str, done: bool = False, calls: list[dict] | None = None, thinking: str = "") -> dict:
         """One line: text (a chat's message, else the response), with its reasoning and tool calls in Ollama's

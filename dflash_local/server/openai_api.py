@@ -57,8 +57,7 @@ class Shape:
         return body if usage is None else body | {"usage": usage}
 
     def error(self, status: int, message: str, headers: dict[str, str] | None = None) -> Response:
-        kind = "invalid_request_error" if status < 500 else "server_error"
-        return error_response(status, message, kind, headers=headers)
+        return error_response(status, message, headers=headers)
 
     def whole(self, parts: Parts, ending: Ending) -> dict:
         if not self.chat:

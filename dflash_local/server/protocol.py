@@ -43,12 +43,14 @@ class BadRequest(Refused):
 def error_response(
     status: int,
     message: str,
-    kind: str = "invalid_request_error",
+    kind: str | None = None,
     param: str | None = None,
     code: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
-    """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
+    """OpenAI's error body, {"error": {"message", "type", "param", "code"}}; the type, unless given, is
+    invalid_request_error below 500, else server_error."""
+    kind = kind or ("invalid_request_error" if status < 500 else "server_error")
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 

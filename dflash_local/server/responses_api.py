@@ -184,8 +184,7 @@ class Reply:
         self.sequence = 0
 
     def error(self, status: int, message: str, headers: dict[str, str] | None = None) -> Response:
-        kind = "invalid_request_error" if status < 500 else "server_error"
-        return error_response(status, message, kind, headers=headers)
+        return error_response(status, message, headers=headers)
 
     def _response(self, status: str, output: list[dict], ending: Ending | None = None) -> dict:
         body = {"id": self.id, "object": "response", "created_at": self.created, "status": status} | {
