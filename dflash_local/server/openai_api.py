@@ -3,7 +3,6 @@ built from the loop's Stats."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -14,13 +13,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..generation import LoadedModels
 from ..reply.channels import Parts
 from .constrained import forced_call_grammar, response_format_grammar
-from .engine import Ending, Event, Failure, Job
+from .engine import Ending, Event, Failure
 from .exchange import Server
 from .protocol import error_response, parse_messages, parse_prompt, parse_sampling, parse_thinking
-from .request import ChatRequest, chat_job, dflash_stats
+from .request import InnerRequest, dflash_stats, request_job
 from .tools import parse_tools
 
 
@@ -128,17 +126,12 @@ def routes(server: Server) -> list[Route]:
         messages, sampling, thinking = parse_messages(body), parse_sampling(body), parse_thinking(body)
         tools = parse_tools(body)
         grammar = forced_call_grammar(body, tools) or response_format_grammar(body)
-        job = chat_job(engine, ChatRequest(messages, tools, replace(sampling, grammar=grammar), thinking))
-        return await server.answer(request, job, Shape(model, sampling.include_usage, chat=True))
+        asked = InnerRequest(replace(sampling, grammar=grammar), messages, tools=tools, thinking=thinking)
+        return await server.answer(request, request_job(engine, asked), Shape(model, sampling.include_usage, chat=True))
 
     async def completions(request: Request, body: dict) -> Response:
-        prompt = parse_prompt(body)
         sampling = replace(parse_sampling(body), grammar=response_format_grammar(body))
-
-        def encode(models: LoadedModels) -> list[int]:
-            return models.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-
-        job = Job(encode, sampling, asyncio.get_running_loop())
+        job = request_job(engine, InnerRequest(sampling, prompt=parse_prompt(body)))
         return await server.answer(request, job, Shape(model, sampling.include_usage))
 
     async def models(request: Request, body: None) -> Response:
