@@ -3,7 +3,6 @@ built from the loop's Stats."""
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,7 +17,7 @@ from .constrained import forced_call_grammar, response_format_grammar
 from .engine import Ending, Event, Failure
 from .exchange import Server
 from .protocol import error_response, parse_messages, parse_prompt, parse_sampling, parse_thinking
-from .request import InnerRequest, dflash_stats, request_job
+from .request import InnerRequest, dflash_stats, request_job, sse
 from .tools import parse_tools
 
 
@@ -33,10 +32,6 @@ def usage(ending: Ending) -> dict:
         "prompt_tokens_details": {"cached_tokens": ending.cached_tokens},
         "dflash": dflash_stats(stats),
     }
-
-
-def _sse(body: dict | str) -> str:
-    return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n"
 
 
 class Shape:
@@ -91,9 +86,9 @@ class Shape:
         if parts.reasoning:
             delta = {"reasoning_content": parts.reasoning}
             choice = {"index": 0, "delta": delta, "finish_reason": None}
-            chunks.append(_sse(self._object("chat.completion.chunk", [choice])))
+            chunks.append(sse(self._object("chat.completion.chunk", [choice])))
         if parts.content:
-            chunks.append(_sse(self.chunk(parts.content)))
+            chunks.append(sse(self.chunk(parts.content)))
         return chunks
 
     async def stream(self, events: AsyncIterator[Event]) -> AsyncIterator[str]:
@@ -101,21 +96,21 @@ class Shape:
         the finish reason, usage if asked, then [DONE]."""
         calls: list[dict] = []
         if self.chat:
-            yield _sse(self.chunk(None))
+            yield sse(self.chunk(None))
         async for event in events:
             if isinstance(event, Failure):
-                yield _sse({"error": {"message": event.message, "type": "server_error", "param": None, "code": None}})
+                yield sse({"error": {"message": event.message, "type": "server_error", "param": None, "code": None}})
             elif isinstance(event, Parts):
                 calls += event.calls
                 for chunk in self._parts(event):
                     yield chunk
             else:
                 if calls:
-                    yield _sse(self._calls_chunk(calls))
-                yield _sse(self.chunk("", "tool_calls" if calls else event.finish_reason))
+                    yield sse(self._calls_chunk(calls))
+                yield sse(self.chunk("", "tool_calls" if calls else event.finish_reason))
                 if self.include_usage:
-                    yield _sse(self.chunk(None, usage=usage(event)))
-        yield _sse("[DONE]")
+                    yield sse(self.chunk(None, usage=usage(event)))
+        yield sse("[DONE]")
 
 
 def routes(server: Server) -> list[Route]:

@@ -24,22 +24,20 @@ SYSTEM_ROLES = ("system", "developer")
 
 @dataclass(frozen=True)
 class InnerRequest:
-    """A request inside: chat messages in OpenAI's shape (tool calls' arguments as objects) or a raw prompt (text or
-    token ids, encoded as it is), the checked sampling (with any grammar), OpenAI function tools (None: none), the
-    thinking switch (None: the server's default) and `plain`: the reply read as it is (a raw prompt's always is)."""
+    """A request inside, from any of the six endpoints: chat messages in OpenAI's shape (tool calls' arguments as
+    objects) or a raw prompt, with its checked sampling, function tools and thinking switch."""
 
-    sampling: Sampling
+    sampling: Sampling  # with any grammar
     messages: list[dict[str, Any]] | None = None
-    prompt: str | list[int] | None = None
-    tools: list[dict] | None = None
-    thinking: bool | None = None
-    plain: bool = False
+    prompt: str | list[int] | None = None  # text or token ids, encoded as it is (no template)
+    tools: list[dict] | None = None  # OpenAI function tools (None: none)
+    thinking: bool | None = None  # None: the server's default
+    plain: bool = False  # the reply read as it is, not as the model's family writes it (a raw prompt's always is)
 
 
 def request_job(engine: Engine, request: InnerRequest, count_only: bool = False) -> Job:
-    """The job that renders the request (a raw prompt as it is; messages with the model's chat template, the generic
-    tool prompt where the template renders no tools) and generates its reply, read as the model's family writes it
-    unless plain (count_only: only counts the prompt's tokens)."""
+    """The job that renders the request (a raw prompt as it is, messages through the chat template and its tools)
+    and reads its reply (count_only: only counts the prompt's tokens)."""
 
     def render(models: LoadedModels) -> list[int]:
         prompt = request.prompt
@@ -63,10 +61,15 @@ def one_system(messages: list[dict[str, Any]], system: str = "") -> list[dict[st
     return ([{"role": "system", "content": "\n\n".join(texts)}] if texts else []) + rest
 
 
+def sse(data: dict | str) -> str:
+    """One server-sent event's data (JSON unless text)."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
 def sse_event(kind: str, body: dict) -> str:
     """One named server-sent event, its data the body with its type (as Anthropic's and the Responses streams
     write them)."""
-    return f"event: {kind}\ndata: {json.dumps({'type': kind} | body)}\n\n"
+    return f"event: {kind}\n" + sse({"type": kind} | body)
 
 
 def dflash_stats(stats: Stats) -> dict:
