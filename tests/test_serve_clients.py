@@ -169,6 +169,15 @@ def test_the_ollama_api_refuses_what_it_cannot_honour_in_its_error_shape(local, 
     assert refused.value.code == 401 and set(json.loads(refused.value.read())) == {"error"}
 
 
+def test_the_ollama_client_reads_no_such_path_or_method_in_its_error_shape(local):
+    with pytest.raises(ollama.ResponseError) as missing:
+        local.delete("tiny")  # DELETE /api/delete: not served
+    assert missing.value.status_code == 404 and missing.value.error.startswith("Invalid URL (DELETE /api/delete)")
+    with pytest.raises(ollama.ResponseError) as wrong:
+        local._request_raw("GET", "/api/chat")
+    assert wrong.value.status_code == 405 and wrong.value.error == "GET /api/chat is not allowed: use POST."
+
+
 def test_a_plain_urllib_client_sending_a_20_mb_body_reads_the_413(url):
     body = json.dumps({"messages": MESSAGES, "padding": "x" * (20 << 20)}).encode()
     headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}

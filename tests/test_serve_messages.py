@@ -187,6 +187,16 @@ def test_hostile_bodies_get_anthropics_error_shape_and_the_server_stays_up(url, 
     assert client.messages.create(model="tiny", max_tokens=2, messages=ASK, extra_body=GREEDY).content  # not an end
 
 
+def test_the_client_reads_no_such_path_or_method_as_anthropics_errors(client):
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        client.messages.batches.list()  # GET /v1/messages/batches: not served
+    assert missing.value.body["error"]["type"] == "not_found_error"
+    assert missing.value.body["error"]["message"].startswith("Invalid URL (GET /v1/messages/batches)")
+    with pytest.raises(anthropic.APIStatusError) as wrong:
+        client.get("/v1/messages", cast_to=object)
+    assert wrong.value.status_code == 405 and wrong.value.body["error"]["type"] == "invalid_request_error"
+
+
 def test_keys_are_taken_as_x_api_key_or_bearer_and_a_wrong_one_is_a_401(url):
     body = json.dumps({"messages": ASK, "max_tokens": 2}).encode()
     bearer = {"Authorization": f"Bearer {KEY}", "anthropic-version": "2023-06-01"}  # the anthropic client's way

@@ -21,7 +21,7 @@ from dflash_local.reply.channels import PLAIN, Parts, ReplyReader, collected
 from dflash_local.reply.text_stream import TextStream
 from dflash_local.reply.tool_calls import parse_calls
 from dflash_local.runtime import LoadSpec, RuntimeConfig
-from dflash_local.server import ollama_api
+from dflash_local.server import anthropic_api, ollama_api, responses_api
 from dflash_local.server.engine import Ending, Engine
 from dflash_local.server.openai_api import Shape
 from dflash_local.server.protocol import BadRequest, parse_messages
@@ -204,6 +204,21 @@ def tool_engine() -> Engine:
     """The bundled pair with room for a tool prompt (the tiny model's template takes no tools: the generic one)."""
     models = load_models(TINY / "target", TINY / "drafter", LoadSpec(RuntimeConfig(device="cpu")), auto_block=False)
     return Engine(models, 4, None, size=2)
+
+
+@pytest.mark.parametrize("arguments", ['{"city": "Paris"}', {"city": "Paris"}])
+def test_the_three_chat_apis_take_a_past_call_by_one_rule(arguments):
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    openai_call = {"id": "c1", "function": {"name": "get_weather", "arguments": arguments}}
+    chat = parse_messages({"messages": [{"role": "assistant", "content": "", "tool_calls": [openai_call]}]})
+    use = {"type": "tool_use", "id": "c1", "name": "get_weather", "input": arguments}
+    messages = anthropic_api.parse_request({"messages": [{"role": "assistant", "content": [use]}]}).messages
+    item = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": arguments}
+    responses = responses_api.parse_request({"input": [item]}).messages
+    assert chat == messages == responses == [{"role": "assistant", "content": "", "tool_calls": [call]}]
+    broken = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{not json"}
+    with pytest.raises(BadRequest, match="A function_call must be"):
+        responses_api.parse_request({"input": [broken]})
 
 
 def test_the_openai_client_sends_tools_and_tool_history_and_reads_text_back(tool_engine):

@@ -197,15 +197,31 @@ def test_a_wrong_authorization_is_a_401(address, value):
         ("GET", "/health/", 404, "Invalid URL (GET /health/)"),
         ("GET", "/v1/chat/completions", 405, "GET /v1/chat/completions is not allowed: use POST."),
         ("DELETE", "/v1/models", 405, "DELETE /v1/models is not allowed: use "),  # GET, HEAD in any order
+        ("GET", "/v1/messages/nothing", 404, "Invalid URL (GET /v1/messages/nothing)"),
+        ("POST", "/v1/messages/batches", 404, "Invalid URL (POST /v1/messages/batches)"),
+        ("GET", "/v1/messages", 405, "GET /v1/messages is not allowed: use POST."),
+        ("PUT", "/v1/messages/count_tokens", 405, "PUT /v1/messages/count_tokens is not allowed: use POST."),
+        ("GET", "/api/ps", 404, "Invalid URL (GET /api/ps)"),
+        ("DELETE", "/api/delete", 404, "Invalid URL (DELETE /api/delete)"),
+        ("GET", "/api/chat", 405, "GET /api/chat is not allowed: use POST."),
+        ("POST", "/api/tags", 405, "POST /api/tags is not allowed: use "),  # GET, HEAD in any order
     ],
 )
-def test_no_such_path_or_method_is_answered_in_the_openai_shape_without_redirects(
+def test_no_such_path_or_method_is_answered_in_the_shape_of_the_paths_api_without_redirects(
     address, method, path, status, message
 ):
-    got, headers, body = ask(address, method, path, json.dumps(CHAT).encode() if method == "POST" else None)
+    """OpenAI's shape, but Anthropic's under /v1/messages and Ollama's under /api/."""
+    got, headers, body = ask(address, method, path, json.dumps(CHAT).encode() if method != "GET" else None)
     assert (got, headers["content-type"]) == (status, "application/json")
-    assert_openai_error(body, message)
     assert "location" not in {name.lower() for name in headers}
+    if path.startswith("/api/"):
+        assert set(body) == {"error"} and body["error"].startswith(message), body
+    elif path.startswith("/v1/messages"):
+        kind = "not_found_error" if status == 404 else "invalid_request_error"
+        assert set(body) == {"type", "error"} and body["type"] == "error" and set(body["error"]) == {"type", "message"}
+        assert body["error"]["type"] == kind and body["error"]["message"].startswith(message), body
+    else:
+        assert_openai_error(body, message)
 
 
 def test_a_body_over_the_limit_is_a_413_before_it_is_read(engine):
@@ -310,7 +326,7 @@ def test_a_limit_out_of_range_is_one_error_line(flag, value, message):
     assert assert_one_error(CliRunner().invoke(app, ["serve", "tiny", flag, value])) == message
 
 
-def test_a_bug_is_a_500_in_the_openai_shape():
+def test_a_bug_is_a_500_in_the_shape_of_the_paths_api():
     class Broken(Engine):
         def submit(self, job) -> bool:
             raise RuntimeError("a bug")
@@ -318,8 +334,13 @@ def test_a_bug_is_a_500_in_the_openai_shape():
     models = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids: "", config={}), stop_ids=frozenset())
     with serving(Broken(models, None, None, size=1)) as address:
         status, _, body = ask(address, "POST", "/v1/chat/completions", json.dumps(CHAT).encode())
+        _, _, anthropic = ask(address, "POST", "/v1/messages", json.dumps(CHAT).encode())
+        _, _, ollama = ask(address, "POST", "/api/chat", json.dumps(CHAT).encode())
     assert status == 500 and body["error"]["type"] == "server_error"
     assert_openai_error(body, "The server failed (RuntimeError: a bug).")
+    failed = {"type": "api_error", "message": "The server failed (RuntimeError: a bug)."}
+    assert anthropic == {"type": "error", "error": failed}
+    assert ollama == {"error": "The server failed (RuntimeError: a bug)."}
 
 
 def test_a_long_stop_string_is_no_slower_than_the_text_it_holds_back():

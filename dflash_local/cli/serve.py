@@ -41,7 +41,7 @@ from .options import (
 )
 
 if TYPE_CHECKING:
-    from ..server import Limits
+    from ..server import Engine, Limits
 
 # serve's own options (and its help for --max-new-tokens and --seed).
 ApiKey = Annotated[
@@ -140,27 +140,44 @@ def serve(
         values.check_numbers(1 if max_new_tokens is None else max_new_tokens, options.max_context, decode.seed)
         limits = _limits(max_queue, max_body, read_timeout, max_connections, port, cache_ram)
 
-        from ..chat_template import read_template, use_template
-        from ..prompt_cache import PromptCache
-        from ..server import Engine, create_app, listen, run_server
-        from ..session import Session
+        from ..chat_template import read_template
+        from ..server import create_app, listen, run_server
         from ..vulkan_probe import expose_for
 
         expose_for(device)  # before llama.cpp loads: which Vulkan devices it may use
         template = None if chat_template is None else read_template(chat_template)
         sock = listen(host, port)  # before loading: a taken port fails at once
-        resolved = resolve(model, decode.drafter, options.offline, options.token)
-        drafter_path = None if decode.no_draft else resolved.drafter
-        models = options.load(resolved, drafter_path, resolved.backend, block_size is None and not decode.no_draft)
-        models.tokenizer.config = use_template(models.tokenizer.config, template, resolved.target)
-        if cache_ram:
-            models.session = Session(PromptCache(cache_ram * 2**20))
-        report = partial(typer.echo, err=True)
-        worker = Engine(
-            models, block_size, max_new_tokens, max_queue, resolved.thinking, decode.seed, decode.no_draft, report
-        )
+        worker = _engine(model, decode, options, template, cache_ram, max_new_tokens, max_queue)
         _announce(model, host, api_key, sock.getsockname())
         run_server(create_app(worker, model, api_key, limits, tuple(cors_origins)), sock, limits)
+
+
+def _engine(
+    model: str,
+    decode: DecodeOptions,
+    options: ModelOptions,
+    template: str | None,
+    cache_ram: int,
+    max_new_tokens: int | None,
+    max_queue: int,
+) -> Engine:
+    """The model loaded (with the chat template given, the prompt cache of cache_ram MiB) and its serving engine."""
+    from ..chat_template import use_template
+    from ..prompt_cache import PromptCache
+    from ..server import Engine
+    from ..session import Session
+
+    block_size = decode.block()
+    resolved = resolve(model, decode.drafter, options.offline, options.token)
+    drafter_path = None if decode.no_draft else resolved.drafter
+    models = options.load(resolved, drafter_path, resolved.backend, block_size is None and not decode.no_draft)
+    models.tokenizer.config = use_template(models.tokenizer.config, template, resolved.target)
+    if cache_ram:
+        models.session = Session(PromptCache(cache_ram * 2**20))
+    report = partial(typer.echo, err=True)
+    return Engine(
+        models, block_size, max_new_tokens, max_queue, resolved.thinking, decode.seed, decode.no_draft, report
+    )
 
 
 def _announce(model: str, host: str, api_key: str | None, address: tuple) -> None:

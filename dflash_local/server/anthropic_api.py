@@ -19,8 +19,8 @@ from ..sampling import SamplingParams
 from .constrained import forced_call_grammar
 from .engine import Ending, Event, Failure, Job
 from .exchange import Server
-from .protocol import BadRequest, Refused, Sampling, flag, number, stop_strings, whole
-from .request import REASONING, Blocks, ChatRequest, Step, chat_job, dflash_stats, one_system
+from .protocol import BadRequest, Refused, Sampling, flag, number, reasoned, stop_strings, tool_call, whole
+from .request import REASONING, Blocks, InnerRequest, Step, dflash_stats, one_system, request_job, sse_event
 from .tools import parse_tools
 
 log = logging.getLogger("dflash.serve")
@@ -39,9 +39,10 @@ BILLING_HEADER = "x-anthropic-billing-header:"  # Claude Code's per-request syst
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    """Anthropic's error body, {"type": "error", "error": {"type", "message"}}; a full queue is its 529 overloaded."""
+    """Anthropic's error body, {"type": "error", "error": {"type", "message"}} (another 4xx is an
+    invalid_request_error, another 5xx an api_error); a full queue is its 529 overloaded."""
     status = 529 if status == 429 else status
-    kind = ERROR_TYPES.get(status, "api_error")
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
     body = {"type": "error", "error": {"type": kind, "message": message}}
     return JSONResponse(body, status_code=status, headers=headers)
 
@@ -93,20 +94,15 @@ def _turns(message: dict, where: str) -> list[dict[str, Any]]:
             result = _text(block.get("content", ""), f"{at}.content")
             turns.append({"role": "tool", "tool_call_id": call_id, "content": result})
         elif kind == "tool_use" and role == "assistant":
-            name, arguments = block.get("name"), block.get("input", {})
-            if not isinstance(name, str) or not isinstance(arguments, dict):
-                raise BadRequest("A tool_use block must be {id, name, input (an object)}.", at)
-            function = {"name": name, "arguments": arguments}
-            calls.append({"id": str(block.get("id", "")), "type": "function", "function": function})
+            message = "A tool_use block must be {id, name, input (an object)}."
+            calls.append(tool_call(block.get("id", ""), block.get("name"), block.get("input", {}), message, at))
         elif kind == "thinking" and isinstance(block.get("thinking"), str):
             reasoning += block["thinking"]
     if texts or calls or not turns:
         turn: dict[str, Any] = {"role": role, "content": "".join(texts)}
         if calls:
             turn["tool_calls"] = calls
-        if reasoning and role == "assistant":
-            turn["reasoning_content"] = turn["thinking"] = reasoning
-        turns.append(turn)
+        turns.append(reasoned(turn, reasoning))
     return turns
 
 
@@ -160,8 +156,8 @@ def _thinking(body: dict) -> bool | None:
     return {"enabled": True, "disabled": False, "adaptive": None}[kind]
 
 
-def parse_request(body: dict) -> ChatRequest:
-    """A Messages request as the chat request inside (unknown fields ignored)."""
+def parse_request(body: dict) -> InnerRequest:
+    """A Messages request as the request inside (unknown fields ignored)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list of {role, content} objects.", "messages")
@@ -180,7 +176,7 @@ def parse_request(body: dict) -> ChatRequest:
         stream=flag(body, "stream"),
         grammar=forced_call_grammar({"tool_choice": choice}, tools),
     )
-    return ChatRequest(one_system(turns, system), tools, sampling, _thinking(body))
+    return InnerRequest(sampling, one_system(turns, system), tools=tools, thinking=_thinking(body))
 
 
 def _content(parts: Parts) -> list[dict]:
@@ -198,10 +194,6 @@ def _tool_use(call: dict) -> dict:
     """An OpenAI tool call as a tool_use block."""
     function, named = call["function"], f"toolu_{call['id'].removeprefix('call_')}"
     return {"type": "tool_use", "id": named, "name": function["name"], "input": json.loads(function["arguments"])}
-
-
-def _event(kind: str, body: dict) -> str:
-    return f"event: {kind}\ndata: {json.dumps({'type': kind} | body)}\n\n"
 
 
 class Reply:
@@ -226,8 +218,8 @@ class Reply:
 
     async def stream(self, events: AsyncIterator[Event]) -> AsyncIterator[str]:
         usage = _counts(self.job.prompt_tokens, self.job.cached_tokens) | {"output_tokens": 0}
-        yield _event("message_start", {"message": self._message([], None, None, usage)})
-        yield _event("ping", {})
+        yield sse_event("message_start", {"message": self._message([], None, None, usage)})
+        yield sse_event("ping", {})
         blocks, calls = Blocks(), []
         async for event in events:
             if isinstance(event, Parts):
@@ -235,14 +227,14 @@ class Reply:
                 for step in blocks.add(event):
                     yield _from_step(step)
             elif isinstance(event, Failure):
-                yield _event("error", {"error": {"type": "api_error", "message": event.message}})
+                yield sse_event("error", {"error": {"type": "api_error", "message": event.message}})
             else:
                 for step in blocks.close():
                     yield _from_step(step)
                 stop, sequence = _stop(calls, event)
                 delta = {"delta": {"stop_reason": stop, "stop_sequence": sequence}, "usage": _usage(event)}
-                yield _event("message_delta", delta)
-                yield _event("message_stop", {})
+                yield sse_event("message_delta", delta)
+                yield sse_event("message_stop", {})
 
 
 def _from_step(step: Step) -> str:
@@ -251,19 +243,19 @@ def _from_step(step: Step) -> str:
     thinking = kind == REASONING
     if action == "open":
         block = {"type": "thinking", "thinking": "", "signature": ""} if thinking else {"type": "text", "text": ""}
-        return _event("content_block_start", {"index": index, "content_block": block})
+        return sse_event("content_block_start", {"index": index, "content_block": block})
     if action == "delta":
         delta = {"type": "thinking_delta", "thinking": value} if thinking else {"type": "text_delta", "text": value}
-        return _event("content_block_delta", {"index": index, "delta": delta})
+        return sse_event("content_block_delta", {"index": index, "delta": delta})
     if action == "close":
-        return _event("content_block_stop", {"index": index})
+        return sse_event("content_block_stop", {"index": index})
     block = _tool_use(value)
     start = {"index": index, "content_block": block | {"input": {}}}
     delta = {"index": index, "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}}
     return (
-        _event("content_block_start", start)
-        + _event("content_block_delta", delta)
-        + _event("content_block_stop", {"index": index})
+        sse_event("content_block_start", start)
+        + sse_event("content_block_delta", delta)
+        + sse_event("content_block_stop", {"index": index})
     )
 
 
@@ -293,13 +285,13 @@ def routes(server: Server) -> list[Route]:
 
     async def messages(request: Request, body: dict) -> Response:
         chat = parse_request(body)
-        job = chat_job(engine, chat)
+        job = request_job(engine, chat)
         return await server.answer(request, job, Reply(model, job))
 
     async def count_tokens(request: Request, body: dict) -> Response:
         body = body | {"max_tokens": 1, "stream": False}
         chat = parse_request(body)
-        job = chat_job(engine, chat, count_only=True)
+        job = request_job(engine, chat, count_only=True)
         return await server.answer(request, job, Counted(model))
 
     return [

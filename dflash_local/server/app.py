@@ -1,6 +1,6 @@
 """The Starlette app: OpenAI's (chat completions, completions, Responses), Anthropic's and Ollama's routes over one
 engine, /health, CORS for the origins given, and every refusal the routes do not answer themselves (no such path,
-wrong method, a bug) in OpenAI's error shape."""
+wrong method, a bug) in the error shape of the API the path belongs to."""
 
 from __future__ import annotations
 
@@ -24,19 +24,29 @@ PATHS = (
 )
 
 
+def api_error(path: str, status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    """An error in the shape of the API the path belongs to: Anthropic's under /v1/messages, Ollama's under /api/,
+    else OpenAI's."""
+    if path.startswith("/v1/messages"):
+        return anthropic_api.error_response(status, message, headers)
+    if path.startswith("/api/"):
+        return ollama_api.error_response(status, message, headers)
+    return error_response(status, message, headers=headers)
+
+
 def _http_error(request: Request, exc: HTTPException) -> Response:
-    """Starlette's own refusals (no such path, wrong method) in the OpenAI shape."""
+    """Starlette's own refusals (no such path, wrong method) in the shape of the path's API."""
     where = f"{request.method} {request.url.path}"
     messages = {
         404: f"Invalid URL ({where}): this server answers {PATHS}.",
         405: f"{where} is not allowed: use {(exc.headers or {}).get('Allow', '')}.",
     }
-    return error_response(exc.status_code, messages.get(exc.status_code, exc.detail), headers=exc.headers)
+    return api_error(request.url.path, exc.status_code, messages.get(exc.status_code, exc.detail), exc.headers)
 
 
 def _server_error(request: Request, exc: Exception) -> Response:
-    """A bug's answer: a 500 in the OpenAI shape (uvicorn logs the traceback)."""
-    return error_response(500, f"The server failed ({type(exc).__name__}: {exc}).", "server_error")
+    """A bug's answer: a 500 in the shape of the path's API (uvicorn logs the traceback)."""
+    return api_error(request.url.path, 500, f"The server failed ({type(exc).__name__}: {exc}).")
 
 
 def create_app(

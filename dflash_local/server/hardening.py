@@ -212,7 +212,7 @@ def _too_many_connections(cap: int) -> JSONResponse:
     """The app every request of a connection over the cap gets: 503, Retry-After, and the connection closed."""
     message = f"The server has its {cap} connections open (--max-connections); retry later."
     headers = {"Retry-After": str(RETRY_AFTER_S), "Connection": "close"}
-    return error_response(503, message, "server_error", headers=headers)
+    return error_response(503, message, headers=headers)
 
 
 def uvicorn_server(app: ASGIApp, limits: Limits = Limits()) -> Uvicorn:

@@ -3,7 +3,6 @@ streaming, the options clients send), for clients that speak only Ollama's API."
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -15,14 +14,13 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from ..chat_template import uses_thinking
-from ..generation import LoadedModels
 from ..reply.channels import PLAIN, Parts
 from ..sampling import SamplingParams
 from .constrained import ollama_format_grammar
-from .engine import Ending, Event, Failure, Job
+from .engine import Ending, Event, Failure
 from .exchange import Server
 from .protocol import BadRequest, Refused, Sampling, flag, number, parse_messages, stop_strings, whole
-from .request import ChatRequest, chat_job
+from .request import InnerRequest, one_system, request_job
 from .tools import parse_tools
 
 log = logging.getLogger("dflash.serve")
@@ -33,9 +31,14 @@ REFUSED = {"images": "images", "suffix": "'suffix'"}
 REFUSED |= {"context": "'context' token lists"}
 
 
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    """Ollama's error body: {"error": sentence}."""
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
 def refusal(exc: Refused) -> Response:
-    """A refusal in Ollama's error shape: {"error": sentence}."""
-    return JSONResponse({"error": str(exc)}, status_code=exc.status, headers=exc.headers())
+    """A refusal in Ollama's error shape."""
+    return error_response(exc.status, str(exc), exc.headers())
 
 
 def _now() -> str:
@@ -79,7 +82,7 @@ class Reply:
         self.started = time.monotonic()
 
     def error(self, status: int, message: str, headers: dict[str, str] | None = None) -> Response:
-        return JSONResponse({"error": message}, status_code=status, headers=headers)
+        return error_response(status, message, headers)
 
     def piece(self, text: str, done: bool = False, calls: list[dict] | None = None, thinking: str = "") -> dict:
         """One line: text (a chat's message, else the response), with its reasoning and tool calls in Ollama's
@@ -143,7 +146,7 @@ def routes(server: Server) -> list[Route]:
         if think is not None and not isinstance(think, bool):
             raise BadRequest("'think' must be true or false.", "think")
 
-        job = chat_job(engine, ChatRequest(messages, tools, sampling, think))
+        job = request_job(engine, InnerRequest(sampling, messages, tools=tools, thinking=think))
         return await server.answer(request, job, Reply(model, chat=True))
 
     async def generate(request: Request, body: dict) -> Response:
@@ -152,15 +155,11 @@ def routes(server: Server) -> list[Route]:
             raise BadRequest("'prompt' and 'system' must be strings.", "prompt")
         if not prompt:  # Ollama's way to load a model: nothing to generate
             return JSONResponse(Reply(model).piece("", True) | {"done_reason": "load"})
-        raw = flag(body, "raw")
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-
-        def render(models: LoadedModels) -> list[int]:
-            if raw:
-                return models.tokenizer.encode(prompt)
-            return models.tokenizer.encode_chat(messages, add_generation_prompt=True, enable_thinking=engine.thinking)
-
-        return await server.answer(request, Job(render, sampling, asyncio.get_running_loop()), Reply(model))
+        if flag(body, "raw"):
+            asked = InnerRequest(sampling, prompt=prompt)
+        else:  # the chat template's, its reply read as it is
+            asked = InnerRequest(sampling, one_system([{"role": "user", "content": prompt}], system), plain=True)
+        return await server.answer(request, request_job(engine, asked), Reply(model))
 
     async def tags(request: Request, body: None) -> Response:
         card = {"name": model, "model": model, "modified_at": _now(), "size": 0, "digest": "", "details": DETAILS}

@@ -3,8 +3,6 @@ built from the loop's Stats."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -14,13 +12,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..generation import LoadedModels
 from ..reply.channels import Parts
 from .constrained import forced_call_grammar, response_format_grammar
-from .engine import Ending, Event, Failure, Job
+from .engine import Ending, Event, Failure
 from .exchange import Server
 from .protocol import error_response, parse_messages, parse_prompt, parse_sampling, parse_thinking
-from .request import ChatRequest, chat_job, dflash_stats
+from .request import InnerRequest, dflash_stats, request_job, sse
 from .tools import parse_tools
 
 
@@ -35,10 +32,6 @@ def usage(ending: Ending) -> dict:
         "prompt_tokens_details": {"cached_tokens": ending.cached_tokens},
         "dflash": dflash_stats(stats),
     }
-
-
-def _sse(body: dict | str) -> str:
-    return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n"
 
 
 class Shape:
@@ -57,8 +50,7 @@ class Shape:
         return body if usage is None else body | {"usage": usage}
 
     def error(self, status: int, message: str, headers: dict[str, str] | None = None) -> Response:
-        kind = "invalid_request_error" if status < 500 else "server_error"
-        return error_response(status, message, kind, headers=headers)
+        return error_response(status, message, headers=headers)
 
     def whole(self, parts: Parts, ending: Ending) -> dict:
         if not self.chat:
@@ -94,9 +86,9 @@ class Shape:
         if parts.reasoning:
             delta = {"reasoning_content": parts.reasoning}
             choice = {"index": 0, "delta": delta, "finish_reason": None}
-            chunks.append(_sse(self._object("chat.completion.chunk", [choice])))
+            chunks.append(sse(self._object("chat.completion.chunk", [choice])))
         if parts.content:
-            chunks.append(_sse(self.chunk(parts.content)))
+            chunks.append(sse(self.chunk(parts.content)))
         return chunks
 
     async def stream(self, events: AsyncIterator[Event]) -> AsyncIterator[str]:
@@ -104,21 +96,21 @@ class Shape:
         the finish reason, usage if asked, then [DONE]."""
         calls: list[dict] = []
         if self.chat:
-            yield _sse(self.chunk(None))
+            yield sse(self.chunk(None))
         async for event in events:
             if isinstance(event, Failure):
-                yield _sse({"error": {"message": event.message, "type": "server_error", "param": None, "code": None}})
+                yield sse({"error": {"message": event.message, "type": "server_error", "param": None, "code": None}})
             elif isinstance(event, Parts):
                 calls += event.calls
                 for chunk in self._parts(event):
                     yield chunk
             else:
                 if calls:
-                    yield _sse(self._calls_chunk(calls))
-                yield _sse(self.chunk("", "tool_calls" if calls else event.finish_reason))
+                    yield sse(self._calls_chunk(calls))
+                yield sse(self.chunk("", "tool_calls" if calls else event.finish_reason))
                 if self.include_usage:
-                    yield _sse(self.chunk(None, usage=usage(event)))
-        yield _sse("[DONE]")
+                    yield sse(self.chunk(None, usage=usage(event)))
+        yield sse("[DONE]")
 
 
 def routes(server: Server) -> list[Route]:
@@ -129,17 +121,12 @@ def routes(server: Server) -> list[Route]:
         messages, sampling, thinking = parse_messages(body), parse_sampling(body), parse_thinking(body)
         tools = parse_tools(body)
         grammar = forced_call_grammar(body, tools) or response_format_grammar(body)
-        job = chat_job(engine, ChatRequest(messages, tools, replace(sampling, grammar=grammar), thinking))
-        return await server.answer(request, job, Shape(model, sampling.include_usage, chat=True))
+        asked = InnerRequest(replace(sampling, grammar=grammar), messages, tools=tools, thinking=thinking)
+        return await server.answer(request, request_job(engine, asked), Shape(model, sampling.include_usage, chat=True))
 
     async def completions(request: Request, body: dict) -> Response:
-        prompt = parse_prompt(body)
         sampling = replace(parse_sampling(body), grammar=response_format_grammar(body))
-
-        def encode(models: LoadedModels) -> list[int]:
-            return models.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-
-        job = Job(encode, sampling, asyncio.get_running_loop())
+        job = request_job(engine, InnerRequest(sampling, prompt=parse_prompt(body)))
         return await server.answer(request, job, Shape(model, sampling.include_usage))
 
     async def models(request: Request, body: None) -> Response:

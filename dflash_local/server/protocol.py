@@ -43,12 +43,14 @@ class BadRequest(Refused):
 def error_response(
     status: int,
     message: str,
-    kind: str = "invalid_request_error",
+    kind: str | None = None,
     param: str | None = None,
     code: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
-    """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
+    """OpenAI's error body, {"error": {"message", "type", "param", "code"}}; the type, unless given, is
+    invalid_request_error below 500, else server_error."""
+    kind = kind or ("invalid_request_error" if status < 500 else "server_error")
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 
@@ -193,25 +195,38 @@ def _content(message: dict, where: str) -> str:
     raise BadRequest("A message's content must be a string or a list of text parts.", f"{where}.content")
 
 
+def tool_call(call_id: object, name: object, arguments: object, message: str, where: str) -> dict:
+    """A tool call as templates take it, whichever API sent it: arguments as an object (transformers' way; JSON text
+    is read), or a 400 with message."""
+    try:
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except json.JSONDecodeError:
+        arguments = None
+    if not isinstance(name, str) or not isinstance(arguments, dict):
+        raise BadRequest(message, where)
+    return {"id": str(call_id), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def reasoned(turn: dict, reasoning: str) -> dict:
+    """An assistant turn with its reasoning under the names templates read (Qwen3's, gpt-oss's), if it has any."""
+    if reasoning and turn["role"] == "assistant":
+        turn["reasoning_content"] = turn["thinking"] = reasoning
+    return turn
+
+
 def _tool_calls(message: dict, where: str) -> list[dict]:
-    """An assistant message's tool calls as templates take them: arguments as an object (transformers' way)."""
+    """An assistant message's tool calls, each {id, function: {name, arguments (an object, or JSON text)}}."""
     calls = message.get("tool_calls") or []
     if not isinstance(calls, list):
         raise BadRequest("'tool_calls' must be a list.", f"{where}.tool_calls")
     taken = []
     for index, call in enumerate(calls):
         function = call.get("function") if isinstance(call, dict) else None
-        name = function.get("name") if isinstance(function, dict) else None
-        arguments = function.get("arguments", "{}") if isinstance(function, dict) else None
-        try:
-            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except json.JSONDecodeError:
-            arguments = None
-        if not isinstance(name, str) or not isinstance(arguments, dict):
-            message = "A tool call must be {function: {name, arguments (a JSON object, as text)}}."
-            raise BadRequest(message, f"{where}.tool_calls[{index}]")
-        function = {"name": name, "arguments": arguments}
-        taken.append({"id": str(call.get("id", "")), "type": "function", "function": function})
+        function = function if isinstance(function, dict) else {}
+        message = "A tool call must be {function: {name, arguments (a JSON object, as text)}}."
+        call_id = call.get("id", "") if isinstance(call, dict) else ""
+        arguments = function.get("arguments", "{}")
+        taken.append(tool_call(call_id, function.get("name"), arguments, message, f"{where}.tool_calls[{index}]"))
     return taken
 
 
@@ -233,9 +248,7 @@ def parse_messages(body: dict) -> list[dict]:
             if isinstance(message.get(name), str):
                 taken[name] = message[name]
         reasoning = message.get("reasoning_content", message.get("thinking"))  # OpenAI-shape clients', Ollama's
-        if message["role"] == "assistant" and isinstance(reasoning, str) and reasoning:
-            taken["reasoning_content"] = taken["thinking"] = reasoning  # the names templates read (Qwen3, gpt-oss)
-        parsed.append(taken)
+        parsed.append(reasoned(taken, reasoning if isinstance(reasoning, str) else ""))
     return parsed
 
 

@@ -1,11 +1,12 @@
-"""The one inside shape of a chat request, whichever API brought it (OpenAI's chat completions, Ollama's /api/chat,
-Anthropic's Messages, OpenAI's Responses): the messages as templates take them, the function tools, the sampling and
-the thinking switch; the job that renders it and reads its reply into parts, which each API writes in its own
-shape."""
+"""The one inside shape of a request, whichever of the six endpoints brought it (OpenAI's chat completions,
+completions and Responses, Anthropic's Messages, Ollama's /api/chat and /api/generate): chat messages as templates
+take them or a raw prompt, the function tools, the sampling and the thinking switch; the one job that renders it and
+reads its reply into parts, which each API writes in its own shape."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 from ..chat_template import takes_tools
 from ..decode import Stats
 from ..generation import LoadedModels
-from ..reply.channels import Parts
+from ..reply.channels import PLAIN, Parts
 from .engine import Engine, Job
 from .protocol import Sampling
 from .tools import conversation
@@ -22,28 +23,33 @@ SYSTEM_ROLES = ("system", "developer")
 
 
 @dataclass(frozen=True)
-class ChatRequest:
-    """A chat request inside: messages in OpenAI's shape (tool calls' arguments as objects), OpenAI function tools
-    (None: none), the checked sampling (with any grammar) and the thinking switch (None: the server's default)."""
+class InnerRequest:
+    """A request inside, from any of the six endpoints: chat messages in OpenAI's shape (tool calls' arguments as
+    objects) or a raw prompt, with its checked sampling, function tools and thinking switch."""
 
-    messages: list[dict[str, Any]]
-    tools: list[dict] | None
-    sampling: Sampling
-    thinking: bool | None = None
+    sampling: Sampling  # with any grammar
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | list[int] | None = None  # text or token ids, encoded as it is (no template)
+    tools: list[dict] | None = None  # OpenAI function tools (None: none)
+    thinking: bool | None = None  # None: the server's default
+    plain: bool = False  # the reply read as it is, not as the model's family writes it (a raw prompt's always is)
 
 
-def chat_job(engine: Engine, request: ChatRequest, count_only: bool = False) -> Job:
-    """The job that renders the request with the model's chat template (the generic tool prompt where the template
-    renders no tools) and generates its reply, read as the model's family writes it (count_only: only counts the
-    prompt's tokens)."""
+def request_job(engine: Engine, request: InnerRequest, count_only: bool = False) -> Job:
+    """The job that renders the request (a raw prompt as it is, messages through the chat template and its tools)
+    and reads its reply (count_only: only counts the prompt's tokens)."""
 
     def render(models: LoadedModels) -> list[int]:
+        prompt = request.prompt
+        if prompt is not None:
+            return models.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         enable = engine.thinking if request.thinking is None else request.thinking
-        turns, shown = conversation(request.messages, request.tools, takes_tools(models.tokenizer.config))
+        turns, shown = conversation(request.messages or [], request.tools, takes_tools(models.tokenizer.config))
         return models.tokenizer.encode_chat(turns, True, enable, shown)
 
+    family = PLAIN if request.plain or request.prompt is not None else engine.family
     loop = asyncio.get_running_loop()
-    return Job(render, request.sampling, loop, family=engine.family, tools=request.tools, count_only=count_only)
+    return Job(render, request.sampling, loop, family=family, tools=request.tools, count_only=count_only)
 
 
 def one_system(messages: list[dict[str, Any]], system: str = "") -> list[dict[str, Any]]:
@@ -53,6 +59,17 @@ def one_system(messages: list[dict[str, Any]], system: str = "") -> list[dict[st
     texts += [m["content"] for m in messages if m["role"] in SYSTEM_ROLES and m["content"]]
     rest = [m for m in messages if m["role"] not in SYSTEM_ROLES]
     return ([{"role": "system", "content": "\n\n".join(texts)}] if texts else []) + rest
+
+
+def sse(data: dict | str) -> str:
+    """One server-sent event's data (JSON unless text)."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+def sse_event(kind: str, body: dict) -> str:
+    """One named server-sent event, its data the body with its type (as Anthropic's and the Responses streams
+    write them)."""
+    return f"event: {kind}\n" + sse({"type": kind} | body)
 
 
 def dflash_stats(stats: Stats) -> dict:

@@ -4,7 +4,6 @@ response object or as the Responses stream of events, in OpenAI's error shape.""
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -20,8 +19,8 @@ from ..sampling import SamplingParams
 from .constrained import forced_call_grammar, response_format_grammar
 from .engine import Ending, Event, Failure
 from .exchange import Server
-from .protocol import BadRequest, Sampling, error_response, flag, number, top_p, whole
-from .request import REASONING, Blocks, ChatRequest, Step, chat_job, dflash_stats, one_system
+from .protocol import BadRequest, Sampling, error_response, flag, number, reasoned, tool_call, top_p, whole
+from .request import REASONING, Blocks, InnerRequest, Step, dflash_stats, one_system, request_job, sse_event
 from .tools import parse_tools
 
 log = logging.getLogger("dflash.serve")
@@ -82,23 +81,15 @@ def _messages(body: dict) -> list[dict[str, Any]]:
         else:
             log.debug("ignored an input item of type %s", kind)
             continue
-        if reasoning and turns[-1]["role"] == "assistant":
-            turns[-1]["reasoning_content"] = turns[-1]["thinking"] = reasoning
+        reasoned(turns[-1], reasoning)
         reasoning = ""
     return turns
 
 
 def _call(item: dict, where: str) -> dict:
     """A function_call item as a chat tool call (arguments as an object)."""
-    name, arguments = item.get("name"), item.get("arguments", "{}")
-    try:
-        arguments = json.loads(arguments) if isinstance(arguments, str) else None
-    except json.JSONDecodeError:
-        arguments = None
-    if not isinstance(name, str) or not isinstance(arguments, dict):
-        raise BadRequest("A function_call must be {call_id, name, arguments (a JSON object, as text)}.", where)
-    function = {"name": name, "arguments": arguments}
-    return {"id": str(item.get("call_id", "")), "type": "function", "function": function}
+    message = "A function_call must be {call_id, name, arguments (a JSON object, as text)}."
+    return tool_call(item.get("call_id", ""), item.get("name"), item.get("arguments", "{}"), message, where)
 
 
 def _tools(body: dict) -> tuple[list[dict] | None, object]:
@@ -142,8 +133,8 @@ def _thinking(body: dict) -> bool | None:
     return None if effort is None else EFFORTS[effort]
 
 
-def parse_request(body: dict) -> ChatRequest:
-    """A Responses request as the chat request inside (unknown fields ignored)."""
+def parse_request(body: dict) -> InnerRequest:
+    """A Responses request as the request inside (unknown fields ignored)."""
     if body.get("previous_response_id") is not None:
         raise BadRequest(NO_STATE, "previous_response_id")
     instructions = body.get("instructions") or ""
@@ -158,11 +149,7 @@ def parse_request(body: dict) -> ChatRequest:
         stream=flag(body, "stream"),
         grammar=forced_call_grammar(asked, checked) or response_format_grammar(asked),
     )
-    return ChatRequest(one_system(_messages(body), instructions), checked, sampling, _thinking(body))
-
-
-def _event(kind: str, body: dict) -> str:
-    return f"event: {kind}\ndata: {json.dumps({'type': kind} | body)}\n\n"
+    return InnerRequest(sampling, one_system(_messages(body), instructions), tools=checked, thinking=_thinking(body))
 
 
 def _call_item(call: dict, status: str = "completed") -> dict:
@@ -184,8 +171,7 @@ class Reply:
         self.sequence = 0
 
     def error(self, status: int, message: str, headers: dict[str, str] | None = None) -> Response:
-        kind = "invalid_request_error" if status < 500 else "server_error"
-        return error_response(status, message, kind, headers=headers)
+        return error_response(status, message, headers=headers)
 
     def _response(self, status: str, output: list[dict], ending: Ending | None = None) -> dict:
         body = {"id": self.id, "object": "response", "created_at": self.created, "status": status} | {
@@ -222,7 +208,7 @@ class Reply:
 
     def _emit(self, kind: str, body: dict) -> str:
         self.sequence += 1
-        return _event(kind, body | {"sequence_number": self.sequence})
+        return sse_event(kind, body | {"sequence_number": self.sequence})
 
     async def stream(self, events: AsyncIterator[Event]) -> AsyncIterator[str]:
         yield self._emit("response.created", {"response": self._response("in_progress", [])})
@@ -296,7 +282,7 @@ def routes(server: Server) -> list[Route]:
 
     async def responses(request: Request, body: dict) -> Response:
         chat = parse_request(body)
-        job = chat_job(engine, chat)
+        job = request_job(engine, chat)
         return await server.answer(request, job, Reply(model))
 
     return [Route("/v1/responses", server.endpoint(responses), methods=["POST"])]
