@@ -1,18 +1,24 @@
-"""Runs in .venv-vllm (vLLM's CPU build): for each job, vLLM reads the speculative config that `dflash export --to
-vllm` printed, with the target folder, picks its model class and loads the exported drafter's weights; the results
-(or each job's error) go to OUT/vllm.json.
+"""Runs in .venv-vllm (vLLM's CPU build). load: for each job, vLLM reads the speculative config that `dflash export
+--to vllm` printed, with the target folder, picks its model class and loads the exported drafter's weights; the
+results (or each job's error) go to OUT/vllm.json. generate: vLLM decodes each prompt greedily with the pair
+(DFlash speculative decoding), and OUT/drafted.json gets each one's tokens, drafting steps and accepted drafts.
 
-    .venv-vllm/bin/python tests/vllm_reference.py JOBS.json OUT
-JOBS.json: [{"name", "target", "speculative_config"}]."""
+    .venv-vllm/bin/python tests/vllm_reference.py load JOBS.json OUT
+JOBS.json: [{"name", "target", "speculative_config"}]
+    .venv-vllm/bin/python tests/vllm_reference.py generate JOB.json OUT
+JOB.json: {"target", "speculative_config", "prompts": [[ids]], "max_tokens"}"""
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 from pathlib import Path
 
-import torch
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: vLLM's CPU default reserves most of RAM
+
+import torch  # noqa: E402 (vLLM reads its environment at import)
 from vllm.config import (
     DeviceConfig,
     LoadConfig,
@@ -52,8 +58,42 @@ def load(target: str, speculative: dict) -> dict:
     }
 
 
+def spec_counts(llm) -> tuple[int, int]:
+    """vLLM's running totals: drafting steps and accepted draft tokens."""
+    found = {metric.name: getattr(metric, "value", 0) for metric in llm.get_metrics()}
+    return found.get("vllm:spec_decode_num_drafts", 0), found.get("vllm:spec_decode_num_accepted_tokens", 0)
+
+
+def generate(job: dict, out: Path) -> None:
+    """Each prompt decoded alone (so vLLM's counters are its own), greedy, at most max_tokens new tokens."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    target = job["target"]
+    llm = LLM(
+        model=target,
+        tokenizer=target,
+        dtype="float32",
+        speculative_config=job["speculative_config"],
+        max_model_len=512,
+        enforce_eager=True,
+        disable_log_stats=False,
+    )
+    greedy, results = SamplingParams(max_tokens=job["max_tokens"], temperature=0), []
+    for prompt in job["prompts"]:
+        before = spec_counts(llm)
+        made = llm.generate([TokensPrompt(prompt_token_ids=prompt)], greedy, use_tqdm=False)[0].outputs[0].token_ids
+        after = spec_counts(llm)
+        results.append({"token_ids": list(made), "drafts": after[0] - before[0], "accepted": after[1] - before[1]})
+    (out / "drafted.json").write_text(json.dumps(results))
+
+
 def main() -> None:
-    jobs, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
+    mode, job_file, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    if mode == "generate":
+        generate(json.loads(job_file.read_text()), out)
+        return
+    jobs = json.loads(job_file.read_text())
     with socket.socket() as probe:  # a free port for the one-process group vLLM's layers ask for
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -69,5 +109,5 @@ def main() -> None:
     (out / "vllm.json").write_text(json.dumps(results, indent=1))
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # vLLM's engine starts its own processes, which import this file again
     main()
