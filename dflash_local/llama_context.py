@@ -62,9 +62,12 @@ class LlamaContext:
         """Feed (sequence, position, token, wants_logits) rows through the token batch."""
         batch = self.batch
         batch.n_tokens = len(rows)
+        # the arrays read once: each read of a ctypes struct's field makes a new pointer object
+        tokens, positions, outputs = batch.token, batch.pos, batch.logits
+        counts, sequences = batch.n_seq_id, batch.seq_id
         for index, (sequence, position, token, wants) in enumerate(rows):
-            batch.token[index], batch.pos[index] = token, position
-            batch.n_seq_id[index], batch.seq_id[index][0], batch.logits[index] = 1, sequence, wants
+            tokens[index], positions[index], outputs[index] = token, position, wants
+            counts[index], sequences[index][0] = 1, sequence
         self.process()
 
     def process(self) -> None:
