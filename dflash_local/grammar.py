@@ -158,11 +158,11 @@ def _build_lltokenizer(tokenizer: TextTokenizer | GGUFTokenizer, vocab_size: int
     llguidance = _llguidance()
     if isinstance(tokenizer, TextTokenizer):
         return llguidance.LLTokenizer(tokenizer.tokenizer.to_str(), n_vocab=vocab_size, eos_token=eos)
-    from .llama_lib import llama_cpp
+    from .llama_lib import function_address
 
     tokens = _llama_token_bytes(tokenizer.vocab)
     tokens += [b""] * (vocab_size - len(tokens))
-    tokenize = ctypes.cast(llama_cpp.llama_cpp._lib.llama_tokenize, ctypes.c_void_p).value
+    tokenize = function_address("llama_tokenize")
     return llguidance.LLTokenizer.from_llamacpp(
         tokens=tokens, vocab_ptr=tokenizer.vocab, tokenize_fptr=tokenize, eos_token=eos
     )

@@ -97,6 +97,19 @@ def loaded_library() -> Path:
     return Path(llama_cpp.llama_cpp._lib._name)
 
 
+def output_functions() -> tuple[Callable, Callable]:
+    """(logits(ctx), embeddings(ctx)) -> address of llama.cpp's output rows, as an int: bindings of our own, since
+    llama_cpp's return ctypes pointers, which cost more to turn into arrays than a small model's decode step."""
+    address_of = ctypes.CFUNCTYPE(ctypes.c_void_p, llama_cpp.llama_context_p_ctypes)
+    lib = llama_cpp.llama_cpp._lib
+    return address_of(("llama_get_logits", lib)), address_of(("llama_get_embeddings", lib))
+
+
+def function_address(name: str) -> int:
+    """The address of one of libllama's C functions (for a library that calls it itself)."""
+    return ctypes.cast(getattr(llama_cpp.llama_cpp._lib, name), ctypes.c_void_p).value
+
+
 def _bind(names: tuple[str, ...], argtypes: list, restype, what: str = "layer-input taps") -> Callable:
     for name in names:
         func = getattr(llama_cpp.llama_cpp._lib, name, None)
@@ -152,20 +165,3 @@ def quiet_llama_logs() -> None:
 def first_llama_error() -> str:
     """llama.cpp's first error line since quiet_llama_logs(), without its function-name prefix ('' if none)."""
     return _errors[0].split(": ", 1)[-1] if _errors else ""
-
-
-def save_sequence(ctx) -> bytearray:
-    """Sequence 0's memory in a context (KV cells, a recurrent state) as llama.cpp serializes it."""
-    state = bytearray(llama_cpp.llama_state_seq_get_size(ctx, 0))
-    buffer = (ctypes.c_uint8 * len(state)).from_buffer(state)
-    if not llama_cpp.llama_state_seq_get_data(ctx, buffer, len(state), 0):
-        raise DFlashError("llama.cpp could not save a sequence's state for the prompt cache.")
-    return state
-
-
-def load_sequence(ctx, state: bytearray) -> None:
-    """Replace the context's memory with a state from save_sequence."""
-    llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
-    buffer = (ctypes.c_uint8 * len(state)).from_buffer(state)
-    if not llama_cpp.llama_state_seq_set_data(ctx, buffer, len(state), 0):
-        raise DFlashError("llama.cpp could not restore a sequence's state from the prompt cache.")

@@ -129,7 +129,7 @@ def test_drafts_are_the_walk_of_the_selectors_lattice(dflash2_gguf, gguf_target,
     overturned = 0
     for start, rows in ((40, 7), (60, 7), (61, 3), (len(ids) - 1, 7)):
         drafted = native.propose(gguf_target, features[native.length : start], ids, start, 8, rows)
-        lattice = np.ctypeslib.as_array(get_lattice(native._ctx), shape=(8 * hidden,)).reshape(8, hidden)
+        lattice = np.ctypeslib.as_array(get_lattice(native.context.ctx), shape=(8 * hidden,)).reshape(8, hidden)
         assert torch.isfinite(drafted).sum(dim=1).tolist() == [1] * rows  # a point mass per row
         assert drafted.argmax(dim=1).tolist() == _walk(lattice, rows)
         candidates = lattice[1:, :TOP_K]

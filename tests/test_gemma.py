@@ -83,14 +83,14 @@ def test_the_drafters_embed_and_draft_as_the_target(target, drafters, prompts):
     set_tap, get_tap = tap_functions()
     ids = torch.tensor(prompts[0][:12])
     target.reset()
-    set_tap(target._ctx, 0, True)  # layer 0's input: the scaled embeddings
+    set_tap(target.context.ctx, 0, True)  # layer 0's input: the scaled embeddings
     try:
         target.forward(ids, features=False)
-        first = target._view(get_tap(target._ctx, 0), len(ids), target.hidden_size)
+        first = target._view(get_tap(target.context.ctx, 0), len(ids), target.hidden_size)
         scaled = target.embed(ids) * torch_drafter.cfg.input_embedding_scale
         assert torch.allclose(scaled, torch.from_numpy(first.copy()), rtol=1e-5, atol=1e-4)
     finally:
-        set_tap(target._ctx, 0, False)
+        set_tap(target.context.ctx, 0, False)
     vocab = set(torch_drafter.model.d2t.tolist())
     agree = total = 0
     for prompt in prompts:

@@ -11,8 +11,8 @@ SOURCES = {"dflash_local": REPO / "dflash_local", "dflash_local.kernels": REPO /
 
 LAYERS = (
     (  # gguf: init
-        *("errors", "atomic", "paths", "dimensions", "shapes", "llama_lib", "vulkan_probe", "devices", "tap_probe"),
-        *("defaults", "kernels", "gguf", "kv_cache"),
+        *("errors", "atomic", "paths", "dimensions", "shapes", "llama_lib", "llama_context", "vulkan_probe"),
+        *("devices", "tap_probe", "defaults", "kernels", "gguf", "kv_cache"),
     ),
     (  # files
         *("local_models", "hub", "hub_access", "hub_pull", "downloads", "catalog", "memory_estimate", "prompt_sets"),

@@ -9,7 +9,6 @@ hands the MTP block the final-normed hidden state, which is the target's last-la
 from __future__ import annotations
 
 import ctypes
-import weakref
 from dataclasses import replace
 
 import numpy as np
@@ -17,7 +16,8 @@ import torch
 
 from ..errors import DFlashError
 from ..kv_cache import KVCache
-from ..llama_lib import first_llama_error, llama_cpp, load_sequence, mtp_functions, save_sequence
+from ..llama_context import LlamaContext
+from ..llama_lib import llama_cpp, mtp_functions
 from ..runtime import LoadSpec
 from ..targets.llamacpp import BATCH, LlamaCppTarget, context_params
 
@@ -26,23 +26,16 @@ MTP_BLOCK = 8  # the most positions one verify takes from a chain (each draft st
 HISTORY = 64  # the target's hidden states kept for rollbacks; one further back starts the chain from zeros
 
 
-def _free(batch, ctx) -> None:
-    llama_cpp.llama_batch_ext_free(batch)
-    llama_cpp.llama_free(ctx)
-
-
 class MtpDrafter:
     """The Drafter interface (drafters.base) over llama.cpp's MTP context of one GGUF target."""
 
     source = "mtp"
 
-    def __init__(self, target: LlamaCppTarget, ctx) -> None:
-        self.target, self._ctx = target, ctx
-        self._memory = llama_cpp.llama_get_memory(ctx)
-        self._batch = llama_cpp.llama_batch_ext_init(ctx)
-        weakref.finalize(self, _free, self._batch, ctx)
+    def __init__(self, target: LlamaCppTarget, context: LlamaContext) -> None:
+        self.target = target
+        self.context = context  # llama.cpp's MTP context over the target's model, reading the target's context
         set_nextn, self._nextn_at = mtp_functions()
-        set_nextn(ctx, True, True)  # the block's hidden state for each output row
+        set_nextn(context.ctx, True, True)  # the block's hidden state for each output row
         self.block_size = MTP_BLOCK
         self.target_layer_ids = [target.num_layers - 1]
         self.length = 0
@@ -72,11 +65,8 @@ class MtpDrafter:
             raise DFlashError("The target was loaded without its MTP layers (LoadSpec.mtp), so it cannot draft.")
         params = context_params(replace(spec, kv_cache=KVCache()), target.max_context)  # f16, as drafters.native's
         params.ctx_type = llama_cpp.LLAMA_CONTEXT_TYPE_MTP
-        params.ctx_other = target._ctx
-        ctx = llama_cpp.llama_init_from_model(target._model, params)
-        if not ctx:
-            raise DFlashError(f"llama.cpp could not create the MTP context ({first_llama_error() or 'no reason'}).")
-        return cls(target, ctx)
+        context = target.context
+        return cls(target, LlamaContext(context.model, params, "the MTP context", owns_model=False, other=context))
 
     def check_target(self, target) -> None:
         """Raise a DFlashError unless target is the GGUF target whose MTP layers these are."""
@@ -85,17 +75,17 @@ class MtpDrafter:
         target.set_feature_layers(self.target_layer_ids)
 
     def reset(self) -> None:
-        llama_cpp.llama_memory_clear(self._memory, True)
+        self.context.reset()
         self.length, self._first = 0, 0
         self._hidden = self._hidden[:0]
 
     def save_state(self) -> tuple[bytearray, int, np.ndarray, int]:
         """The MTP cache's state and length and the target's hidden states kept, for load_state (the prompt cache)."""
-        return save_sequence(self._ctx), self.length, self._hidden.copy(), self._first
+        return self.context.save(), self.length, self._hidden.copy(), self._first
 
     def load_state(self, state: tuple[bytearray, int, np.ndarray, int]) -> None:
         """Hold a saved MTP cache again (its length and hidden states with it)."""
-        load_sequence(self._ctx, state[0])
+        self.context.load(state[0])
         self.length, self._hidden, self._first = state[1], state[2].copy(), state[3]
 
     def _state(self, position: int) -> np.ndarray:
@@ -106,19 +96,15 @@ class MtpDrafter:
         return self._hidden[index]
 
     def _add(self, token: int, position: int, state: np.ndarray, output: bool) -> None:
-        index = llama_cpp.llama_batch_ext_add_token(self._batch, 0, token)
+        batch = self.context.batch
+        index = llama_cpp.llama_batch_ext_add_token(batch, 0, token)
         if index < 0:
             raise DFlashError("llama.cpp's MTP batch is full.")
         pos = llama_cpp.llama_pos(position)
-        llama_cpp.llama_batch_ext_set_pos(self._batch, index, ctypes.byref(pos))
+        llama_cpp.llama_batch_ext_set_pos(batch, index, ctypes.byref(pos))
         embd = llama_cpp.llama_embd(state.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), 1, state.shape[0])
-        llama_cpp.llama_batch_ext_set_embd_token(self._batch, index, embd)
-        llama_cpp.llama_batch_ext_set_output_logits(self._batch, index, output)
-
-    def _process(self) -> None:
-        status = llama_cpp.llama_process(self._ctx, llama_cpp.LLAMA_PROCESS_TYPE_DECODE, self._batch)
-        if status != 0:
-            raise DFlashError(f"llama.cpp's MTP context failed on a batch (status {status}).")
+        llama_cpp.llama_batch_ext_set_embd_token(batch, index, embd)
+        llama_cpp.llama_batch_ext_set_output_logits(batch, index, output)
 
     def _catch_up(self, features: np.ndarray, tokens: list[int], start: int) -> None:
         """Cache positions [length, start) from their tokens and the hidden states before them, then keep the last
@@ -126,10 +112,10 @@ class MtpDrafter:
         states = np.concatenate([self._state(self.length - 1)[None], features[:-1]]) if len(features) else features
         states = np.ascontiguousarray(states, dtype=np.float32)
         for offset in range(0, len(states), BATCH):
-            llama_cpp.llama_batch_ext_clear(self._batch)
+            llama_cpp.llama_batch_ext_clear(self.context.batch)
             for row in range(offset, min(offset + BATCH, len(states))):
                 self._add(tokens[self.length + row], self.length + row, states[row], False)
-            self._process()
+            self.context.process()
         kept = self._hidden[: max(self.length - self._first, 0)]
         self._hidden = np.concatenate([kept, features])[-HISTORY:].astype(np.float32)
         self._first = start - len(self._hidden)
@@ -146,22 +132,22 @@ class MtpDrafter:
         """Cache the positions up to start, then chain `rows` drafts (default size - 1) from tokens[start]: the
         logits [rows, vocab] of positions start+1..start+rows, each step's argmax being the next step's token."""
         rows = size - 1 if rows is None else rows
-        width = target.hidden_size
+        width, ctx = target.hidden_size, self.context.ctx
         features = np.zeros((0, width), np.float32) if new_features is None else new_features.float().cpu().numpy()
         if self.length + len(features) != start:
             raise ValueError(f"MTP cache holds {self.length} positions, got features up to {start}")
-        llama_cpp.llama_memory_seq_rm(self._memory, 0, self.length, -1)
+        self.context.trim(self.length)
         self._catch_up(features, tokens, start)
         self.length = start
         token, state, drafted = tokens[start], self._state(start - 1), []
         for step in range(rows):
-            llama_cpp.llama_batch_ext_clear(self._batch)
+            llama_cpp.llama_batch_ext_clear(self.context.batch)
             self._add(token, start + step, np.ascontiguousarray(state), True)
-            self._process()
-            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, 0), shape=(target.vocab_size,))
+            self.context.process()
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, 0), shape=(target.vocab_size,))
             drafted.append(logits.copy())
             token = int(np.argmax(drafted[-1]))
-            state = np.ctypeslib.as_array(self._nextn_at(self._ctx, 0), shape=(width,)).copy()
+            state = np.ctypeslib.as_array(self._nextn_at(ctx, 0), shape=(width,)).copy()
         if not drafted:
             return torch.empty((0, target.vocab_size), device=target.device)
         return torch.from_numpy(np.stack(drafted)).to(target.device)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import weakref
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,14 +22,8 @@ from ..errors import DFlashError
 from ..gguf.file import read_header
 from ..gguf.shape import LAYER_TENSORS, add_shape, rope_factors
 from ..kv_cache import KVCache
-from ..llama_lib import (
-    dflash2_functions,
-    first_llama_error,
-    llama_cpp,
-    load_sequence,
-    quiet_llama_logs,
-    save_sequence,
-)
+from ..llama_context import LlamaContext, load_model
+from ..llama_lib import dflash2_functions, llama_cpp
 from ..offload import Placement
 from ..paths import files_identity, identity_key, state_dir
 from ..runtime import LoadSpec
@@ -62,12 +55,6 @@ _TOKENIZER_KEYS = (
     "tokenizer.ggml.merges",
     "tokenizer.ggml.eos_token_id",
 )
-
-
-def _free(batch, ctx, model) -> None:
-    llama_cpp.llama_batch_ext_free(batch)
-    llama_cpp.llama_free(ctx)
-    llama_cpp.llama_model_free(model)
 
 
 def _copy_tokenizer(writer: gguf.GGUFWriter, target: LlamaCppTarget) -> None:
@@ -174,12 +161,9 @@ class NativeDrafter:
 
     source = "dflash"
 
-    def __init__(self, cfg: DrafterConfig, model, ctx, target: LlamaCppTarget) -> None:
+    def __init__(self, cfg: DrafterConfig, context: LlamaContext, target: LlamaCppTarget) -> None:
         self.cfg, self.target = cfg, target
-        self._model, self._ctx = model, ctx
-        self._memory = llama_cpp.llama_get_memory(ctx)
-        self._batch = llama_cpp.llama_batch_ext_init(ctx)
-        weakref.finalize(self, _free, self._batch, ctx, model)
+        self.context = context  # llama.cpp's dflash context and model, reading the target's context
         self.length = 0
         self.cache_owner: object | None = None  # the Session that last filled its cache
         self.selector_top_k = 0  # a DFlash2 drafter's candidates per row (0: a DFlash drafter, drafting by logits)
@@ -194,23 +178,17 @@ class NativeDrafter:
         if not isinstance(target, LlamaCppTarget):
             raise DFlashError("The native llama.cpp drafter needs a GGUF target (the llamacpp backend).")
         check_fits(cfg, target)
-        quiet_llama_logs()
         path = folder if made else cached_drafter_gguf(folder, cfg, target)
         placement = spec.placement or Placement()  # every drafter layer on the target's device, if it has one
         # -1: all layers. Its cache stays f16 whatever the target's (--cache-type): the features it attends to as it was
         # trained, about a seventh of the target's cache at real sizes (5 of 36 layers), and drafts decide no output
         on_device = replace(spec, placement=replace(placement, gpu_layers=-1, cpu_moe=False), kv_cache=KVCache())
-        model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params(on_device).params)
-        if not model:
-            raise DFlashError(f"llama.cpp could not load the drafter {folder} ({first_llama_error() or 'no reason'}).")
+        model = load_model(path, model_params(on_device).params, f"the drafter {folder}")
         params = context_params(on_device, target.max_context)
-        params.ctx_other = target._ctx
-        ctx = llama_cpp.llama_init_from_model(model, params)
-        if not ctx:
-            llama_cpp.llama_model_free(model)
-            raise DFlashError(f"llama.cpp could not create the drafter context ({first_llama_error() or 'no reason'}).")
+        context = LlamaContext(model, params, "the drafter context", other=target.context)
+        ctx = context.ctx
         llama_cpp.llama_set_causal_attn(ctx, bool(cfg.is_causal))  # a GGUF may say causal; drafters are not
-        drafter = cls(cfg, model, ctx, target)
+        drafter = cls(cfg, context, target)
         if cfg.dflash2 is not None:
             top_k, set_nextn, drafter._get_lattice = dflash2_functions()
             drafter.selector_top_k = top_k(model)
@@ -235,41 +213,36 @@ class NativeDrafter:
         target.set_feature_layers(self.cfg.target_layer_ids)
 
     def reset(self) -> None:
-        llama_cpp.llama_memory_clear(self._memory, True)
+        self.context.reset()
         self.length = 0
 
     def save_state(self) -> tuple[bytearray, int]:
         """The draft KV cache's state and length, for load_state (the prompt cache)."""
-        return save_sequence(self._ctx), self.length
+        return self.context.save(), self.length
 
     def load_state(self, state: tuple[bytearray, int]) -> None:
         """Hold a saved draft KV cache again (its length with it)."""
-        load_sequence(self._ctx, state[0])
+        self.context.load(state[0])
         self.length = state[1]
-
-    def _process(self) -> None:
-        status = llama_cpp.llama_process(self._ctx, llama_cpp.LLAMA_PROCESS_TYPE_DECODE, self._batch)
-        if status != 0:
-            raise DFlashError(f"llama.cpp's drafter failed on a batch (status {status}).")
 
     def _add(self, index: int, position: int) -> None:
         if index < 0:
             raise DFlashError("llama.cpp's drafter batch is full.")
         pos = llama_cpp.llama_pos(position)
-        llama_cpp.llama_batch_ext_set_pos(self._batch, index, ctypes.byref(pos))
+        llama_cpp.llama_batch_ext_set_pos(self.context.batch, index, ctypes.byref(pos))
 
     def _inject(self, features: np.ndarray, start: int) -> None:
         """Append context features for positions start.. to the draft KV cache."""
-        width = features.shape[1]
+        width, batch = features.shape[1], self.context.batch
         for offset in range(0, features.shape[0], BATCH):
             chunk = np.ascontiguousarray(features[offset : offset + BATCH], dtype=np.float32)
-            llama_cpp.llama_batch_ext_clear(self._batch)
+            llama_cpp.llama_batch_ext_clear(batch)
             base = chunk.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
             for row in range(chunk.shape[0]):
                 row_ptr = ctypes.cast(ctypes.addressof(base.contents) + row * width * 4, ctypes.POINTER(ctypes.c_float))
                 embd = llama_cpp.llama_embd(row_ptr, 1, width)
-                self._add(llama_cpp.llama_batch_ext_add_embd(self._batch, 0, embd), start + offset + row)
-            self._process()
+                self._add(llama_cpp.llama_batch_ext_add_embd(batch, 0, embd), start + offset + row)
+            self.context.process()
 
     def propose(
         self,
@@ -289,22 +262,23 @@ class NativeDrafter:
             raise ValueError(f"a DFlash2 block holds at most {self.block_size} tokens, got {size}")
         if self.length + new_features.shape[0] != start:
             raise ValueError(f"drafter cache holds {self.length} positions, got features up to {start}")
-        llama_cpp.llama_memory_seq_rm(self._memory, 0, self.length, -1)
+        self.context.trim(self.length)
         self._inject(new_features.float().cpu().numpy(), self.length)
-        llama_cpp.llama_batch_ext_clear(self._batch)
+        batch = self.context.batch
+        llama_cpp.llama_batch_ext_clear(batch)
         for index in range(size):
             token = tokens[start] if index == 0 else self.cfg.mask_token_id
-            slot = llama_cpp.llama_batch_ext_add_token(self._batch, 0, token)
+            slot = llama_cpp.llama_batch_ext_add_token(batch, 0, token)
             self._add(slot, start + index)
             # DFlash2 reads no logits: its selector's lattice comes from the nextn rows of every block position
-            llama_cpp.llama_batch_ext_set_output_logits(self._batch, slot, index <= rows and not self.selector_top_k)
-        self._process()
+            llama_cpp.llama_batch_ext_set_output_logits(batch, slot, index <= rows and not self.selector_top_k)
+        self.context.process()
         self.length = start
         vocab = target.vocab_size
         if self.selector_top_k:
             return self._walked(rows, size, vocab, target.device)
         drafted = [
-            np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, i), shape=(vocab,))
+            np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.context.ctx, i), shape=(vocab,))
             for i in range(1, rows + 1)
         ]
         logits = torch.from_numpy(np.stack(drafted)).to(target.device) * self.cfg.output_multiplier
@@ -320,7 +294,7 @@ class NativeDrafter:
         argmax of its predecessor's scores (llama.cpp stops early only under a p_min, which dflash does not set)."""
         top_k = self.selector_top_k
         width = self.cfg.dims.hidden
-        lattice = np.ctypeslib.as_array(self._get_lattice(self._ctx), shape=(size * width,)).reshape(size, width)
+        lattice = np.ctypeslib.as_array(self._get_lattice(self.context.ctx), shape=(size * width,)).reshape(size, width)
         scores = torch.full((rows, vocab), float("-inf"), device=device)
         predecessor = 0
         for row in range(1, rows + 1):

@@ -50,7 +50,7 @@ class GGUFTokenizer(ChatEncoder):
     @classmethod
     def of_target(cls, target: LlamaCppTarget) -> GGUFTokenizer:
         """The vocabulary llama.cpp loaded with the target's weights (the file is not read again)."""
-        return cls(target._model, target)
+        return cls(target.context.model, target.context)
 
     @property
     def vocab(self):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,13 +12,13 @@ import torch
 
 from ..errors import DFlashError
 from ..gguf.file import GGUFModel, read_gguf
-from ..llama_lib import first_llama_error, llama_cpp, load_sequence, quiet_llama_logs, save_sequence, tap_functions
+from ..llama_context import LlamaContext, load_model
+from ..llama_lib import llama_cpp, output_functions, tap_functions
 from ..offload import ModelParams, Placement
 from ..quant import Int8Matrix
 from ..runtime import LoadSpec, pick_dtype
 from ..tap_probe import layer_taps
 from .base import TargetOutput
-from .llama_taps import output_functions
 
 BATCH = 512
 STATE_SNAPSHOTS = 16  # per-token recurrent-state snapshots llama.cpp keeps for a hybrid target: the most positions
@@ -62,13 +61,6 @@ def context_params(spec: LoadSpec, context: int) -> llama_cpp.llama_context_para
     return params
 
 
-def _free(batch, ctx, model) -> None:
-    """Release llama.cpp's batch, context and model (runs when the target is collected, or at exit)."""
-    llama_cpp.llama_batch_free(batch)
-    llama_cpp.llama_free(ctx)
-    llama_cpp.llama_model_free(model)
-
-
 class LlamaCppTarget:
     """A llama.cpp context over a GGUF file; the torch drafter borrows its embeddings and head from the file.
 
@@ -81,8 +73,7 @@ class LlamaCppTarget:
         self,
         info: GGUFModel,
         tensors: dict,
-        model,
-        ctx,
+        context: LlamaContext,
         max_context: int,
         dtype: torch.dtype,
         device: str,
@@ -91,10 +82,7 @@ class LlamaCppTarget:
         self.info = info
         self._embed_tensor = tensors["token_embd.weight"]
         self._head_tensor = tensors.get("output.weight", self._embed_tensor)
-        self._model, self._ctx = model, ctx
-        self._memory = llama_cpp.llama_get_memory(ctx)
-        self._batch = llama_cpp.llama_batch_init(BATCH, 0, 1)
-        weakref.finalize(self, _free, self._batch, ctx, model)
+        self.context = context  # llama.cpp's context and model (a drafter's context reads it, a tokenizer the model)
         self._set_tap, self._get_tap = tap_functions()
         self._logits_at, self._embeddings_at = output_functions()
         self._views: dict[tuple[int, int, int], np.ndarray] = {}
@@ -102,6 +90,7 @@ class LlamaCppTarget:
         self.max_context = max_context
         self.kernels = kernels  # the mode it was loaded with (llama.cpp runs the model itself)
         self.length = 0
+        model = context.model
         self.recurrent = llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model)
         self._fed: list[int] = []  # the cached tokens, re-fed where a recurrent state cannot roll back
         self._last_decode = 0  # tokens in llama.cpp's last decode since the last rollback
@@ -129,22 +118,14 @@ class LlamaCppTarget:
         tensors = {name: t for name, t in info.tensors.items() if name in ("token_embd.weight", "output.weight")}
         if "token_embd.weight" not in tensors:
             raise DFlashError(f"{path} lacks the tensor token_embd.weight.")
-        quiet_llama_logs()
-        llama_cpp.llama_backend_init()
-        model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params(spec).params)
-        if not model:
-            raise DFlashError(f"llama.cpp could not load {path} ({first_llama_error() or 'no reason given'}).")
+        model = load_model(Path(path), model_params(spec).params, str(path))
         max_context = min(max_context, info.context_length)
         params = context_params(spec, max_context)
         params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_NONE  # per-token output embeddings (last-layer features)
         if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
             params.n_rs_seq = STATE_SNAPSHOTS  # llama.cpp sets 0 for architectures it cannot roll back
-        ctx = llama_cpp.llama_init_from_model(model, params)
-        if not ctx:
-            llama_cpp.llama_model_free(model)
-            reason = first_llama_error() or "no reason given"
-            raise DFlashError(f"llama.cpp could not create a {max_context}-token context for {path} ({reason}).")
-        target = cls(info, tensors, model, ctx, max_context, dtype, device, kernels)
+        context = LlamaContext(model, params, f"a {max_context}-token context for {path}", rows=BATCH)
+        target = cls(info, tensors, context, max_context, dtype, device, kernels)
         target.int8_head = spec.int8_head
         on_gpu = spec.placement is not None and spec.placement.device is not None and spec.placement.gpu_layers > 0
         target.fixed_rows = FIXED_ROWS if on_gpu else None
@@ -181,7 +162,7 @@ class LlamaCppTarget:
                 f"{name} holds a '{arch}' model, whose layer features this libllama does not read, so DFlash cannot "
                 f"draft for it; plain decoding works (--no-draft){hint if arch == 'gemma3' else ''}."
             )
-        if self.recurrent and llama_cpp.llama_n_rs_seq(self._ctx) == 0:
+        if self.recurrent and llama_cpp.llama_n_rs_seq(self.context.ctx) == 0:
             raise DFlashError(
                 f"{name} holds a '{arch}' model, whose recurrent state llama.cpp cannot roll back to the accepted "
                 "tokens, so DFlash cannot draft for it; plain decoding works (--no-draft)."
@@ -207,12 +188,12 @@ class LlamaCppTarget:
         last = self.num_layers - 1
         for layer in self.feature_layer_ids:
             if layer != last:
-                self._set_tap(self._ctx, layer + 1, on)
-        llama_cpp.llama_set_embeddings(self._ctx, on and last in self.feature_layer_ids)
+                self._set_tap(self.context.ctx, layer + 1, on)
+        llama_cpp.llama_set_embeddings(self.context.ctx, on and last in self.feature_layer_ids)
         self._tapping = on
 
     def reset(self) -> None:
-        llama_cpp.llama_memory_clear(self._memory, True)
+        self.context.reset()
         self.length = self._last_decode = self._padding = 0
         self._fed.clear()
 
@@ -236,7 +217,7 @@ class LlamaCppTarget:
         self._last_decode = 0
         if self.recurrent and not snapshot:
             self._refeed(self._fed[:length])
-        elif not llama_cpp.llama_memory_seq_rm(self._memory, 0, length, -1):
+        elif not self.context.trim(length):
             if not self.recurrent:
                 raise DFlashError("llama.cpp could not roll its KV cache back.")
             self._refeed(self._fed[:length])
@@ -244,7 +225,7 @@ class LlamaCppTarget:
     def _refeed(self, tokens: list[int]) -> None:
         """Empty the cache and feed it tokens for their state alone (the last logits row only; the taps stay as they
         are, since switching them makes llama.cpp re-plan its next graph)."""
-        llama_cpp.llama_memory_clear(self._memory, True)
+        self.context.reset()
         self._last_decode = 0
         for offset in range(0, len(tokens), BATCH):
             self._decode(tokens[offset : offset + BATCH], offset, all_logits=False)
@@ -254,11 +235,11 @@ class LlamaCppTarget:
         """The cached positions' state (KV cells, a recurrent state), for load_state (the prompt cache)."""
         if self._padding:
             self.rollback(self.length)
-        return save_sequence(self._ctx)
+        return self.context.save()
 
     def load_state(self, state: bytearray, tokens: list[int]) -> None:
         """Hold a saved state again: the cache of `tokens` (as save_state gave it)."""
-        load_sequence(self._ctx, state)
+        self.context.load(state)
         self.length, self._last_decode, self._padding = len(tokens), 0, 0
         self._fed[:] = tokens
 
@@ -302,17 +283,8 @@ class LlamaCppTarget:
         return head
 
     def _decode(self, ids: list[int], start: int, all_logits: bool) -> None:
-        batch = self._batch
-        batch.n_tokens = len(ids)
-        for index, token in enumerate(ids):
-            batch.token[index] = token
-            batch.pos[index] = start + index
-            batch.n_seq_id[index] = 1
-            batch.seq_id[index][0] = 0
-            batch.logits[index] = all_logits or index == len(ids) - 1
-        status = llama_cpp.llama_decode(self._ctx, batch)
-        if status != 0:
-            raise DFlashError(f"llama.cpp failed to evaluate the batch (status {status}).")
+        last = len(ids) - 1
+        self.context.decode([(0, start + index, token, all_logits or index == last) for index, token in enumerate(ids)])
         self._last_decode = len(ids)
 
     def _view(self, address: int | None, rows: int, width: int) -> np.ndarray:
@@ -332,8 +304,8 @@ class LlamaCppTarget:
     def _features(self, layer: int, rows: int) -> np.ndarray:
         """HF hidden_states[layer + 1] for the last decoded rows, in place."""
         if layer == self.num_layers - 1:
-            return self._view(self._embeddings_at(self._ctx), rows, self.hidden_size)
-        return self._view(self._get_tap(self._ctx, layer + 1), rows, self.hidden_size)
+            return self._view(self._embeddings_at(self.context.ctx), rows, self.hidden_size)
+        return self._view(self._get_tap(self.context.ctx, layer + 1), rows, self.hidden_size)
 
     def forward(
         self, ids: torch.Tensor, all_logits: bool = True, features: bool = True, greedy: bool = False
@@ -361,7 +333,7 @@ class LlamaCppTarget:
             self._decode(chunk + chunk[-1:] * padding, start + offset, all_logits)
             if all_logits or offset + width >= len(tokens):
                 rows = len(chunk) if all_logits or every_output else 1
-                view = self._view(self._logits_at(self._ctx), rows, self.vocab_size)
+                view = self._view(self._logits_at(self.context.ctx), rows, self.vocab_size)
                 view = view if all_logits else view[-1:]
                 logits.append(view.argmax(axis=1) if greedy else view.copy())
             if features:

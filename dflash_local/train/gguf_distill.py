@@ -4,7 +4,6 @@ and the layer taps give the features of every position as it is fed (what the dr
 from __future__ import annotations
 
 import ctypes
-import weakref
 from pathlib import Path
 
 import numpy as np
@@ -12,19 +11,13 @@ import torch
 
 from ..errors import DFlashError
 from ..gguf.file import read_gguf
-from ..llama_lib import first_llama_error, llama_cpp, quiet_llama_logs, tap_functions
+from ..llama_context import LlamaContext, load_model
+from ..llama_lib import llama_cpp, output_functions, tap_functions
 from ..runtime import LoadSpec
 from ..sampling import SamplingParams, pick
 from ..tap_probe import layer_taps
-from ..targets.llama_taps import output_functions
 from ..targets.llamacpp import BATCH, context_params, model_params
 from .selfdistill import Continuation, top_k
-
-
-def _free(batch, ctx, model) -> None:
-    llama_cpp.llama_batch_free(batch)
-    llama_cpp.llama_free(ctx)
-    llama_cpp.llama_model_free(model)
 
 
 class ParallelTarget:
@@ -40,29 +33,20 @@ class ParallelTarget:
             )
         if any(not 0 <= i < self.info.dims.layers - 1 for i in layer_ids):
             raise DFlashError(f"Target layer ids {layer_ids} must lie in 0..{self.info.dims.layers - 2} for a GGUF.")
-        quiet_llama_logs()
-        llama_cpp.llama_backend_init()
-        model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params(spec).params)
-        if not model:
-            raise DFlashError(f"llama.cpp could not load {path} ({first_llama_error() or 'no reason given'}).")
+        model = load_model(path, model_params(spec).params, str(path))
         params = context_params(spec, sequences * length)
         params.n_seq_max, params.kv_unified = sequences, True  # one stream: batches keep their order in the taps
         params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_NONE
-        ctx = llama_cpp.llama_init_from_model(model, params)
-        if not ctx:
-            llama_cpp.llama_model_free(model)
-            raise DFlashError(f"llama.cpp could not create a context of {sequences} x {length} tokens for {path}.")
-        self._ctx, self._memory = ctx, llama_cpp.llama_get_memory(ctx)
-        self._batch = llama_cpp.llama_batch_init(BATCH, 0, 1)
-        weakref.finalize(self, _free, self._batch, ctx, model)
+        name = f"a context of {sequences} x {length} tokens for {path}"
+        self.context = LlamaContext(model, params, name, rows=BATCH)
         set_tap, self._get_tap = tap_functions()
         self._logits_at, _ = output_functions()
         self.layer_ids = list(layer_ids)
         for layer in self.layer_ids:
-            set_tap(ctx, layer + 1, True)
+            set_tap(self.context.ctx, layer + 1, True)
 
     def clear(self) -> None:
-        llama_cpp.llama_memory_clear(self._memory, True)
+        self.context.reset()
 
     def _rows(self, address: int | None, rows: int, width: int) -> np.ndarray:
         if not address:
@@ -72,20 +56,13 @@ class ParallelTarget:
     def decode(self, rows: list[tuple[int, int, int, bool]]) -> tuple[torch.Tensor, np.ndarray]:
         """Feed (sequence, position, token, wants_logits) rows, at most BATCH; return the logits of the rows that want
         them, in order (a view, valid until the next decode), and every row's concatenated features (a copy)."""
-        batch = self._batch
-        batch.n_tokens = len(rows)
-        for index, (sequence, position, token, wants) in enumerate(rows):
-            batch.token[index], batch.pos[index] = token, position
-            batch.n_seq_id[index], batch.seq_id[index][0], batch.logits[index] = 1, sequence, wants
-        status = llama_cpp.llama_decode(self._ctx, batch)
-        if status != 0:
-            raise DFlashError(f"llama.cpp failed to evaluate the batch (status {status}).")
-        width = self.info.dims.hidden
+        self.context.decode(rows)
+        ctx, width = self.context.ctx, self.info.dims.hidden
         features = np.concatenate(
-            [self._rows(self._get_tap(self._ctx, i + 1), len(rows), width) for i in self.layer_ids], axis=1
+            [self._rows(self._get_tap(ctx, i + 1), len(rows), width) for i in self.layer_ids], axis=1
         )
         wanted = sum(1 for row in rows if row[3])
-        logits = torch.from_numpy(self._rows(self._logits_at(self._ctx), wanted, self.info.dims.vocab))
+        logits = torch.from_numpy(self._rows(self._logits_at(ctx), wanted, self.info.dims.vocab))
         return logits, features
 
 
