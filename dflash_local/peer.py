@@ -205,9 +205,11 @@ def run_peer(
     max_new_tokens: int,
     ignore_eos: bool,
     threads: int | None,
+    reference: list[list[int]],
 ) -> dict:
     """Every mode's server at once (so that other load on the machine falls on all alike), a warm-up each, then per
-    prompt each mode in turn; per mode its rows, means and how many outputs equal its plain one."""
+    prompt each mode in turn; per mode its rows, means and how many outputs equal its plain one, and for plain how
+    many equal reference (dflash's plain outputs)."""
     longest = max(len(ids) for _, ids in prompts)
     common = [str(binary), "-m", str(target), "-np", "1", "--metrics", "--no-webui", "--cache-ram", "0"]
     common += ["-c", str(longest + max_new_tokens + 2 * (block_size or 16) + 64)]
@@ -235,12 +237,15 @@ def run_peer(
         finally:
             for server in servers.values():
                 server.stop()
-    return {"engine": "llama-server", "binary": str(binary), "modes": _summarise(results, len(prompts))}
+    return {"engine": "llama-server", "binary": str(binary), "modes": _summarise(results, reference)}
 
 
-def _summarise(results: dict[str, dict], count: int) -> dict[str, dict]:
-    """Per mode: means over its prompts, and how many of its outputs equal plain's (None where either failed)."""
+def _summarise(results: dict[str, dict], reference: list[list[int]]) -> dict[str, dict]:
+    """Per mode: means over its prompts, and how many of its outputs equal plain's (None where either failed); for
+    plain, how many equal the reference's."""
     plain = results["plain"]["prompts"] if results["plain"]["error"] is None else None
+    same = None if plain is None else sum(row["ids"] == ids for row, ids in zip(plain, reference, strict=True))
+    results["plain"]["identical_to_dflash_plain"] = same
     for name, result in results.items():
         rows = result["prompts"]
         result["mean"] = {
@@ -250,5 +255,5 @@ def _summarise(results: dict[str, dict], count: int) -> dict[str, dict]:
             result["identical"] = None
         else:
             result["identical"] = sum(row["ids"] == base["ids"] for row, base in zip(rows, plain, strict=True))
-        result["compared"] = count
+        result["compared"] = len(reference)
     return results

@@ -45,6 +45,7 @@ def test_peer_counts_each_engines_outputs_against_its_own_plain(tiny_gguf, fake_
     assert dflash["mean"]["decode_tokens_per_s"] == pytest.approx(5 / 0.06)  # (n - 1) tokens over predicted_ms
     assert dflash["mean"]["tau"] == pytest.approx(1 + 2 / 3)  # 1 + accepted / steps, from /metrics' counters
     assert plain["mean"]["tau"] == 0.0
+    assert plain["identical_to_dflash_plain"] == 0  # the fake's ids are not the tiny target's
 
 
 def test_the_table_shows_counts_and_a_refused_drafter(tiny_gguf, fake_server):

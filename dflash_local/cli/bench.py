@@ -168,7 +168,8 @@ def _bench_model(
 
         binary = find_llama_server(peer_binary)
         block = block_limit(models.drafter)[0] if models.drafter is not None else None
-        peer_args = (decode.max_new_tokens, decode.ignore_eos, options.threads)
+        ours = [row["output_ids"] for row in report["prompts"]]  # dflash's plain outputs, for llama-server's plain
+        peer_args = (decode.max_new_tokens, decode.ignore_eos, options.threads, ours)
         report["peer"] = run_peer(binary, resolved.target, resolved.drafter, block, prompt_ids, *peer_args)
     if calibration is not None:
         report["calibration"] = calibration
@@ -250,6 +251,9 @@ def print_peer(report: dict) -> None:
         "tok/s: tokens after the first per second of decoding, mean over prompts; tau: mean accepted drafts + 1 per "
         f"drafting step; llama-server: {report['peer']['binary']}"
     )
+    same_plain = report["peer"]["modes"]["plain"]["identical_to_dflash_plain"]
+    if same_plain is not None:
+        table.caption += f"\nllama-server's plain outputs equal to dflash's plain ones: {same_plain}/{count}"
     Console().print(table)
 
 
