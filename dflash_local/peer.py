@@ -211,7 +211,9 @@ def run_peer(
     prompt each mode in turn; per mode its rows, means and how many outputs equal its plain one, and for plain how
     many equal reference (dflash's plain outputs)."""
     longest = max(len(ids) for _, ids in prompts)
-    common = [str(binary), "-m", str(target), "-np", "1", "--metrics", "--no-webui", "--cache-ram", "0"]
+    # --no-repack: the weights as dflash reads them (no repacking for the CPU's kernels; llama-server's default AMX
+    # repacking also crashed it on a Sapphire Rapids CPU, docs/benchmarks.md)
+    common = [str(binary), "-m", str(target), "-np", "1", "--metrics", "--no-webui", "--cache-ram", "0", "--no-repack"]
     common += ["-c", str(longest + max_new_tokens + 2 * (block_size or 16) + 64)]
     common += ["-t", str(threads), "-tb", str(threads)] if threads else []
     with exported_drafter(drafter, target) as drafter_gguf, tempfile.TemporaryDirectory(prefix="dflash-peer-") as logs:
