@@ -82,6 +82,7 @@ class Server:
         """The log's error lines (llama.cpp's own words), else its last line."""
         lines = [line.strip() for line in self.log.read_text(errors="replace").splitlines() if line.strip()]
         words = ("error", "failed", "what()", "abort", "exception", "invalid", "unknown", "not supported")
+        lines = [line for line in lines if not line.startswith("#")]  # a crash's backtrace frames
         errors = [line for line in lines if any(word in line.lower() for word in words)]
         found = errors[-2:] or lines[-1:] or ["no output"]
         exited = self.process.poll()
@@ -136,7 +137,9 @@ class Server:
             status, text = self._call("POST", "/completion", body)
             after = self.counters()
         except (OSError, http.client.HTTPException) as exc:
-            raise ModeFailed(f"{type(exc).__name__} {exc}; {self.reason()}") from None
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=10)  # a crash: its exit status and last words
+            raise ModeFailed(self.reason() if self.process.poll() is not None else f"{exc}: {self.reason()}") from None
         if status != 200:
             raise ModeFailed(f"HTTP {status}: {text.strip()[:300]}")
         answer = json.loads(text)

@@ -2,7 +2,8 @@
 /completion with prompt ids), so that the peer path runs without building llama.cpp. Plain, it answers each prompt
 with ids derived from the prompt; with --spec-type it answers the same, except its third completion (the second
 prompt after the warm-up), whose last id differs, and it counts drafts in /metrics. FAKE_REFUSE=1 makes it refuse
-the drafter as a real llama-server refuses a GGUF it cannot load."""
+the drafter as a real llama-server refuses a GGUF it cannot load; FAKE_CRASH=1 makes it abort in its first speculative
+request, as stock llama-server's draft-dflash does on Gemma 3 (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,10 @@ def main() -> None:
         def do_POST(self) -> None:  # noqa: N802
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             state["requests"] += 1
+            if spec and os.environ.get("FAKE_CRASH") == "1":
+                print("llama-graph.cpp:1384: GGML_ASSERT(t_layer_inp[il] != nullptr) failed", flush=True)
+                print("#2  0x0000558b642980c8 in ggml_abort ()", flush=True)
+                os.abort()
             prompt, count = body["prompt"], body["n_predict"]
             ids = [(sum(prompt) + 7 * i) % 40 for i in range(count)]
             timings = {"predicted_n": count, "predicted_ms": 10.0 * count}

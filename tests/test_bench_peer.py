@@ -48,13 +48,20 @@ def test_peer_counts_each_engines_outputs_against_its_own_plain(tiny_gguf, fake_
     assert plain["identical_to_dflash_plain"] == 0  # the fake's ids are not the tiny target's
 
 
-def test_the_table_shows_counts_and_a_refused_drafter(tiny_gguf, fake_server):
-    env = {"FAKE_REFUSE": "1", "DFLASH_LLAMA_SERVER": str(fake_server)}
+@pytest.mark.parametrize(
+    ("fault", "reason"),
+    [
+        ("FAKE_REFUSE", "exited with 1: llama_model_load: error loading model: unknown model architecture: 'dflash'"),
+        ("FAKE_CRASH", "exited with -6: llama-graph.cpp:1384: GGML_ASSERT(t_layer_inp[il] != nullptr) failed"),
+    ],
+)
+def test_the_table_shows_counts_and_a_failed_mode(tiny_gguf, fake_server, fault, reason):
+    env = {fault: "1", "DFLASH_LLAMA_SERVER": str(fake_server)}
     result = invoke(*bench_args(tiny_gguf["q8_0"], "--peer", "llama-server"), env=env)
     assert result.exit_code == 0, result.stderr
     table = " ".join(result.stdout[result.stdout.index("dflash and llama-server") :].replace("│", " ").split())
     assert "2/2" in table  # dflash's drafting output equals its plain one for both prompts
-    assert "failed: exited with 1: llama_model_load: error loading model: unknown model architecture" in table
+    assert f"failed: {reason}" in table and "ggml_abort" not in table  # its words, not a backtrace
 
 
 def test_peer_errors_are_one_sentence(tiny_gguf, fake_server, tmp_path):

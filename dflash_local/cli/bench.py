@@ -228,6 +228,7 @@ def print_peer(report: dict) -> None:
     """dflash beside llama-server on the same GGUF and prompts: per engine and mode the mean decode tok/s, tau, and how
     many outputs equal the same engine's plain decoding; a mode that failed shows why."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     count = len(report["prompts"])
@@ -245,7 +246,7 @@ def print_peer(report: dict) -> None:
         rate = f"{mode['mean']['decode_tokens_per_s']:.1f}" if done else "-"
         tau = f"{mode['mean']['tau']:.2f}" if done and name != "plain" else "-"
         identical = "-" if mode["identical"] is None else f"{mode['identical']}/{mode['compared']}"
-        note = f"failed: {mode['error']}" if mode["error"] else ""
+        note = escape(f"failed: {mode['error']}") if mode["error"] else ""  # llama.cpp's words, not rich markup
         table.add_row("llama-server", name, rate, tau, identical, note)
     table.caption = (
         "tok/s: tokens after the first per second of decoding, mean over prompts; tau: mean accepted drafts + 1 per "
