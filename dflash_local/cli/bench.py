@@ -234,20 +234,23 @@ def print_peer(report: dict) -> None:
     count = len(report["prompts"])
     same = sum(row["identical"] for row in report["prompts"])
     table = Table(title=f"{report['model']}: dflash and llama-server, {report['max_new_tokens']} new tokens, T=0")
-    for column in ("engine", "mode", "tok/s", "tau", "identical to its plain"):
+    for column in ("engine", "mode", "tok/s", "x its plain", "tau", "identical to its plain"):
         table.add_column(column, justify="left" if column in ("engine", "mode") else "right")
     table.add_column("note", max_width=60)
     mean = report["mean"]
-    table.add_row("dflash", "plain", f"{mean['autoregressive']['decode_tokens_per_s']:.1f}", "-", "-", "")
-    tau = f"{mean['dflash']['tau']:.2f}"
-    table.add_row("dflash", "drafting", f"{mean['dflash']['decode_tokens_per_s']:.1f}", tau, f"{same}/{count}", "")
-    for name, mode in report["peer"]["modes"].items():
-        done = mode["prompts"]
-        rate = f"{mode['mean']['decode_tokens_per_s']:.1f}" if done else "-"
+    ours = mean["autoregressive"]["decode_tokens_per_s"]
+    table.add_row("dflash", "plain", f"{ours:.1f}", "1.00x", "-", "-", "")
+    rate, tau = mean["dflash"]["decode_tokens_per_s"], f"{mean['dflash']['tau']:.2f}"
+    table.add_row("dflash", "drafting", f"{rate:.1f}", f"{mean['speedup']:.2f}x", tau, f"{same}/{count}", "")
+    modes = report["peer"]["modes"]
+    theirs = modes["plain"]["mean"]["decode_tokens_per_s"] if modes["plain"]["prompts"] else 0.0
+    for name, mode in modes.items():
+        done, rate = mode["prompts"], mode["mean"]["decode_tokens_per_s"]
+        speedup = f"{rate / theirs:.2f}x" if done and theirs else "-"
         tau = f"{mode['mean']['tau']:.2f}" if done and name != "plain" else "-"
         identical = "-" if mode["identical"] is None else f"{mode['identical']}/{mode['compared']}"
         note = escape(f"failed: {mode['error']}") if mode["error"] else ""  # llama.cpp's words, not rich markup
-        table.add_row("llama-server", name, rate, tau, identical, note)
+        table.add_row("llama-server", name, f"{rate:.1f}" if done else "-", speedup, tau, identical, note)
     table.caption = (
         "tok/s: tokens after the first per second of decoding, mean over prompts; tau: mean accepted drafts + 1 per "
         f"drafting step; llama-server: {report['peer']['binary']}"
