@@ -14,6 +14,7 @@ import contextlib
 import http.client
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -79,14 +80,15 @@ class Server:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     def reason(self) -> str:
-        """The log's error lines (llama.cpp's own words), else its last line."""
-        lines = [line.strip() for line in self.log.read_text(errors="replace").splitlines() if line.strip()]
-        words = ("error", "failed", "what()", "abort", "exception", "invalid", "unknown", "not supported")
-        lines = [line for line in lines if not line.startswith("#")]  # a crash's backtrace frames
-        errors = [line for line in lines if any(word in line.lower() for word in words)]
-        found = errors[-2:] or lines[-1:] or ["no output"]
+        """The log's last error line in llama.cpp's own words (an assertion, an error; else a failure or its last
+        line), source paths cut to the file's name."""
+        text = re.sub(r"\S*/([\w.-]+\.(?:cpp|h):\d+)", r"\1", self.log.read_text(errors="replace"))
+        lines = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]  # no frames
+        strong = [line for line in lines if re.search(r"GGML_ASSERT|error|what\(\)|exception", line, re.IGNORECASE)]
+        weak = [line for line in lines if re.search(r"failed|abort|invalid|unknown|not supported", line, re.IGNORECASE)]
+        found = (strong or weak or lines or ["no output"])[-1]
         exited = self.process.poll()
-        return (f"exited with {exited}: " if exited is not None else "") + " / ".join(found)
+        return (f"exited with {exited}: " if exited is not None else "") + found
 
     def wait_ready(self, timeout: float = READY_S) -> None:
         deadline = time.monotonic() + timeout
