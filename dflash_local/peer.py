@@ -214,7 +214,7 @@ def run_peer(
 ) -> dict:
     """Every mode's server at once (so that other load on the machine falls on all alike), a warm-up each, then per
     prompt each mode in turn; per mode its rows, means and how many outputs equal its plain one, and for plain how
-    many equal reference (dflash's plain outputs)."""
+    many begin with reference (dflash's plain outputs, cut at their end of sequence)."""
     longest = max(len(ids) for _, ids in prompts)
     # --no-repack: the weights as dflash reads them (no repacking for the CPU's kernels; llama-server's default AMX
     # repacking also crashed it on a Sapphire Rapids CPU, docs/benchmarks.md)
@@ -249,9 +249,11 @@ def run_peer(
 
 def _summarise(results: dict[str, dict], reference: list[list[int]]) -> dict[str, dict]:
     """Per mode: means over its prompts, and how many of its outputs equal plain's (None where either failed); for
-    plain, how many equal the reference's."""
+    plain, how many begin with the reference's."""
     plain = results["plain"]["prompts"] if results["plain"]["error"] is None else None
-    same = None if plain is None else sum(row["ids"] == ids for row, ids in zip(plain, reference, strict=True))
+    same = None
+    if plain is not None:
+        same = sum(row["ids"][: len(ids)] == ids for row, ids in zip(plain, reference, strict=True))
     results["plain"]["identical_to_dflash_plain"] = same
     for name, result in results.items():
         rows = result["prompts"]

@@ -82,3 +82,16 @@ def test_peer_errors_are_one_sentence(tiny_gguf, fake_server, tmp_path):
         assert result.exit_code != 0, args
         assert result.stderr.startswith(f"error: {message}"), result.stderr
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_llama_servers_plain_output_is_compared_up_to_dflashs_end_of_sequence():
+    """llama-server's ignore_eos bans the end-of-sequence token where dflash's --ignore-eos decodes past it: the two
+    plain outputs are compared up to dflash's first end of sequence (cut by bench), the rest of llama-server's not."""
+    from dflash_local.cli.bench import _until
+    from dflash_local.peer import _summarise
+
+    rows = [{"ids": ids, "decode_tokens_per_s": 1.0, "tau": 0.0} for ids in ([5, 6, 7, 8], [5, 6, 9, 9], [5, 6])]
+    reference = [_until(ids, frozenset({1})) for ids in ([5, 6, 1, 4], [5, 6, 7, 8], [5, 7])]
+    assert reference == [[5, 6], [5, 6, 7, 8], [5, 7]]
+    modes = _summarise({"plain": {"error": None, "prompts": rows}}, reference)
+    assert modes["plain"]["identical_to_dflash_plain"] == 1

@@ -168,12 +168,18 @@ def _bench_model(
 
         binary = find_llama_server(peer_binary)
         block = block_limit(models.drafter)[0] if models.drafter is not None else None
-        ours = [row["output_ids"] for row in report["prompts"]]  # dflash's plain outputs, for llama-server's plain
+        # dflash's plain outputs, for llama-server's plain ones, up to the first end of sequence: llama-server's
+        # ignore_eos bans the end-of-generation tokens, dflash's --ignore-eos decodes on past them
+        ours = [_until(row["output_ids"], models.stop_ids) for row in report["prompts"]]
         peer_args = (decode.max_new_tokens, decode.ignore_eos, options.threads, ours)
         report["peer"] = run_peer(binary, resolved.target, resolved.drafter, block, prompt_ids, *peer_args)
     if calibration is not None:
         report["calibration"] = calibration
     return report
+
+
+def _until(ids: list[int], stops: frozenset[int]) -> list[int]:
+    return next((ids[:at] for at, token in enumerate(ids) if token in stops), ids)
 
 
 def print_bench(report: dict) -> None:
