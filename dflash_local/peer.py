@@ -216,9 +216,11 @@ def run_peer(
     prompt each mode in turn; per mode its rows, means and how many outputs equal its plain one, and for plain how
     many begin with reference (dflash's plain outputs, cut at their end of sequence)."""
     longest = max(len(ids) for _, ids in prompts)
-    # --no-repack: the weights as dflash reads them (no repacking for the CPU's kernels; llama-server's default AMX
-    # repacking also crashed it on a Sapphire Rapids CPU, docs/benchmarks.md)
-    common = [str(binary), "-m", str(target), "-np", "1", "--metrics", "--no-webui", "--cache-ram", "0", "--no-repack"]
+    # as dflash loads the model: the weights unrepacked (--no-repack; llama-server's default AMX repacking also
+    # crashed it here, docs/benchmarks.md) and full-size caches for sliding-window layers (--swa-full, llama.cpp's
+    # context default, which llama-server turns off: its outputs then part from dflash's on Gemma 3)
+    common = [str(binary), "-m", str(target), "-np", "1", "--metrics", "--no-webui", "--cache-ram", "0"]
+    common += ["--no-repack", "--swa-full"]
     common += ["-c", str(longest + max_new_tokens + 2 * (block_size or 16) + 64)]
     common += ["-t", str(threads), "-tb", str(threads)] if threads else []
     with exported_drafter(drafter, target) as drafter_gguf, tempfile.TemporaryDirectory(prefix="dflash-peer-") as logs:
