@@ -80,6 +80,7 @@ def run_bench(models: LoadedModels, prompts: list[tuple[str, list[int]]], settin
             outputs[name], stats = collect(chunk.step for chunk in chunks)
             row[name] = _summary(stats)
         row["identical"] = all(out == outputs["autoregressive"] for out in outputs.values())
+        row["output_ids"] = outputs["autoregressive"]  # what other engines' plain decoding may be compared with
         row["speedup"] = row["dflash"]["decode_tokens_per_s"] / max(row["autoregressive"]["decode_tokens_per_s"], 1e-9)
         rows.append(row)
     mean = {

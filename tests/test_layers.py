@@ -27,8 +27,8 @@ LAYERS = (
     ("drafters", "gguf.convert"),  # what builds on a target
     ("block_policy", "prompt_cache", "session", "decode"),  # the decode loop
     (  # fronts
-        *("generation", "handoff", "export", "doctor", "chat", "bench", "server", "model_list", "train", "cli"),
-        *("__main__",),
+        *("generation", "handoff", "export", "doctor", "chat", "bench", "peer", "server", "model_list", "train"),
+        *("cli", "__main__"),
     ),
 )
 

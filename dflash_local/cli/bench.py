@@ -76,9 +76,26 @@ def bench(
     quantize: Quantize = "auto",
     drafter_quantize: DrafterQuantize = "none",
     token: Token = None,
+    peer: Annotated[
+        Optional[str],
+        typer.Option(
+            "--peer",
+            help="llama-server: also run llama.cpp's own server on the same GGUF, prompts and drafter, plain and "
+            "speculative (draft-dflash; draft-mtp where the GGUF has MTP layers).",
+        ),
+    ] = None,
+    peer_binary: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--peer-binary",
+            envvar="DFLASH_LLAMA_SERVER",
+            help="The llama-server to run (default: the venv's, built by tools/build_llama_server.sh).",
+        ),
+    ] = None,
 ) -> None:
     """Autoregressive vs the default mode (the DFlash drafter and lookup, as the block policy picks) on the same target,
-    prompt by prompt, with each source's share of the tokens; one table per model."""
+    prompt by prompt, with each source's share of the tokens; one table per model. With --peer llama-server, a second
+    table: llama-server plain and speculative on the same GGUF, each output compared with its own plain one."""
     given = locals()
     with user_errors():
         decode, options = picked(DecodeOptions, given), picked(ModelOptions, given, progress=ctx.obj)
@@ -89,13 +106,16 @@ def bench(
         if calibrate and block_size is not None:
             raise DFlashError("--calibrate measures the costs behind --block-size auto; drop --block-size.")
         decode.sampling()  # checks them before anything loads
+        from ..peer import check_peer
+
+        check_peer(peer, decode.temperature)
 
         from ..vulkan_probe import expose_for
 
         expose_for(device)  # before llama.cpp loads: which Vulkan devices it may use
         reports = []
         for model in names or ["tiny"]:
-            report = _bench_model(model, prompts, limit, calibrate, as_json, decode, options)
+            report = _bench_model(model, prompts, limit, calibrate, as_json, decode, options, peer, peer_binary)
             if plot_path is not None:
                 from ..bench import plot
 
@@ -103,6 +123,8 @@ def bench(
                 plot(report, plot_path.with_name(f"{plot_path.stem}{suffix}{plot_path.suffix}"))
             if not as_json:
                 print_bench(report)
+                if "peer" in report:
+                    print_peer(report)
             reports.append(report)
         if as_json:
             typer.echo(json.dumps(reports[0] if len(reports) == 1 else reports))
@@ -116,12 +138,17 @@ def _bench_model(
     as_json: bool,
     decode: DecodeOptions,
     options: ModelOptions,
+    peer: str | None = None,
+    peer_binary: Path | None = None,
 ) -> dict:
-    """One model's report: load it, calibrate first if asked (the cost table shown unless JSON), run the prompts."""
+    """One model's report: load it, calibrate first if asked (the cost table shown unless JSON), run the prompts; with
+    a peer, llama-server's runs on the same ones (peer_binary, or the venv's)."""
     from ..bench import calibration_report, read_prompts, run_bench
     from ..generation import memory_guard, recalibrate
 
     resolved = resolve(model, decode.drafter, options.offline, options.token)
+    if peer and not (resolved.target.suffix == ".gguf" and resolved.target.is_file()):
+        raise DFlashError(f"--peer llama-server runs a GGUF target: '{model}' is not one (dflash convert makes one).")
     prompt_path = prompt_file(prompts, options.offline, options.token) if prompts else resolved.prompts
     if prompt_path is None:
         raise DFlashError(f"'{model}' has no built-in prompt set: pass --prompts FILE.jsonl or a dataset name.")
@@ -131,12 +158,28 @@ def _bench_model(
     calibration = calibration_report(recalibrate(models).costs) if calibrate else None
     if calibration is not None and not as_json:
         print_costs(model, calibration)
+    prompt_ids = read_prompts(prompt_path, models, limit)
     with memory_guard(f"A benchmark run of {model}", models.target.device.type):
-        report = run_bench(models, read_prompts(prompt_path, models, limit), decode.settings(models))
+        report = run_bench(models, prompt_ids, decode.settings(models))
     report["model"] = model
+    if peer:
+        from ..defaults import block_limit
+        from ..peer import find_llama_server, run_peer
+
+        binary = find_llama_server(peer_binary)
+        block = block_limit(models.drafter)[0] if models.drafter is not None else None
+        # dflash's plain outputs, for llama-server's plain ones, up to the first end of sequence: llama-server's
+        # ignore_eos bans the end-of-generation tokens, dflash's --ignore-eos decodes on past them
+        ours = [_until(row["output_ids"], models.stop_ids) for row in report["prompts"]]
+        peer_args = (decode.max_new_tokens, decode.ignore_eos, options.threads, ours)
+        report["peer"] = run_peer(binary, resolved.target, resolved.drafter, block, prompt_ids, *peer_args)
     if calibration is not None:
         report["calibration"] = calibration
     return report
+
+
+def _until(ids: list[int], stops: frozenset[int]) -> list[int]:
+    return next((ids[:at] for at, token in enumerate(ids) if token in stops), ids)
 
 
 def print_bench(report: dict) -> None:
@@ -184,6 +227,43 @@ def print_bench(report: dict) -> None:
         + "\ntokens by source: "
         + " ".join(f"{source} {share:.0%}" for source, share in sorted(report["source_shares"].items()))
     )
+    Console().print(table)
+
+
+def print_peer(report: dict) -> None:
+    """dflash beside llama-server on the same GGUF and prompts: per engine and mode the mean decode tok/s, tau, and how
+    many outputs equal the same engine's plain decoding; a mode that failed shows why."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    count = len(report["prompts"])
+    same = sum(row["identical"] for row in report["prompts"])
+    table = Table(title=f"{report['model']}: dflash and llama-server, {report['max_new_tokens']} new tokens, T=0")
+    for column in ("engine", "mode", "tok/s", "x its plain", "tau", "identical to its plain"):
+        table.add_column(column, justify="left" if column in ("engine", "mode") else "right")
+    table.add_column("note", max_width=60)
+    mean = report["mean"]
+    ours = mean["autoregressive"]["decode_tokens_per_s"]
+    table.add_row("dflash", "plain", f"{ours:.1f}", "1.00x", "-", "-", "")
+    rate, tau = mean["dflash"]["decode_tokens_per_s"], f"{mean['dflash']['tau']:.2f}"
+    table.add_row("dflash", "drafting", f"{rate:.1f}", f"{mean['speedup']:.2f}x", tau, f"{same}/{count}", "")
+    modes = report["peer"]["modes"]
+    theirs = modes["plain"]["mean"]["decode_tokens_per_s"] if modes["plain"]["prompts"] else 0.0
+    for name, mode in modes.items():
+        done, rate = mode["prompts"], mode["mean"]["decode_tokens_per_s"]
+        speedup = f"{rate / theirs:.2f}x" if done and theirs else "-"
+        tau = f"{mode['mean']['tau']:.2f}" if done and name != "plain" else "-"
+        identical = "-" if mode["identical"] is None else f"{mode['identical']}/{mode['compared']}"
+        note = escape(f"failed: {mode['error']}") if mode["error"] else ""  # llama.cpp's words, not rich markup
+        table.add_row("llama-server", name, f"{rate:.1f}" if done else "-", speedup, tau, identical, note)
+    table.caption = (
+        "tok/s: tokens after the first per second of decoding, mean over prompts; tau: mean accepted drafts + 1 per "
+        f"drafting step; llama-server: {report['peer']['binary']}"
+    )
+    same_plain = report["peer"]["modes"]["plain"]["identical_to_dflash_plain"]
+    if same_plain is not None:
+        table.caption += f"\nllama-server's plain outputs equal to dflash's plain ones: {same_plain}/{count}"
     Console().print(table)
 
 
