@@ -142,7 +142,7 @@ def load_models(
 
         # llama.cpp's vocabulary: loaded alone for the torch target, else the one loaded with the weights
         alone = isinstance(target, TorchLlamaTarget)
-        tokenizer = GGUFTokenizer.load(path) if alone else GGUFTokenizer.of_target(target)
+        tokenizer = GGUFTokenizer.load(path) if alone else GGUFTokenizer.of_context(target.context)
         return LoadedModels(target, drafter, tokenizer, target.stop_ids, policy, warnings=warnings, devices=devices)
     tokenizer = TextTokenizer.load(path)
     return LoadedModels(target, drafter, tokenizer, stop_token_ids(path), policy, warnings=warnings, devices=devices)

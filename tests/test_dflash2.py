@@ -187,9 +187,8 @@ def test_dflash2_under_a_grammar_equals_constrained_plain_decoding(dflash2_gguf,
     from dflash_local.grammar import compile_grammar, json_schema_grammar
 
     native = _native(dflash2_gguf, gguf_target)
-    grammar = compile_grammar(
-        json_schema_grammar(RECORD), GGUFTokenizer.of_target(gguf_target), gguf_target.vocab_size, gguf_target.stop_ids
-    )
+    tokenizer = GGUFTokenizer.of_context(gguf_target.context)
+    grammar = compile_grammar(json_schema_grammar(RECORD), tokenizer, gguf_target.vocab_size, gguf_target.stop_ids)
     settings = Settings(max_new_tokens=32, stop_ids=grammar.stop_ids, grammar=grammar)
     plain, _ = run(gguf_target, None, heldout[0], replace(settings, draft=False))
     for block_size in (8, 4):

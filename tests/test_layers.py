@@ -117,6 +117,34 @@ def test_no_import_cycle():
     assert not cycles, "\n".join(cycles)
 
 
+def folder_of(name: str) -> str | None:
+    """The package folder a module sits in below dflash_local (None: a module of dflash_local itself)."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and (REPO / "dflash_local" / parts[1]).is_dir()) else None
+
+
+def test_no_import_cycle_between_folders():
+    """Folders depend one way (imports for type checking included): no chain of folders comes back to its start."""
+    edges: dict[str, set[str]] = {}
+    for name, targets in graph().items():
+        for target in targets:
+            pair = folder_of(name), folder_of(target)
+            if None not in pair and pair[0] != pair[1]:
+                edges.setdefault(pair[0], set()).add(pair[1])
+    cycles = []
+
+    def visit(folder: str, stack: list[str]) -> None:
+        if folder in stack:
+            cycles.append(" -> ".join(stack[stack.index(folder) :] + [folder]))
+            return
+        for target in sorted(edges.get(folder, ())):
+            visit(target, [*stack, folder])
+
+    for folder in sorted(edges):
+        visit(folder, [])
+    assert not cycles, "\n".join(cycles)
+
+
 def test_tools_import_nothing_from_tests():
     """tools/ runs in a user's venv (CI's check of an install) where tests/ is no package: it stands on its own."""
     found = []

@@ -215,7 +215,7 @@ def test_gguf_target_equals_plain_decoding(tiny_gguf, heldout, drafter):
     from dflash_local.targets.llamacpp import LlamaCppTarget
 
     target = LlamaCppTarget.load(tiny_gguf["f16"], LoadSpec(RuntimeConfig(threads=1), max_context=512))
-    tokenizer = GGUFTokenizer.of_target(target)
+    tokenizer = GGUFTokenizer.of_context(target.context)
     grammar = compile_grammar(json_schema_grammar(RECORD), tokenizer, target.vocab_size, target.stop_ids)
     for prompt in heldout[:3]:
         settings = Settings(max_new_tokens=NEW_TOKENS, stop_ids=grammar.stop_ids, grammar=grammar)

@@ -11,7 +11,7 @@ from ..chat_template import ChatEncoder
 from ..errors import DFlashError
 
 if TYPE_CHECKING:
-    from ..targets.llamacpp import LlamaCppTarget
+    from ..llama_context import LlamaContext
 
 
 class GGUFTokenizer(ChatEncoder):
@@ -48,9 +48,9 @@ class GGUFTokenizer(ChatEncoder):
         return tokenizer
 
     @classmethod
-    def of_target(cls, target: LlamaCppTarget) -> GGUFTokenizer:
-        """The vocabulary llama.cpp loaded with the target's weights (the file is not read again)."""
-        return cls(target.context.model, target.context)
+    def of_context(cls, context: LlamaContext) -> GGUFTokenizer:
+        """The vocabulary llama.cpp loaded with a context's model, e.g. the target's (the file is not read again)."""
+        return cls(context.model, context)
 
     @property
     def vocab(self):
