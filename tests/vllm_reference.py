@@ -65,7 +65,7 @@ def spec_counts(llm) -> tuple[int, int]:
 
 
 def generate(job: dict, out: Path) -> None:
-    """Each prompt decoded alone (so vLLM's counters are its own), greedy, at most max_tokens new tokens."""
+    """Each prompt decoded alone (so vLLM's counters are its own), greedy, max_tokens new tokens (past any end)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -79,7 +79,7 @@ def generate(job: dict, out: Path) -> None:
         enforce_eager=True,
         disable_log_stats=False,
     )
-    greedy, results = SamplingParams(max_tokens=job["max_tokens"], temperature=0), []
+    greedy, results = SamplingParams(max_tokens=job["max_tokens"], temperature=0, ignore_eos=True), []
     for prompt in job["prompts"]:
         before = spec_counts(llm)
         made = llm.generate([TokensPrompt(prompt_token_ids=prompt)], greedy, use_tqdm=False)[0].outputs[0].token_ids
