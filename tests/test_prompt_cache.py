@@ -17,7 +17,7 @@ from test_architectures import build_tiny
 from test_mtp import loaded
 from test_serve_clients import KEY, TINY, serving
 from test_serve_messages import TEMPLATE
-from test_session import common_prefix, first_prompt, request_of, same_turns
+from test_session import common_prefix, first_prompt, record_drafts, request_of, same_turns
 
 from dflash_local.chat_template import read_template, use_template
 from dflash_local.decode import Settings, run
@@ -64,15 +64,8 @@ def conversations(models: LoadedModels, monkeypatch, cache: PromptCache | None) 
     """A, then B, then A with one more turn, then B with one more: with a prompt cache each continuation prefills
     only what A's (B's) caches lack; without, every request starts from empty caches. Each turn's answer,
     acceptance lengths and drafts (drafts show whether the drafter's caches followed the swaps)."""
-    encode, turns, drafts = models.tokenizer.encode, [], []
-    propose = models.drafter.propose
-
-    def spy(*args, **kwargs):
-        logits = propose(*args, **kwargs)
-        drafts.append(logits.float().clone())
-        return logits
-
-    monkeypatch.setattr(models.drafter, "propose", spy)
+    encode, turns = models.tokenizer.encode, []
+    drafts = record_drafts(models, monkeypatch)
     models.session = Session(cache)
 
     def ask(prompt: list[int], cached: int) -> list[int]:

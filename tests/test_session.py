@@ -49,13 +49,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return next((n for n, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
-def converse(models: LoadedModels, monkeypatch, reuse: bool, **sampling) -> list[tuple]:
-    """A scripted conversation: prompts extending the last prompt and answer (one replacing the answer's last two
-    ids), one editing the middle, drafting off and on again, a shorter one. With reuse, two generations are
-    abandoned midway on the way, and each turn prefills only what the caches lack; without, the session is emptied
-    before every turn. Returns each turn's answer, acceptance lengths and drafts (the drafter saw the same context)."""
-    encode, turns, cached, calls, drafts = models.tokenizer.encode, [], [], [], []
-    propose = models.drafter.propose
+def record_drafts(models: LoadedModels, monkeypatch) -> list:
+    """The list every later draft of the pair's drafter (its logits, copied) is appended to."""
+    drafts, propose = [], models.drafter.propose
 
     def spy(*args, **kwargs):
         logits = propose(*args, **kwargs)
@@ -63,6 +59,16 @@ def converse(models: LoadedModels, monkeypatch, reuse: bool, **sampling) -> list
         return logits
 
     monkeypatch.setattr(models.drafter, "propose", spy)
+    return drafts
+
+
+def converse(models: LoadedModels, monkeypatch, reuse: bool, **sampling) -> list[tuple]:
+    """A scripted conversation: prompts extending the last prompt and answer (one replacing the answer's last two
+    ids), one editing the middle, drafting off and on again, a shorter one. With reuse, two generations are
+    abandoned midway on the way, and each turn prefills only what the caches lack; without, the session is emptied
+    before every turn. Returns each turn's answer, acceptance lengths and drafts (the drafter saw the same context)."""
+    encode, turns, cached, calls = models.tokenizer.encode, [], [], []
+    drafts = record_drafts(models, monkeypatch)
 
     def ask(prompt: list[int], draft: bool = True) -> list[int]:
         nonlocal cached
