@@ -26,13 +26,14 @@ import argparse
 import http.client
 import http.server
 import json
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
+
+from dflash_local.peer import free_port
 
 HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "accept-encoding"}
 KEY = "agent-session"
@@ -160,12 +161,6 @@ def compose(args: argparse.Namespace) -> None:
             session.append(as_text(request) if args.as_text else request)
     args.out.write_text("".join(json.dumps(request) + "\n" for request in session))
     print(f"{args.out}: {len(session)} requests")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def engine_command(engine: str, args: argparse.Namespace, port: int) -> list[str]:
