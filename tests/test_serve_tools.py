@@ -16,12 +16,13 @@ from test_serve_clients import KEY, TINY, serving
 
 from dflash_local.chat_template import render_chat, takes_tools
 from dflash_local.decode import Stats
+from dflash_local.errors import DFlashError
 from dflash_local.generation import load_models
 from dflash_local.reply.channels import PLAIN, Parts, ReplyReader, collected
 from dflash_local.reply.text_stream import TextStream
 from dflash_local.reply.tool_calls import parse_calls
 from dflash_local.runtime import LoadSpec, RuntimeConfig
-from dflash_local.server import anthropic_api, ollama_api, responses_api
+from dflash_local.server import anthropic_api, ollama_api, openai_api, responses_api
 from dflash_local.server.engine import Ending, Engine
 from dflash_local.server.openai_api import Shape
 from dflash_local.server.protocol import BadRequest, parse_messages
@@ -219,6 +220,29 @@ def test_the_three_chat_apis_take_a_past_call_by_one_rule(arguments):
     broken = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{not json"}
     with pytest.raises(BadRequest, match="A function_call must be"):
         responses_api.parse_request({"input": [broken]})
+
+
+def test_every_chat_api_joins_system_turns_into_one_at_the_start():
+    """OpenAI's chat and Ollama's /api/chat put system and developer turns as Anthropic's and the Responses API do:
+    one system message first, which Qwen3.5's template requires (it refuses a system turn anywhere else)."""
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "Sunny."},
+        {"role": "developer", "content": "Answer in French."},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
+    config = {"chat_template": (TEMPLATES / "Qwen3.5-4B.jinja").read_text(), "bos_token": "<bos>", "eos_token": "<eos>"}
+    with pytest.raises(DFlashError, match="System message must be at the beginning"):
+        render_chat(config, parse_messages({"messages": messages[:3] + [messages[0]]}), True, None, None)
+    system = {"role": "system", "content": "Be brief.\n\nAnswer in French."}
+    responses = responses_api.parse_request({"input": messages}).messages
+    for parse in (openai_api.parse_chat, ollama_api.parse_chat):
+        chat = parse({"messages": messages}).messages
+        assert chat == [system, *messages[1:3], messages[4]] == responses
+        text = render_chat(config, chat, True, False, None)
+        assert text.startswith("<|im_start|>system\nBe brief.\n\nAnswer in French.<|im_end|>\n<|im_start|>user\n")
+        assert text.count("<|im_start|>system") == 1 and "And tomorrow?" in text
 
 
 def test_the_openai_client_sends_tools_and_tool_history_and_reads_text_back(tool_engine):

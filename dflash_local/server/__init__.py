@@ -2,7 +2,7 @@
 
 The engine decodes one sequence at a time, so requests wait in a bounded queue, in arrival order, for the one worker
 thread (engine) that renders prompts and iterates the generation; the event loop only parses (protocol, openai_api,
-ollama_api), queues and streams (exchange). What a client may hold is bounded (hardening), and every refusal, down to
+ollama_api), queues and streams (request). What a client may hold is bounded (hardening), and every refusal, down to
 malformed HTTP, has the API's error shape.
 """
 

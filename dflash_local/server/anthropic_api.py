@@ -18,9 +18,8 @@ from ..reply.channels import Parts
 from ..sampling import SamplingParams
 from .constrained import forced_call_grammar
 from .engine import Ending, Event, Failure, Job
-from .exchange import Server
 from .protocol import BadRequest, Refused, Sampling, flag, number, reasoned, stop_strings, tool_call, whole
-from .request import REASONING, Blocks, InnerRequest, Step, dflash_stats, one_system, request_job, sse_event
+from .request import REASONING, Blocks, InnerRequest, Server, Step, dflash_stats, request_job, sse_event
 from .tools import parse_tools
 
 log = logging.getLogger("dflash.serve")
@@ -176,7 +175,7 @@ def parse_request(body: dict) -> InnerRequest:
         stream=flag(body, "stream"),
         grammar=forced_call_grammar({"tool_choice": choice}, tools),
     )
-    return InnerRequest(sampling, one_system(turns, system), tools=tools, thinking=_thinking(body))
+    return InnerRequest(sampling, turns, tools=tools, system=system, thinking=_thinking(body))
 
 
 def _content(parts: Parts) -> list[dict]:

@@ -14,9 +14,9 @@ from starlette.routing import Route
 
 from . import anthropic_api, ollama_api, openai_api, responses_api
 from .engine import Engine
-from .exchange import Server
 from .hardening import Limits
 from .protocol import error_response
+from .request import Server
 
 PATHS = (
     "POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, POST /v1/messages, GET /v1/models, "

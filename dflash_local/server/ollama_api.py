@@ -18,9 +18,8 @@ from ..reply.channels import PLAIN, Parts
 from ..sampling import SamplingParams
 from .constrained import ollama_format_grammar
 from .engine import Ending, Event, Failure
-from .exchange import Server
 from .protocol import BadRequest, Refused, Sampling, flag, number, parse_messages, stop_strings, whole
-from .request import InnerRequest, one_system, request_job
+from .request import InnerRequest, Server, request_job
 from .tools import parse_tools
 
 log = logging.getLogger("dflash.serve")
@@ -69,6 +68,15 @@ def parse_options(body: dict) -> Sampling:
         stream=body.get("stream") is None or flag(body, "stream"),
         grammar=ollama_format_grammar(body.get("format")),
     )
+
+
+def parse_chat(body: dict) -> InnerRequest:
+    """An /api/chat body as the one internal request: the messages, options, tools and the think switch."""
+    messages, sampling, tools = parse_messages(body), parse_options(body), parse_tools(body)
+    think = body.get("think")
+    if think is not None and not isinstance(think, bool):
+        raise BadRequest("'think' must be true or false.", "think")
+    return InnerRequest(sampling, messages, tools=tools, thinking=think)
 
 
 class Reply:
@@ -141,13 +149,7 @@ def routes(server: Server) -> list[Route]:
     capabilities = ["completion", "tools"] + (["thinking"] if thinks else [])  # tools: the template's or generic
 
     async def chat(request: Request, body: dict) -> Response:
-        messages, sampling, tools = parse_messages(body), parse_options(body), parse_tools(body)
-        think = body.get("think")
-        if think is not None and not isinstance(think, bool):
-            raise BadRequest("'think' must be true or false.", "think")
-
-        job = request_job(engine, InnerRequest(sampling, messages, tools=tools, thinking=think))
-        return await server.answer(request, job, Reply(model, chat=True))
+        return await server.answer(request, request_job(engine, parse_chat(body)), Reply(model, chat=True))
 
     async def generate(request: Request, body: dict) -> Response:
         prompt, system, sampling = body.get("prompt") or "", body.get("system") or "", parse_options(body)
@@ -158,7 +160,7 @@ def routes(server: Server) -> list[Route]:
         if flag(body, "raw"):
             asked = InnerRequest(sampling, prompt=prompt)
         else:  # the chat template's, its reply read as it is
-            asked = InnerRequest(sampling, one_system([{"role": "user", "content": prompt}], system), plain=True)
+            asked = InnerRequest(sampling, [{"role": "user", "content": prompt}], plain=True, system=system)
         return await server.answer(request, request_job(engine, asked), Reply(model))
 
     async def tags(request: Request, body: None) -> Response:

@@ -15,9 +15,8 @@ from starlette.routing import Route
 from ..reply.channels import Parts
 from .constrained import forced_call_grammar, response_format_grammar
 from .engine import Ending, Event, Failure
-from .exchange import Server
 from .protocol import error_response, parse_messages, parse_prompt, parse_sampling, parse_thinking
-from .request import InnerRequest, dflash_stats, request_job, sse
+from .request import InnerRequest, Server, dflash_stats, request_job, sse
 from .tools import parse_tools
 
 
@@ -32,6 +31,15 @@ def usage(ending: Ending) -> dict:
         "prompt_tokens_details": {"cached_tokens": ending.cached_tokens},
         "dflash": dflash_stats(stats),
     }
+
+
+def parse_chat(body: dict) -> InnerRequest:
+    """A chat completions body as the one internal request: messages, sampling (with any forced call or
+    response_format grammar), tools and the thinking switch."""
+    messages, sampling, thinking = parse_messages(body), parse_sampling(body), parse_thinking(body)
+    tools = parse_tools(body)
+    grammar = forced_call_grammar(body, tools) or response_format_grammar(body)
+    return InnerRequest(replace(sampling, grammar=grammar), messages, tools=tools, thinking=thinking)
 
 
 class Shape:
@@ -118,11 +126,9 @@ def routes(server: Server) -> list[Route]:
     engine, model = server.engine, server.model
 
     async def chat(request: Request, body: dict) -> Response:
-        messages, sampling, thinking = parse_messages(body), parse_sampling(body), parse_thinking(body)
-        tools = parse_tools(body)
-        grammar = forced_call_grammar(body, tools) or response_format_grammar(body)
-        asked = InnerRequest(replace(sampling, grammar=grammar), messages, tools=tools, thinking=thinking)
-        return await server.answer(request, request_job(engine, asked), Shape(model, sampling.include_usage, chat=True))
+        asked = parse_chat(body)
+        shape = Shape(model, asked.sampling.include_usage, chat=True)
+        return await server.answer(request, request_job(engine, asked), shape)
 
     async def completions(request: Request, body: dict) -> Response:
         sampling = replace(parse_sampling(body), grammar=response_format_grammar(body))

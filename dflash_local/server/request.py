@@ -1,31 +1,39 @@
 """The one inside shape of a request, whichever of the six endpoints brought it (OpenAI's chat completions,
-completions and Responses, Anthropic's Messages, Ollama's /api/chat and /api/generate): chat messages as templates
-take them or a raw prompt, the function tools, the sampling and the thinking switch; the one job that renders it and
-reads its reply into parts, which each API writes in its own shape."""
+completions and Responses, Anthropic's Messages, Ollama's /api/chat and /api/generate), and its exchange with the
+engine: the key check and the JSON body, the one job that renders it, queued, and its events collected into one answer
+or streamed in the API's shape (a client that goes away cancels its job)."""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import InitVar, dataclass
+from typing import Any, Protocol
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..chat_template import takes_tools
 from ..decode import Stats
 from ..generation import LoadedModels
-from ..reply.channels import PLAIN, Parts
-from .engine import Engine, Job
-from .protocol import Sampling
+from ..reply.channels import PLAIN, Parts, collected
+from .engine import Ending, Engine, Event, Failure, Job
+from .hardening import RETRY_AFTER_S, Limits, read_json
+from .protocol import Refused, Sampling
 from .tools import conversation
 
 SYSTEM_ROLES = ("system", "developer")
+BUSY = "The server is busy: the request queue is full (--max-queue); retry later."
+NO_KEY = "Missing or wrong API key: send it as Authorization: Bearer KEY (or x-api-key: KEY)."
 
 
 @dataclass(frozen=True)
 class InnerRequest:
     """A request inside, from any of the six endpoints: chat messages in OpenAI's shape (tool calls' arguments as
-    objects) or a raw prompt, with its checked sampling, function tools and thinking switch."""
+    objects; every system turn joined into one at the start) or a raw prompt, with its checked sampling, function
+    tools and thinking switch."""
 
     sampling: Sampling  # with any grammar
     messages: list[dict[str, Any]] | None = None
@@ -33,6 +41,12 @@ class InnerRequest:
     tools: list[dict] | None = None  # OpenAI function tools (None: none)
     thinking: bool | None = None  # None: the server's default
     plain: bool = False  # the reply read as it is, not as the model's family writes it (a raw prompt's always is)
+    system: InitVar[str] = ""  # the API's own system text (Anthropic's system, Responses' instructions, Ollama's)
+
+    def __post_init__(self, system: str) -> None:
+        """The messages' system turns, whichever API sent them, put the one way (one_system)."""
+        if self.messages is not None:
+            object.__setattr__(self, "messages", one_system(self.messages, system))
 
 
 def request_job(engine: Engine, request: InnerRequest, count_only: bool = False) -> Job:
@@ -59,6 +73,102 @@ def one_system(messages: list[dict[str, Any]], system: str = "") -> list[dict[st
     texts += [m["content"] for m in messages if m["role"] in SYSTEM_ROLES and m["content"]]
     rest = [m for m in messages if m["role"] not in SYSTEM_ROLES]
     return ([{"role": "system", "content": "\n\n".join(texts)}] if texts else []) + rest
+
+
+class Reply(Protocol):
+    """How an API writes a job's answer: an error, the whole answer, or a stream of lines."""
+
+    media_type: str
+
+    def error(self, status: int, message: str, headers: dict[str, str] | None = None) -> Response: ...
+
+    def whole(self, parts: Parts, ending: Ending) -> dict: ...
+
+    def stream(self, events: AsyncIterator[Event]) -> AsyncIterator[str]: ...
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (the request body is read already, so the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _next_event(job: Job, disconnect: asyncio.Future) -> Event | None:
+    """The job's next event, or None (and the job cancelled) if the client disconnects first."""
+    event = asyncio.ensure_future(job.events.get())
+    await asyncio.wait({event, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+    if event.done():
+        return event.result()
+    event.cancel()
+    job.cancelled.set()
+    return None
+
+
+async def _events(job: Job, first: Event) -> AsyncIterator[Event]:
+    """first, then the job's events up to its Ending or Failure; leaving early (the client went away) cancels it."""
+    try:
+        event = first
+        yield event
+        while isinstance(event, Parts):
+            event = await job.events.get()
+            yield event
+    finally:
+        job.cancelled.set()  # no effect once the job is done
+
+
+class Server:
+    """The app's state: the engine, the model's name, the optional API key and the limits."""
+
+    def __init__(self, engine: Engine, model: str, api_key: str | None, limits: Limits) -> None:
+        self.engine, self.model, self.api_key, self.limits = engine, model, api_key, limits
+
+    def authorized(self, request: Request) -> bool:
+        """Authorization: Bearer KEY (the scheme in any case) or x-api-key: KEY (Anthropic's), compared in constant
+        time."""
+        if self.api_key is None:
+            return True
+        scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+        given = given.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "").strip()
+        return bool(given) and hmac.compare_digest(given.encode(), self.api_key.encode())
+
+    def endpoint(
+        self,
+        handler: Callable[[Request, dict | None], Awaitable[Response]],
+        refusal: Callable[[Refused], Response] = Refused.response,
+    ) -> Callable[[Request], Awaitable[Response]]:
+        """Check the API key, read a POST's JSON body, and turn a refusal into its error response."""
+
+        async def endpoint(request: Request) -> Response:
+            try:
+                if not self.authorized(request):
+                    raise Refused(401, NO_KEY, code="invalid_api_key")
+                body = await read_json(request, self.limits) if request.method == "POST" else None
+                return await handler(request, body)
+            except Refused as exc:
+                return refusal(exc)
+
+        return endpoint
+
+    async def answer(self, request: Request, job: Job, reply: Reply) -> Response:
+        """Queue the job, wait for its first event, then stream or collect the rest."""
+        if not self.engine.submit(job):
+            return reply.error(429, BUSY, headers={"Retry-After": str(RETRY_AFTER_S)})
+        disconnect = asyncio.ensure_future(_disconnected(request))
+        try:
+            event = await _next_event(job, disconnect)
+            if isinstance(event, Parts) and job.sampling.stream:
+                return StreamingResponse(reply.stream(_events(job, event)), media_type=reply.media_type)
+            parts = Parts()
+            while isinstance(event, Parts):
+                parts += event
+                event = await _next_event(job, disconnect)
+            if event is None:
+                return Response(status_code=499)  # the client closed the request (nginx's code); it never sees this
+            if isinstance(event, Failure):
+                return reply.error(event.status, event.message)
+            return JSONResponse(reply.whole(collected(parts), event))
+        finally:
+            disconnect.cancel()
 
 
 def sse(data: dict | str) -> str:

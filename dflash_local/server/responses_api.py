@@ -18,9 +18,8 @@ from ..reply.channels import Parts
 from ..sampling import SamplingParams
 from .constrained import forced_call_grammar, response_format_grammar
 from .engine import Ending, Event, Failure
-from .exchange import Server
 from .protocol import BadRequest, Sampling, error_response, flag, number, reasoned, tool_call, top_p, whole
-from .request import REASONING, Blocks, InnerRequest, Step, dflash_stats, one_system, request_job, sse_event
+from .request import REASONING, Blocks, InnerRequest, Server, Step, dflash_stats, request_job, sse_event
 from .tools import parse_tools
 
 log = logging.getLogger("dflash.serve")
@@ -149,7 +148,7 @@ def parse_request(body: dict) -> InnerRequest:
         stream=flag(body, "stream"),
         grammar=forced_call_grammar(asked, checked) or response_format_grammar(asked),
     )
-    return InnerRequest(sampling, one_system(_messages(body), instructions), tools=checked, thinking=_thinking(body))
+    return InnerRequest(sampling, _messages(body), tools=checked, thinking=_thinking(body), system=instructions)
 
 
 def _call_item(call: dict, status: str = "completed") -> dict:
