@@ -16,16 +16,21 @@ def tool_names(tools: list[dict]) -> set[str]:
     return {tool["function"]["name"] for tool in tools}
 
 
-def make_call(name: object, arguments: object, names: set[str]) -> dict | None:
-    """One OpenAI tool call of a declared function with arguments (an object, or JSON text of one), else None."""
-    if not isinstance(name, str) or name not in names:
-        return None
-    if isinstance(arguments, str):
+def json_object(value: object) -> dict | None:
+    """value as a JSON object: an object as it is, JSON text of one read, else None (the one reading of a call's
+    arguments, in requests and replies alike)."""
+    if isinstance(value, str):
         try:
-            arguments = json.loads(arguments)
+            value = json.loads(value)
         except json.JSONDecodeError:
             return None
-    if not isinstance(arguments, dict):
+    return value if isinstance(value, dict) else None
+
+
+def make_call(name: object, arguments: object, names: set[str]) -> dict | None:
+    """One OpenAI tool call of a declared function with arguments (an object, or JSON text of one), else None."""
+    arguments = json_object(arguments)
+    if not isinstance(name, str) or name not in names or arguments is None:
         return None
     function = {"name": name, "arguments": json.dumps(arguments)}
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": function}
@@ -65,11 +70,8 @@ def _call(text: str, names: set[str], tools: dict[str, dict] | None = None) -> d
     Qwen3-Coder's XML call (with the declared functions at hand), else None."""
     if text.startswith("<function=") and tools is not None:
         return _xml_call(text, tools)
-    try:
-        found = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(found, dict):
+    found = json_object(text)
+    if found is None:
         return None
     return make_call(found.get("name"), found.get("arguments", found.get("parameters", {})), names)
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from starlette.responses import JSONResponse
 
+from ..reply.tool_calls import json_object
 from ..sampling import SamplingParams
 
 log = logging.getLogger("dflash.serve")
@@ -198,11 +199,8 @@ def _content(message: dict, where: str) -> str:
 def tool_call(call_id: object, name: object, arguments: object, message: str, where: str) -> dict:
     """A tool call as templates take it, whichever API sent it: arguments as an object (transformers' way; JSON text
     is read), or a 400 with message."""
-    try:
-        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-    except json.JSONDecodeError:
-        arguments = None
-    if not isinstance(name, str) or not isinstance(arguments, dict):
+    arguments = json_object(arguments)
+    if not isinstance(name, str) or arguments is None:
         raise BadRequest(message, where)
     return {"id": str(call_id), "type": "function", "function": {"name": name, "arguments": arguments}}
 
