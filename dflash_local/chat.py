@@ -297,6 +297,9 @@ class Chat:
         histogram = " ".join(f"{k}:{v}" for k, v in last.histogram().items() if v)
         blocks = " ".join(f"{k}:{v}" for k, v in last.block_histogram().items())
         session_rate = self.state.session_tokens / max(self.state.session_decode_s, 1e-9)
+        cache = self.models.session.cache
+        held = "" if cache is None else f"\nprompt cache: {len(cache.entries)} saved prompts, "
+        held += "" if cache is None else f"{cache.used / 2**20:.0f} of {cache.budget / 2**20:.0f} MiB of host RAM"
         return (
             f"last answer: {status_line(last, self.state.settings.draft, self.state.thinking, self.where)}\n"
             f"  time to first token {last.prefill_s * 1000:.0f} ms ({last.prefill_tokens} new prompt tokens prefilled)"
@@ -304,6 +307,7 @@ class Chat:
             f"  steps by block size k (1 = plain): {blocks or '-'}\n"
             f"session: {self.state.session_tokens} tokens · {session_rate:.1f} tok/s"
             + (f"\nplaced: {placement_line(self.models.devices)}" if self.models.devices else "")
+            + held
         )
 
 

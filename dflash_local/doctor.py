@@ -30,6 +30,9 @@ def _version(package: str) -> str | None:
         return None
 
 
+HOST_RAM = "CPU RAM"
+
+
 def memory_budget() -> tuple[str, float]:
     """Where models run and how many GB they can use there: the first GPU's VRAM, else RAM."""
     import torch
@@ -38,7 +41,7 @@ def memory_budget() -> tuple[str, float]:
         props = torch.cuda.get_device_properties(0)
         return f"GPU {props.name}", props.total_memory / 1e9
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return "CPU RAM", pages / 1e9
+    return HOST_RAM, pages / 1e9
 
 
 def run_checks() -> list[Check]:
@@ -124,11 +127,21 @@ def model_checks(name: str) -> list[Check]:
         where = Check(name, f"{missing.source.repo} is not downloaded (dflash pull {name})", None)
         if entry is None:
             return [where, Check(f"{name} fits?", "unknown until it is downloaded", None)]
-        return [where, fit_check(name, entry.memory_gb, "the catalog's estimate")]
+        cache = host_prompt_cache()
+        basis = "the catalog's estimate" + (f" + {cache / 1e9:.2f} GB prompt cache" if cache else "")
+        return [where, fit_check(name, entry.memory_gb + cache / 1e9, basis)]
     on_disk = "bundled" if entry is not None and entry.bundled else f"on disk: {resolved.target}"
     checks = [Check(name, on_disk + ("" if resolved.drafter else "; no drafter (pass --drafter)"))]
-    need, basis = estimate_gb(resolved.target, resolved.drafter)
+    need, basis = estimate_gb(resolved.target, resolved.drafter, host_prompt_cache())
     return [*checks, fit_check(name, need, basis)]
+
+
+def host_prompt_cache() -> int:
+    """The bytes of saved prompt states (serve's and chat's default --cache-ram) a fit check counts: all of them
+    where models run in host RAM, none where they run in a GPU's memory (the prompt cache is never there)."""
+    from .defaults import CACHE_RAM_MIB
+
+    return CACHE_RAM_MIB * 2**20 if memory_budget()[0] == HOST_RAM else 0
 
 
 def fit_check(name: str, need_gb: float, basis: str) -> Check:
@@ -139,12 +152,13 @@ def fit_check(name: str, need_gb: float, basis: str) -> Check:
     return Check(f"{name} fits?", f"needs ~{need_gb:.1f} GB ({basis}), {where} has {budget:.1f} GB: {verdict}", fits)
 
 
-def estimate_gb(target: Path, drafter: Path | None) -> tuple[float, str]:
-    """GB a local model needs with a default-length context, from its files' shapes, and what that counts."""
+def estimate_gb(target: Path, drafter: Path | None, prompt_cache: int = 0) -> tuple[float, str]:
+    """GB a local model needs with a default-length context (and prompt_cache bytes of saved prompt states), from its
+    files' shapes, and what that counts."""
     from .defaults import DEFAULT_CONTEXT
     from .memory_estimate import estimate_files
 
-    estimate = estimate_files(target, drafter, DEFAULT_CONTEXT)
+    estimate = estimate_files(target, drafter, DEFAULT_CONTEXT, prompt_cache=prompt_cache)
     return estimate.total_gb, f"{DEFAULT_CONTEXT}-token context: {estimate.summary()}"
 
 

@@ -22,6 +22,7 @@ from dflash_local import chat as chat_module
 from dflash_local import generation
 from dflash_local.chat import Chat, piped_lines
 from dflash_local.decode import Settings, Step, run
+from dflash_local.defaults import CACHE_RAM_MIB
 from dflash_local.errors import DFlashError
 from dflash_local.generation import load_models
 from dflash_local.reasoning import ANSWER, TAG, THINKING
@@ -175,6 +176,23 @@ def test_unknown_model_suggests_close_names():
     assert result.stderr.strip() == (
         "error: 'tinyy' is neither a known model, a Hub repo (owner/name) nor a path. Did you mean tiny?"
     )
+
+
+def test_cache_ram_gives_the_chat_a_prompt_cache_in_host_ram(monkeypatch):
+    """chat --cache-ram MIB, as serve's: the session keeps other prefixes' saved states within that budget (default
+    defaults.CACHE_RAM_MIB, 0 none), and /stats says what it holds; a negative budget is one error line."""
+    caches = []
+    monkeypatch.setattr(chat_module, "run_chat", lambda models, settings, thinking=None: caches.append(models))
+    for args in (("--cache-ram", "8"), (), ("--cache-ram", "0")):
+        result = invoke("chat", "tiny", *args)
+        assert result.exit_code == 0, result.stderr
+    budgets = [None if m.session.cache is None else m.session.cache.budget for m in caches]
+    assert budgets == [8 * 2**20, CACHE_RAM_MIB * 2**20, None]
+    chat = piped_chat(caches[0], 4)
+    chat.answer("Hi")
+    assert "\nprompt cache: 0 saved prompts, 0 of 8 MiB of host RAM" in chat.stats_text()
+    result = invoke("chat", "tiny", "--cache-ram", "-1")
+    assert (result.exit_code, result.stderr) == (1, "error: --cache-ram must be 0 (off) or more MiB, got -1.\n")
 
 
 def test_a_path_that_is_not_a_model():

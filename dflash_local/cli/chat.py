@@ -6,11 +6,13 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..defaults import CACHE_RAM_MIB
 from . import values
 from .app import user_errors
 from .files import resolve
 from .options import (
     BlockSize,
+    CacheRam,
     CacheType,
     CacheTypeK,
     CacheTypeV,
@@ -70,12 +72,13 @@ def chat(
     quantize: Quantize = "auto",
     drafter_quantize: DrafterQuantize = "none",
     token: Token = None,
+    cache_ram: CacheRam = CACHE_RAM_MIB,
 ) -> None:
     """Chat with a model: streaming answers, live tokens/s and acceptance, /help for commands."""
     given = locals()
     with user_errors():
         decode, options = picked(DecodeOptions, given), picked(ModelOptions, given, progress=ctx.obj)
-        values.check_numbers(decode.max_new_tokens, options.max_context)
+        values.check_numbers(decode.max_new_tokens, options.max_context, cache_ram=options.cache_ram)
         block_size = decode.block()
 
         from ..chat import run_chat

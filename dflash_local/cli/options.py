@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from ..decode import Settings
     from ..generation import LoadedModels
     from ..sampling import SamplingParams
+    from ..session import Session
 
 
 # The model options (how models are found, loaded and run), in the order the commands list them; `dflash train`
@@ -67,6 +68,13 @@ Offline = Annotated[bool, typer.Option("--offline", help="Use only models alread
 Quantize = Annotated[str, typer.Option("--quantize", help="Torch targets: auto (model's default), none, int4, nf4.")]
 DrafterQuantize = Annotated[str, typer.Option("--drafter-quantize", help="Drafter linears: none, int8 or nf4.")]
 Token = Annotated[Optional[str], typer.Option("--token", help="Hugging Face token (default: HF_TOKEN).")]
+# `dflash serve` and `dflash chat`: the prompt cache (saved prompt states in host RAM).
+CacheRam = Annotated[
+    int,
+    typer.Option(
+        "--cache-ram", help="MiB of RAM for other conversations' saved prompt states, least recently used out (0: off)."
+    ),
+]
 
 # The decode options (what to generate); a command that gives one its own help writes its Annotated out.
 Drafter = Annotated[
@@ -130,6 +138,7 @@ class ModelOptions:
     quantize: str = "auto"
     drafter_quantize: str = "none"
     token: Optional[str] = None
+    cache_ram: int = 0  # MiB of host RAM for saved prompt states (the commands with --cache-ram); 0: none
     progress: Optional[Callable[[str], None]] = None  # the status line's show() that main() passes, if any
 
     def load(self, resolved: ResolvedModel, drafter: Path | None, backend: str, auto_block: bool) -> LoadedModels:
@@ -156,9 +165,21 @@ class ModelOptions:
         models = load_models(resolved.target, drafter, spec, auto_block=auto_block)
         for warning in models.warnings:
             typer.echo(warning, err=True)
-        if models.devices["target"].get("layers_on_device") or self.device != "auto" or spec.kv_cache.quantized:
-            typer.echo(f"placed: {placement_line(models.devices)}", err=True)
+        placed = models.devices["target"].get("layers_on_device") or self.device != "auto" or spec.kv_cache.quantized
+        if self.cache_ram:
+            models.session = prompt_cache_session(self.cache_ram)
+        if placed:
+            cache = f"; prompt cache up to {self.cache_ram} MiB of host RAM" if self.cache_ram else ""
+            typer.echo(f"placed: {placement_line(models.devices)}{cache}", err=True)
         return models
+
+
+def prompt_cache_session(mib: int) -> Session:
+    """A session whose prompt cache keeps up to `mib` MiB of saved prompt states in host RAM."""
+    from ..prompt_cache import PromptCache
+    from ..session import Session
+
+    return Session(PromptCache(mib * 2**20))
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from .app import user_errors
 from .files import check_storage, resolve
 from .options import (
     BlockSize,
+    CacheRam,
     CacheType,
     CacheTypeK,
     CacheTypeV,
@@ -70,12 +71,6 @@ ServeMaxNewTokens = Annotated[
     Optional[int],
     typer.Option(
         "--max-new-tokens", help="Default answer length when a request has no max_tokens (default: the context)."
-    ),
-]
-CacheRam = Annotated[
-    int,
-    typer.Option(
-        "--cache-ram", help="MiB of RAM for other conversations' saved prompt states, least recently used out (0: off)."
     ),
 ]
 ServeSeed = Annotated[
@@ -137,8 +132,9 @@ def serve(
             return
         if run_engine:
             raise DFlashError("--exec runs an engine's command: use it with --engine vllm or --engine sglang.")
-        values.check_numbers(1 if max_new_tokens is None else max_new_tokens, options.max_context, decode.seed)
-        limits = _limits(max_queue, max_body, read_timeout, max_connections, port, cache_ram)
+        new_tokens = 1 if max_new_tokens is None else max_new_tokens
+        values.check_numbers(new_tokens, options.max_context, decode.seed, options.cache_ram)
+        limits = _limits(max_queue, max_body, read_timeout, max_connections, port)
 
         from ..chat_template import read_template
         from ..server import create_app, listen, run_server
@@ -147,7 +143,7 @@ def serve(
         expose_for(device)  # before llama.cpp loads: which Vulkan devices it may use
         template = None if chat_template is None else read_template(chat_template)
         sock = listen(host, port)  # before loading: a taken port fails at once
-        worker = _engine(model, decode, options, template, cache_ram, max_new_tokens, max_queue)
+        worker = _engine(model, decode, options, template, max_new_tokens, max_queue)
         _announce(model, host, api_key, sock.getsockname())
         run_server(create_app(worker, model, api_key, limits, tuple(cors_origins)), sock, limits)
 
@@ -157,23 +153,19 @@ def _engine(
     decode: DecodeOptions,
     options: ModelOptions,
     template: str | None,
-    cache_ram: int,
     max_new_tokens: int | None,
     max_queue: int,
 ) -> Engine:
-    """The model loaded (with the chat template given, the prompt cache of cache_ram MiB) and its serving engine."""
+    """The model loaded (with the chat template given, and the prompt cache --cache-ram asks for) and its serving
+    engine."""
     from ..chat_template import use_template
-    from ..prompt_cache import PromptCache
     from ..server import Engine
-    from ..session import Session
 
     block_size = decode.block()
     resolved = resolve(model, decode.drafter, options.offline, options.token)
     drafter_path = None if decode.no_draft else resolved.drafter
     models = options.load(resolved, drafter_path, resolved.backend, block_size is None and not decode.no_draft)
     models.tokenizer.config = use_template(models.tokenizer.config, template, resolved.target)
-    if cache_ram:
-        models.session = Session(PromptCache(cache_ram * 2**20))
     report = partial(typer.echo, err=True)
     return Engine(
         models, block_size, max_new_tokens, max_queue, resolved.thinking, decode.seed, decode.no_draft, report
@@ -192,11 +184,8 @@ def _announce(model: str, host: str, api_key: str | None, address: tuple) -> Non
     typer.echo(f"serving {model} on http://{shown}:{address[1]}/v1 ({apis}; Ctrl-C stops)", err=True)
 
 
-def _limits(
-    max_queue: int, max_body: int, read_timeout: float, max_connections: int, port: int, cache_ram: int
-) -> Limits:
-    """serve's limits as the server wants them, each checked (and --max-queue, --port and --cache-ram) before
-    anything loads."""
+def _limits(max_queue: int, max_body: int, read_timeout: float, max_connections: int, port: int) -> Limits:
+    """serve's limits as the server wants them, each checked (and --max-queue and --port) before anything loads."""
     from ..server import Limits
 
     counts = {"--max-queue": max_queue, "--max-body": max_body, "--max-connections": max_connections}
@@ -207,8 +196,6 @@ def _limits(
         raise DFlashError(f"--read-timeout must be a number of seconds above 0, got {read_timeout:g}.")
     if not 0 <= port < 2**16:
         raise DFlashError(f"--port must be from 0 to 65535, got {port}.")
-    if cache_ram < 0:
-        raise DFlashError(f"--cache-ram must be 0 (off) or more MiB, got {cache_ram}.")
     return Limits(max_body, read_timeout, max_connections)
 
 

@@ -20,14 +20,18 @@ def block_size(option: str) -> int | None:
     return size
 
 
-def check_numbers(max_new_tokens: int, max_context: int | None = None, seed: int | None = None) -> None:
-    """The numeric options of generate/chat/bench, checked before anything loads."""
+def check_numbers(
+    max_new_tokens: int, max_context: int | None = None, seed: int | None = None, cache_ram: int = 0
+) -> None:
+    """The numeric options of generate/chat/bench/serve, checked before anything loads."""
     if max_new_tokens < 1:
         raise DFlashError(f"--max-new-tokens must be at least 1, got {max_new_tokens}.")
     if max_context is not None and max_context < 1:
         raise DFlashError(f"--max-context must be at least 1 token, got {max_context}.")
     if seed is not None and not 0 <= seed < 2**64:
         raise DFlashError(f"--seed must be a whole number from 0 to {2**64 - 1}, got {seed}.")
+    if cache_ram < 0:
+        raise DFlashError(f"--cache-ram must be 0 (off) or more MiB, got {cache_ram}.")
 
 
 def prompt_text(prompt: str) -> str:
