@@ -39,6 +39,24 @@ from .options import (
     picked,
 )
 
+# bench's own options: llama-server beside dflash.
+Peer = Annotated[
+    Optional[str],
+    typer.Option(
+        "--peer",
+        help="llama-server: also run llama.cpp's own server on the same GGUF, prompts and drafter, plain and "
+        "speculative (draft-dflash; draft-mtp where the GGUF has MTP layers).",
+    ),
+]
+PeerBinary = Annotated[
+    Optional[Path],
+    typer.Option(
+        "--peer-binary",
+        envvar="DFLASH_LLAMA_SERVER",
+        help="The llama-server to run (default: the venv's, built by tools/build_llama_server.sh).",
+    ),
+]
+
 
 def bench(
     ctx: typer.Context,
@@ -76,22 +94,8 @@ def bench(
     quantize: Quantize = "auto",
     drafter_quantize: DrafterQuantize = "none",
     token: Token = None,
-    peer: Annotated[
-        Optional[str],
-        typer.Option(
-            "--peer",
-            help="llama-server: also run llama.cpp's own server on the same GGUF, prompts and drafter, plain and "
-            "speculative (draft-dflash; draft-mtp where the GGUF has MTP layers).",
-        ),
-    ] = None,
-    peer_binary: Annotated[
-        Optional[Path],
-        typer.Option(
-            "--peer-binary",
-            envvar="DFLASH_LLAMA_SERVER",
-            help="The llama-server to run (default: the venv's, built by tools/build_llama_server.sh).",
-        ),
-    ] = None,
+    peer: Peer = None,
+    peer_binary: PeerBinary = None,
 ) -> None:
     """Autoregressive vs the default mode (the DFlash drafter and lookup, as the block policy picks) on the same target,
     prompt by prompt, with each source's share of the tokens; one table per model. With --peer llama-server, a second
@@ -116,18 +120,24 @@ def bench(
         reports = []
         for model in names or ["tiny"]:
             report = _bench_model(model, prompts, limit, calibrate, as_json, decode, options, peer, peer_binary)
-            if plot_path is not None:
-                from ..bench import plot
-
-                suffix = f"-{Path(model).name}" if len(names or []) > 1 else ""
-                plot(report, plot_path.with_name(f"{plot_path.stem}{suffix}{plot_path.suffix}"))
-            if not as_json:
-                print_bench(report)
-                if "peer" in report:
-                    print_peer(report)
+            _show(report, model, len(names or []) > 1, plot_path, as_json)
             reports.append(report)
         if as_json:
             typer.echo(json.dumps(reports[0] if len(reports) == 1 else reports))
+
+
+def _show(report: dict, model: str, several: bool, plot_path: Path | None, as_json: bool) -> None:
+    """One model's report: its plot written where --plot says (the model's name added when there are several), and
+    its tables unless the report is JSON."""
+    if plot_path is not None:
+        from ..bench import plot
+
+        suffix = f"-{Path(model).name}" if several else ""
+        plot(report, plot_path.with_name(f"{plot_path.stem}{suffix}{plot_path.suffix}"))
+    if not as_json:
+        print_bench(report)
+        if "peer" in report:
+            print_peer(report)
 
 
 def _bench_model(
