@@ -183,9 +183,13 @@ def test_cache_ram_gives_the_chat_a_prompt_cache_in_host_ram(monkeypatch):
     defaults.CACHE_RAM_MIB, 0 none), and /stats says what it holds; a negative budget is one error line."""
     caches = []
     monkeypatch.setattr(chat_module, "run_chat", lambda models, settings, thinking=None: caches.append(models))
-    for args in (("--cache-ram", "8"), (), ("--cache-ram", "0")):
+    for args in (("--cache-ram", "8", "--device", "cpu"), (), ("--cache-ram", "0")):
         result = invoke("chat", "tiny", *args)
         assert result.exit_code == 0, result.stderr
+        if args[1:] == ("8", "--device", "cpu"):  # a device named: the load's placed line, with the budget
+            assert (
+                "placed: target on cpu" in result.stderr and "; prompt cache up to 8 MiB of host RAM\n" in result.stderr
+            )
     budgets = [None if m.session.cache is None else m.session.cache.budget for m in caches]
     assert budgets == [8 * 2**20, CACHE_RAM_MIB * 2**20, None]
     chat = piped_chat(caches[0], 4)
