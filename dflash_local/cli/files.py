@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,19 +31,28 @@ def check_storage(hub_cache: bool = True) -> None:
             raise DFlashError(f"{what} {folder}{source} is not writable ({reason}): {fix}.")
 
 
-def resolve(model: str, drafter: str | None, offline: bool, token: str | None) -> ResolvedModel:
-    """Local paths for what the user named, pulling from the Hub (with progress) unless offline."""
-    from ..catalog import resolve as resolve_names
+def fetcher(offline: bool, token: str | None, cached_first: bool = False) -> Callable[[HubSource], Path]:
+    """How a command gets a Hub file set: downloaded with progress (the storage checked first), or only from the cache
+    when offline; cached_first: a complete cached copy as it is, without asking the Hub."""
     from ..downloads import Downloader
+    from ..hub import cached_folder
 
     downloader = Downloader(token, offline)
 
     def fetch(source: HubSource) -> Path:
         if not offline:
             check_storage()
-        return downloader(source)
+        found = cached_folder(source) if cached_first else None
+        return found or downloader(source)
 
-    return resolve_names(model, drafter, fetch)
+    return fetch
+
+
+def resolve(model: str, drafter: str | None, offline: bool, token: str | None) -> ResolvedModel:
+    """Local paths for what the user named, pulling from the Hub (with progress) unless offline."""
+    from ..catalog import resolve as resolve_names
+
+    return resolve_names(model, drafter, fetcher(offline, token))
 
 
 def prompt_file(prompts: str, offline: bool, token: str | None) -> Path:
@@ -59,13 +69,5 @@ def prompt_file(prompts: str, offline: bool, token: str | None) -> Path:
 def drafter_folder(name: str, offline: bool, token: str | None) -> Path:
     """The local drafter a path, Hub repo or catalog name (its drafter) names, pulling it unless offline."""
     from ..catalog import resolve_drafter
-    from ..downloads import Downloader
 
-    downloader = Downloader(token, offline)
-
-    def fetch(source: HubSource) -> Path:
-        if not offline:
-            check_storage()
-        return downloader(source)
-
-    return resolve_drafter(name, fetch)
+    return resolve_drafter(name, fetcher(offline, token))

@@ -13,7 +13,7 @@ from ..defaults import CACHE_RAM_MIB, DEFAULT_CONTEXT, MAX_BODY, MAX_CONNECTIONS
 from ..errors import DFlashError
 from . import values
 from .app import user_errors
-from .files import check_storage, resolve
+from .files import fetcher, resolve
 from .options import (
     BlockSize,
     CacheRam,
@@ -203,19 +203,11 @@ def _hand_off(
     engine: str, model: str, drafter: str | None, block_size: int | None, run: bool, offline: bool, token: str | None
 ) -> None:
     """serve --engine: print (or exec) the vLLM/SGLang launch command for the pair."""
-    from ..downloads import Downloader
     from ..handoff import ENGINES, engine_pair, launch_command
-    from ..hub import HubSource, cached_folder
 
     if engine not in ENGINES:
         raise DFlashError(f"--engine must be {' or '.join(ENGINES)}, got '{engine}'.")
-    downloader = Downloader(token, offline)
-
-    def fetch(source: HubSource):
-        if not offline:
-            check_storage()
-        return cached_folder(source) or downloader(source)
-
+    fetch = fetcher(offline, token, cached_first=True)
     command = launch_command(engine, engine_pair(model, drafter, block_size, fetch))
     typer.echo(shlex.join(command))
     if run:
