@@ -127,38 +127,36 @@ def model_checks(name: str) -> list[Check]:
         where = Check(name, f"{missing.source.repo} is not downloaded (dflash pull {name})", None)
         if entry is None:
             return [where, Check(f"{name} fits?", "unknown until it is downloaded", None)]
-        cache = host_prompt_cache()
-        basis = "the catalog's estimate" + (f" + {cache / 1e9:.2f} GB prompt cache" if cache else "")
-        return [where, fit_check(name, entry.memory_gb + cache / 1e9, basis)]
+        return [where, fit_check(name, entry.memory_gb, "the catalog's estimate")]
     on_disk = "bundled" if entry is not None and entry.bundled else f"on disk: {resolved.target}"
     checks = [Check(name, on_disk + ("" if resolved.drafter else "; no drafter (pass --drafter)"))]
-    need, basis = estimate_gb(resolved.target, resolved.drafter, host_prompt_cache())
+    need, basis = estimate_gb(resolved.target, resolved.drafter)
     return [*checks, fit_check(name, need, basis)]
 
 
-def host_prompt_cache() -> int:
-    """The bytes of saved prompt states (serve's and chat's default --cache-ram) a fit check counts: all of them
-    where models run in host RAM, none where they run in a GPU's memory (the prompt cache is never there)."""
+def fit_check(name: str, need_gb: float, basis: str) -> Check:
+    """Does a model needing need_gb fit where models run here (the first GPU, else RAM)? Where that is host RAM, serve's
+    and chat's default prompt cache (--cache-ram, a budget filled as prompts are saved) is weighed too: a model that
+    fits but leaves less than the budget is a warning naming the --cache-ram that fits."""
     from .defaults import CACHE_RAM_MIB
 
-    return CACHE_RAM_MIB * 2**20 if memory_budget()[0] == HOST_RAM else 0
-
-
-def fit_check(name: str, need_gb: float, basis: str) -> Check:
-    """Does a model needing need_gb fit where models run here (the first GPU, else RAM)?"""
     where, budget = memory_budget()
-    fits = need_gb <= budget
-    verdict = "fits" if fits else "does NOT fit"
-    return Check(f"{name} fits?", f"needs ~{need_gb:.1f} GB ({basis}), {where} has {budget:.1f} GB: {verdict}", fits)
+    found = f"needs ~{need_gb:.1f} GB ({basis}), {where} has {budget:.1f} GB"
+    if need_gb > budget:
+        return Check(f"{name} fits?", f"{found}: does NOT fit", False)
+    left_mib = int((budget - need_gb) * 1e9 / 2**20)
+    if where == HOST_RAM and left_mib < CACHE_RAM_MIB:
+        advice = f"fits, but not beside the default prompt cache ({CACHE_RAM_MIB} MiB): pass --cache-ram {left_mib}"
+        return Check(f"{name} fits?", f"{found}: {advice}", None)
+    return Check(f"{name} fits?", f"{found}: fits", True)
 
 
-def estimate_gb(target: Path, drafter: Path | None, prompt_cache: int = 0) -> tuple[float, str]:
-    """GB a local model needs with a default-length context (and prompt_cache bytes of saved prompt states), from its
-    files' shapes, and what that counts."""
+def estimate_gb(target: Path, drafter: Path | None) -> tuple[float, str]:
+    """GB a local model needs with a default-length context, from its files' shapes, and what that counts."""
     from .defaults import DEFAULT_CONTEXT
     from .memory_estimate import estimate_files
 
-    estimate = estimate_files(target, drafter, DEFAULT_CONTEXT, prompt_cache=prompt_cache)
+    estimate = estimate_files(target, drafter, DEFAULT_CONTEXT)
     return estimate.total_gb, f"{DEFAULT_CONTEXT}-token context: {estimate.summary()}"
 
 

@@ -116,20 +116,18 @@ def estimate(
     drafter_element: int = 2,
     drafter_kind: str = "native",
     cache: KVCache = KVCache(),
-    prompt_cache: int = 0,
 ) -> Estimate:
-    """Peak memory of one generation (and prompt_cache bytes of saved prompt states, --cache-ram, where counted): target
-    weights as stored (LlamaCppTarget reads a GGUF into llama.cpp's buffers once), the drafter (16-bit weights
-    given) in drafter_element bytes per weight, KV caches at the context length, llama.cpp's activations, a block's
-    logits twice in fp32, and the process. On a GGUF target the native drafter (llama.cpp's, F16) reads the target's
-    embedding and head in place; the torch drafter on the CPU keeps one copy of the head as packed int8 rows
-    (embedding rows are dequantized per step). The target's KV cache is in the `cache` types (llama.cpp's; a torch
-    target's 16-bit cache is f16's size).
+    """Peak memory of one generation: target weights as stored (LlamaCppTarget reads a GGUF into llama.cpp's
+    buffers once), the drafter (16-bit weights given) in drafter_element bytes per weight, KV caches at the context
+    length, llama.cpp's activations, a block's logits twice in fp32, and the process. On a GGUF target the native
+    drafter (llama.cpp's, F16) reads the target's embedding and head in place; the torch drafter on the CPU keeps
+    one copy of the head as packed int8 rows (embedding rows are dequantized per step). The target's KV cache is in
+    the `cache` types (llama.cpp's; a torch target's 16-bit cache is f16's size).
 
-    llama.cpp reserves a compute buffer for its largest graph (a 512-token batch with every row's logits: 258.5 MiB at
-    the Llama-3.2-1B shape) but the pages a generation touches are those of a full batch of activations, about three
-    intermediate-size and five hidden-size fp32 rows per token: activation_bytes (measured on that shape: 63 MB of
-    peak RSS between 512- and 64-token batches; the formula gives 62 MB)."""
+    llama.cpp reserves a compute buffer for its largest graph (a 512-token batch with every row's logits: 258.5 MiB
+    at the Llama-3.2-1B shape) but the pages a generation touches are those of a full batch of activations, about
+    three intermediate-size and five hidden-size fp32 rows per token: activation_bytes (measured on that shape:
+    63 MB of peak RSS between 512- and 64-token batches; the formula gives 62 MB)."""
     parts = {"target weights": target_weights, "KV cache": target.layers * kv_layer_bytes(target, context, cache)}
     context = llama_context(context)
     if backend == "llamacpp":
@@ -144,8 +142,6 @@ def estimate(
             parts["output head for the drafter"] = target.vocab * (target.hidden + 8)
         parts["drafter KV cache"] = drafter.kv_bytes(context, 2 if native else drafter_element)
     parts["runtime"] = RUNTIME_BYTES
-    if prompt_cache:
-        parts["prompt cache"] = prompt_cache
     return Estimate(parts)
 
 
@@ -191,23 +187,21 @@ def estimate_files(
     drafter_element: int = 2,
     drafter_kind: str = "native",
     cache: KVCache = KVCache(),
-    prompt_cache: int = 0,
 ) -> Estimate:
-    """The estimate for model files on disk (and prompt_cache bytes of saved prompt states): weights as their files
-    store them, the drafter (kind native or torch) in drafter_element bytes per weight (2: the native drafter, or torch
-    in bf16/fp16; 4: torch in fp32), the target's KV cache in the `cache` types."""
+    """The estimate for model files on disk: weights as their files store them, the drafter (kind native or torch)
+    in drafter_element bytes per weight (2: the native drafter, or torch in bf16/fp16; 4: torch in fp32), the target's
+    KV cache in the `cache` types."""
     sizes = target_sizes(target)
     gguf_file = target.suffix == ".gguf"
     backend = "llamacpp" if gguf_file else "torch"
     if drafter is None:
-        return estimate(sizes, _weight_files_bytes(target), context, backend, cache=cache, prompt_cache=prompt_cache)
+        return estimate(sizes, _weight_files_bytes(target), context, backend, cache=cache)
     config = _config(drafter)
     drafter_sizes = Dimensions.from_config(config | {"vocab_size": sizes.vocab})
     block = int(config.get("block_size", DRAFTER_BLOCK))
     draft = _weight_files_bytes(drafter)
     stored = _weight_files_bytes(target)
-    element, kind = drafter_element, drafter_kind
-    return estimate(sizes, stored, context, backend, draft, drafter_sizes, block, element, kind, cache, prompt_cache)
+    return estimate(sizes, stored, context, backend, draft, drafter_sizes, block, drafter_element, drafter_kind, cache)
 
 
 def estimate_shape(name: str, weights: str, context: int) -> Estimate:
