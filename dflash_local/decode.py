@@ -167,7 +167,8 @@ def _check_prompt(target: Target, prompt_ids: list[int], settings: Settings) -> 
 
 class _Decoding:
     """One generation's state between its steps, and the four things a step does: prefill (once), draft, verify,
-    commit. tokens[: start + 1] are final; the token at start is not fed to the target yet."""
+    commit. tokens[: start + 1] are final; the token at start is not fed to the target yet. The models keep their
+    own caches (the drafter the features of accepted positions it has not cached yet)."""
 
     def __init__(
         self,
@@ -188,9 +189,7 @@ class _Decoding:
             self.stop_ids = self.stop_ids | settings.grammar.stop_ids
         self.drafting = drafter is not None
         layers = tuple(drafter.target_layer_ids) if drafter is not None else None
-        self.kept, self.pending = session.resume(target, drafter, prompt_ids, layers)  # pending: features the
-        # drafter lacks, of the accepted positions drafted_to..start-1
-        self.drafted_to = session.drafter_length
+        self.kept = session.resume(target, drafter, prompt_ids, layers)
         self.tokens = list(prompt_ids)
         self.start = len(prompt_ids)
         self.max_length, self.length_reason = self.start + settings.max_new_tokens, "length"
@@ -213,9 +212,9 @@ class _Decoding:
         self.tokens.append(first)
         if self.index is not None:
             self.index.extend([first])
-        if out.features is not None:
-            self.pending.append(out.features)
-        self.session.record(self.tokens, self.start, self.drafted_to, self.pending)
+        if self.drafter is not None:
+            self.drafter.extend(out.features)
+        self.session.record(self.tokens, self.start)
         self.session.checkpoint()
         return [first]
 
@@ -236,8 +235,8 @@ class _Decoding:
         self, source: str, verify_size: int, draft_size: int, match: Match | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The block to verify, [tokens[start], verify_size - 1 drafts from the source], and the drafts'
-        probabilities (None where the sampler keeps none); the drafter drafts draft_size positions, taking the pending
-        features first."""
+        probabilities (None where the sampler keeps none); the drafter drafts draft_size positions, caching the
+        features it holds first."""
         block = torch.full((verify_size,), self.tokens[self.start], dtype=torch.long, device=self.target.device)
         if self.matcher is not None:
             self.masks, self.consumed = self.matcher.forbidden(block.device)[None], 0
@@ -245,10 +244,7 @@ class _Decoding:
             return block, None
         if source == "lookup":
             return self._lookup_draft(block, match.tokens[: verify_size - 1])
-        pending = self.pending
-        new_features = (pending[0] if len(pending) == 1 else torch.cat(pending)) if pending else None
-        logits = self.drafter.propose(self.target, new_features, self.tokens, self.start, draft_size, verify_size - 1)
-        self.pending, self.drafted_to = [], self.start
+        logits = self.drafter.propose(self.target, None, self.tokens, self.start, draft_size, verify_size - 1)
         if self.matcher is not None:
             return self._draft_in_grammar(block, logits)
         block[1:], draft_probs = self.sampler.draft(logits)
@@ -319,9 +315,9 @@ class _Decoding:
         return accepted, made, features[0] if len(features) == 1 else (torch.cat(features) if features else None)
 
     def commit(self, made: list[int], features: torch.Tensor | None) -> tuple[list[int], bool]:
-        """Keep the made tokens up to the length limit and the first stop id; roll the target's cache (and the
-        grammar's matcher) back to them and record the caches' state. Returns the kept tokens and whether a stop id
-        ended them."""
+        """Keep the made tokens up to the length limit and the first stop id; trim the target's cache (and roll the
+        grammar's matcher back) to them, hand the drafter their features, and record the sequence. Returns the kept
+        tokens and whether a stop id ended them."""
         accepted = len(made) - 1
         made = made[: self.max_length - self.start - 1]
         stopped = False
@@ -337,10 +333,10 @@ class _Decoding:
         if self.index is not None:
             self.index.extend(made)
         self.start += len(made)
-        self.target.rollback(self.start)
+        self.target.trim(self.start)
         if features is not None:
-            self.pending.append(features[: len(made)])
-        self.session.record(self.tokens, self.start, self.drafted_to, self.pending)
+            self.drafter.extend(features[: len(made)])
+        self.session.record(self.tokens, self.start)
         return made, stopped
 
     def finish_reason(self, stopped: bool) -> str | None:
