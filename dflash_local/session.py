@@ -42,9 +42,8 @@ class Session:
     def resume(
         self, target: Target, drafter: Drafter | None, prompt_ids: list[int], layers: tuple[int, ...] | None
     ) -> int:
-        """Trim both caches to the longest common prefix of the prompt and the cached ids, leaving at least one prompt
-        token to forward; return how many positions are kept. A saved entry that holds more of the prompt is swapped
-        in first."""
+        """Trim both caches to the longest common prefix of the prompt and the cached ids (a saved entry holding more
+        of it swapped in first), leaving at least one prompt token to forward; return how many positions are kept."""
         if self.cache is not None:
             self._swap(target, drafter, prompt_ids, layers)
         kept = self.common_prefix(target, drafter, prompt_ids, layers)

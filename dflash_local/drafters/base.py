@@ -52,9 +52,8 @@ class Drafter(Protocol):
 
 
 class DraftContext(ABC):
-    """A drafter's context positions: `length` of them cached, then the features of accepted positions it holds but
-    has not cached yet (its next propose caches them first). Subclasses cut their cache in `_cut` and save it in
-    `_save_cache` / `_load_cache`."""
+    """A drafter's context: `length` positions cached, then the accepted positions' features it holds but has not
+    cached yet (its next propose caches them first); subclasses cut, save and load the cache itself."""
 
     def __init__(self) -> None:
         self.length = 0  # cached context positions
