@@ -270,7 +270,7 @@ def verify_costs(target: TorchLlamaTarget, context: int, device: str, repeats: i
     ids = ids.to(device)
 
     def verify(k: int) -> None:
-        target.rollback(context)
+        target.trim(context)
         target.forward(ids[:k])
 
     with torch.inference_mode():

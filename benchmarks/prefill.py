@@ -77,7 +77,7 @@ def dflash(path: str, tokens: int, threads: int) -> float:
     target = LlamaCppTarget.load(path, LoadSpec(RuntimeConfig(threads=threads), max_context=tokens + 64))
     ids = torch.tensor(prompt(target.vocab_size, tokens))
     target.forward(ids[:WARM_UP], all_logits=False, features=False)
-    target.reset()
+    target.trim(0)
     began = time.perf_counter()
     target.forward(ids[WARM_UP:], all_logits=False, features=False)
     return time.perf_counter() - began

@@ -23,15 +23,15 @@ def measure_steps(target, drafter, vocab: int, context: int, sizes: list[int], d
         verified = target.forward(ids[context : context + max(sizes)]).logits
 
     def decode_one() -> None:
-        target.rollback(context)
+        target.trim(context)
         target.forward(ids[context : context + 1], features=False)
 
     def verify(k: int) -> None:
-        target.rollback(context)
+        target.trim(context)
         target.forward(ids[context : context + k])
 
     def draft(rows: int) -> None:
-        drafter.length = context - 4
+        drafter.trim(context - 4)
         drafter.propose(target, features[-4:], known, context, block, rows)
 
     def accept() -> None:

@@ -19,10 +19,10 @@ def compare(target, prefix: list[int], block: list[int]) -> dict:
     """Logits of the block as one forward and as one-token forwards, from the same cached prefix."""
     import torch
 
-    target.reset()
+    target.trim(0)
     target.forward(torch.tensor(prefix), all_logits=False, features=False)
     whole = target.forward(torch.tensor(block), features=False).logits
-    target.rollback(len(prefix))
+    target.trim(len(prefix))
     single = torch.cat([target.forward(torch.tensor([token]), features=False).logits for token in block])
     same_rows = int((whole == single).all(dim=1).sum())
     same_argmax = int((whole.argmax(dim=1) == single.argmax(dim=1)).sum())

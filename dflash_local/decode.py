@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 import torch
 
 from .block_policy import BlockPolicy
+from .constraint import constraint
 from .defaults import MAX_NEW_TOKENS, block_limit, check_block
 from .drafters.base import Drafter
-from .drafters.lookup import point_logits, point_masses
 from .drafters.suffix_index import Match
 from .errors import DFlashError
 from .grammar import Grammar
 from .runtime import StepClock
-from .sampling import Sampler, SamplingParams, make_sampler, mask_scores
+from .sampling import Sampler, SamplingParams, make_sampler
 from .session import Session
 from .targets.base import Target
 
@@ -167,7 +167,9 @@ def _check_prompt(target: Target, prompt_ids: list[int], settings: Settings) -> 
 
 class _Decoding:
     """One generation's state between its steps, and the four things a step does: prefill (once), draft, verify,
-    commit. tokens[: start + 1] are final; the token at start is not fed to the target yet."""
+    commit. tokens[: start + 1] are final; the token at start is not fed to the target yet. The models keep their
+    own caches (the drafter the features of accepted positions it has not cached yet); the grammar's masks and
+    matcher live in `constraint`."""
 
     def __init__(
         self,
@@ -180,17 +182,11 @@ class _Decoding:
         lookup: bool,
     ) -> None:
         self.target, self.drafter, self.sampler, self.session = target, drafter, sampler, session
-        self.stop_ids = settings.stop_ids
-        self.matcher = settings.grammar.matcher() if settings.grammar is not None else None
-        self.masks: torch.Tensor | None = None  # the grammar's forbidden ids at each row of the block being verified
-        self.consumed = 0  # drafts the matcher has consumed in this step
-        if settings.grammar is not None:
-            self.stop_ids = self.stop_ids | settings.grammar.stop_ids
+        self.constraint = constraint(settings.grammar, settings.stop_ids)
+        self.stop_ids = self.constraint.stop_ids
         self.drafting = drafter is not None
         layers = tuple(drafter.target_layer_ids) if drafter is not None else None
-        self.kept, self.pending = session.resume(target, drafter, prompt_ids, layers)  # pending: features the
-        # drafter lacks, of the accepted positions drafted_to..start-1
-        self.drafted_to = session.drafter_length
+        self.kept = session.resume(target, drafter, prompt_ids, layers)
         self.tokens = list(prompt_ids)
         self.start = len(prompt_ids)
         self.max_length, self.length_reason = self.start + settings.max_new_tokens, "length"
@@ -204,18 +200,13 @@ class _Decoding:
         """Forward the prompt past what the caches hold; pick the first new token."""
         ids = torch.tensor(self.tokens[self.kept :], dtype=torch.long, device=self.target.device)
         out = self.target.forward(ids, all_logits=False, features=self.drafting)
-        logits = out.logits[-1]
-        if self.matcher is not None:
-            logits = mask_scores(logits, self.matcher.forbidden(logits.device))
-        first = self.sampler.first(logits)
-        if self.matcher is not None and first not in self.stop_ids:  # (a stop ends the generation: nothing to match)
-            self.matcher.consume(first)
+        first = self.constraint.first(out.logits[-1], self.sampler)
         self.tokens.append(first)
         if self.index is not None:
             self.index.extend([first])
-        if out.features is not None:
-            self.pending.append(out.features)
-        self.session.record(self.tokens, self.start, self.drafted_to, self.pending)
+        if self.drafter is not None:
+            self.drafter.extend(out.features)
+        self.session.record(self.tokens, self.start)
         self.session.checkpoint()
         return [first]
 
@@ -236,56 +227,16 @@ class _Decoding:
         self, source: str, verify_size: int, draft_size: int, match: Match | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The block to verify, [tokens[start], verify_size - 1 drafts from the source], and the drafts'
-        probabilities (None where the sampler keeps none); the drafter drafts draft_size positions, taking the pending
-        features first."""
+        probabilities (None where the sampler keeps none); the drafter drafts draft_size positions, caching the
+        features it holds first."""
         block = torch.full((verify_size,), self.tokens[self.start], dtype=torch.long, device=self.target.device)
-        if self.matcher is not None:
-            self.masks, self.consumed = self.matcher.forbidden(block.device)[None], 0
+        self.constraint.begin(block.device)
         if verify_size == 1:
             return block, None
         if source == "lookup":
-            return self._lookup_draft(block, match.tokens[: verify_size - 1])
-        pending = self.pending
-        new_features = (pending[0] if len(pending) == 1 else torch.cat(pending)) if pending else None
-        logits = self.drafter.propose(self.target, new_features, self.tokens, self.start, draft_size, verify_size - 1)
-        self.pending, self.drafted_to = [], self.start
-        if self.matcher is not None:
-            return self._draft_in_grammar(block, logits)
-        block[1:], draft_probs = self.sampler.draft(logits)
-        return block, draft_probs
-
-    def _lookup_draft(self, block: torch.Tensor, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The block with lookup's tokens as drafts, each a point mass (through the grammar as a drafter's rows)."""
-        vocab, device = self.target.vocab_size, block.device
-        if self.matcher is not None:
-            return self._draft_in_grammar(block, point_logits(tokens, vocab, device))
-        block[1:] = torch.tensor(tokens, dtype=torch.long, device=device)
-        return block, None if self.sampler.greedy else point_masses(tokens, vocab, device)
-
-    def _draft_in_grammar(self, block: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Draft row by row from the drafter's scores masked by the grammar, the matcher consuming each draft. The
-        block ends before a row where the drafter scores no allowed id (a drafter with a smaller draft vocabulary),
-        or at the first stop id drafted (not consumed; the row after it, never kept, forbids nothing)."""
-        masks, drafts, probs = [self.masks[0]], [], []
-        for row in range(logits.shape[0]):
-            scores = mask_scores(logits[row : row + 1], masks[-1])
-            if not bool(torch.isfinite(scores).any()):
-                break
-            token, row_probs = self.sampler.draft(scores)
-            drafts.append(token)
-            probs.append(row_probs)
-            if int(token) in self.stop_ids:
-                masks.append(torch.zeros_like(masks[0]))
-                break
-            self.matcher.consume(int(token))
-            self.consumed += 1
-            masks.append(self.matcher.forbidden(block.device))
-        block = block[: len(drafts) + 1]
-        self.masks = torch.stack(masks)
-        if not drafts:
-            return block, None
-        block[1:] = torch.cat(drafts)
-        return block, None if probs[0] is None else torch.cat(probs)
+            return self.constraint.lookup(block, match.tokens[: verify_size - 1], self.target.vocab_size, self.sampler)
+        logits = self.drafter.propose(self.target, None, self.tokens, self.start, draft_size, verify_size - 1)
+        return self.constraint.draft(block, logits, self.sampler)
 
     def verify(
         self, block: torch.Tensor, draft_probs: torch.Tensor | None
@@ -293,7 +244,7 @@ class _Decoding:
         """The target's forwards over the block: how many drafts it accepts, the tokens that makes final, the
         features of the rows it forwarded. A target with verify_rows takes the block in pieces of that many rows, the
         next piece only while every draft so far stands and none is a stop id."""
-        greedy = self.sampler.greedy and self.matcher is None  # a grammar masks the logits before any argmax
+        greedy = self.sampler.greedy and not self.constraint.masks_scores  # masks apply before any argmax
         rows = block.shape[0]
         width = self.target.verify_rows or rows
         accepted, made, features = 0, [], []
@@ -303,8 +254,7 @@ class _Decoding:
             if out.features is not None:
                 features.append(out.features)
             scores = out.logits if out.argmax is None else out.argmax
-            if self.matcher is not None:
-                scores = mask_scores(scores, self.masks[begin:end])
+            scores = self.constraint.scores(scores, begin, end)
             if end < rows:  # the piece's last row checks the next piece's first token; a copy of it stands for the
                 scores = torch.cat([scores, scores[-1:]])  # bonus row, whose token is dropped if all stand
             probs = None if draft_probs is None else draft_probs[begin:end]
@@ -319,9 +269,9 @@ class _Decoding:
         return accepted, made, features[0] if len(features) == 1 else (torch.cat(features) if features else None)
 
     def commit(self, made: list[int], features: torch.Tensor | None) -> tuple[list[int], bool]:
-        """Keep the made tokens up to the length limit and the first stop id; roll the target's cache (and the
-        grammar's matcher) back to them and record the caches' state. Returns the kept tokens and whether a stop id
-        ended them."""
+        """Keep the made tokens up to the length limit and the first stop id; trim the target's cache to them, hand
+        the drafter their features, and record the sequence. Returns the kept tokens and whether a stop id ended
+        them."""
         accepted = len(made) - 1
         made = made[: self.max_length - self.start - 1]
         stopped = False
@@ -329,18 +279,15 @@ class _Decoding:
             if token in self.stop_ids:
                 made, stopped = made[: index + 1], True
                 break
-        if self.matcher is not None and not stopped:  # back to the kept tokens (after a stop, nothing more is matched)
-            self.matcher.rollback(self.consumed - min(accepted, len(made)))
-            for token in made[accepted:]:
-                self.matcher.consume(token)
+        self.constraint.commit(made, accepted, stopped)
         self.tokens.extend(made)
         if self.index is not None:
             self.index.extend(made)
         self.start += len(made)
-        self.target.rollback(self.start)
+        self.target.trim(self.start)
         if features is not None:
-            self.pending.append(features[: len(made)])
-        self.session.record(self.tokens, self.start, self.drafted_to, self.pending)
+            self.drafter.extend(features[: len(made)])
+        self.session.record(self.tokens, self.start)
         return made, stopped
 
     def finish_reason(self, stopped: bool) -> str | None:

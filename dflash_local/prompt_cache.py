@@ -17,23 +17,21 @@ MIN_GAIN = 16  # positions a saved entry must hold beyond what the caches give, 
 
 @dataclass
 class Saved:
-    """One sequence's caches: the ids whose state the target held, that state, the drafter's state and length, the
-    features it had not taken, the suffix index over the ids (None: rebuilt on use), and the pair that filled them.
+    """One sequence's caches: the pair that filled them, the ids whose state they held, each model's saved state (the
+    drafter's with the features it had not cached), the suffix index over the ids (None: rebuilt on use).
     exact: usable only by prompts that continue all its ids (a recurrent state cannot drop a suffix)."""
 
     owner: tuple
     tokens: list[int]
     target_state: object
     drafter_state: object | None
-    drafter_length: int
-    pending: list[torch.Tensor]
     index: SuffixIndex | None
     exact: bool
 
     @property
     def size(self) -> int:
-        """Bytes held (states and features; the ids and index are small beside them)."""
-        return state_bytes((self.target_state, self.drafter_state, self.pending))
+        """Bytes held (the models' states; the ids and index are small beside them)."""
+        return state_bytes((self.target_state, self.drafter_state))
 
 
 def state_bytes(state: object) -> int:

@@ -106,7 +106,7 @@ def test_features_equal_transformers_hidden_states_and_plain_decoding_equals_lla
     for layer in layers:
         assert torch.allclose(features[:, layer], hidden[layer + 1], rtol=1e-2, atol=5e-2), (arch, layer)
     assert out.logits.argmax(dim=1).tolist() == logits.argmax(dim=1).tolist()
-    target.reset()
+    target.trim(0)
     plain, _ = run(target, None, PROMPT, Settings(max_new_tokens=NEW_TOKENS, draft=False))
     assert plain == llamacpp_greedy(models[arch] / "model.gguf", [PROMPT], monkeypatch, NEW_TOKENS)[0]
 
@@ -139,18 +139,18 @@ def test_a_hybrid_target_rolls_back_to_exactly_the_kept_tokens(models):
     assert target.recurrent
     block, after = [9, 31, 77, 2, 64, 13, 101, 45], 23
     for kept in range(len(block) + 1):
-        target.reset()
+        target.trim(0)
         target.forward(torch.tensor(PROMPT), features=False)
         target.forward(torch.tensor(block), features=False)
-        target.rollback(len(PROMPT) + kept)
-        fresh.reset()
+        target.trim(len(PROMPT) + kept)
+        fresh.trim(0)
         fresh.forward(torch.tensor(PROMPT + block[:kept]), features=False)
         got, want = (model.forward(torch.tensor([after]), features=False).logits for model in (target, fresh))
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), kept
     long = list(range(30, 30 + STATE_SNAPSHOTS + 4))
     target.forward(torch.tensor(long), features=False)
-    target.rollback(len(PROMPT) + 3)  # further back than the snapshots reach
-    fresh.reset()
+    target.trim(len(PROMPT) + 3)  # further back than the snapshots reach
+    fresh.trim(0)
     fresh.forward(torch.tensor(PROMPT + block[:3]), features=False)
     got, want = (model.forward(torch.tensor([after]), features=False).logits for model in (target, fresh))
     assert target.length == fresh.length and torch.allclose(got, want, rtol=1e-4, atol=1e-4)
@@ -213,7 +213,10 @@ class ChainDrafter:
     def check_target(self, target) -> None:
         """Any target: the drafter reads only tokens."""
 
-    def reset(self) -> None:
+    def extend(self, features) -> None:
+        """It reads no features."""
+
+    def trim(self, length: int) -> None:
         """No state between steps."""
 
     def propose(self, target, new_features, tokens: list[int], start: int, size: int, rows: int | None = None):

@@ -283,7 +283,7 @@ def test_an_abandoned_turn_leaves_no_stale_features():
     first = TextTokenizer.load(TINY / "target").encode(prompt)
     session = Session()
     answer, _ = run(target, drafter, first, Settings(max_new_tokens=24), session=session)
-    assert session.pending  # the last step's features, which the drafter has not taken yet
+    assert drafter.held is not None  # the last step's features, which the drafter has not taken yet
     second = first + answer + first[:5]
     policy = policy_with(linear(1.0, 0.1), linear(0.5, 0.0, first=2), rate=0.05)  # k = 2 at 0.66x, probes every 60
     steps = generate(target, drafter, second, Settings(max_new_tokens=50), policy, session)
@@ -292,12 +292,13 @@ def test_an_abandoned_turn_leaves_no_stale_features():
     propose, given = drafter.propose, []
 
     def spy_propose(model_target, new_features, tokens, start, size, rows=None):
-        given.append((start, new_features.clone()))
+        held = [part for part in (drafter.held, new_features) if part is not None]  # what it caches first
+        given.append((start, torch.cat(held)))
         return propose(model_target, new_features, tokens, start, size, rows)
 
     drafter.propose = spy_propose
     got, _ = run(target, drafter, third, Settings(max_new_tokens=40), session=session)
-    target.reset()
+    target.trim(0)
     whole = target.forward(torch.tensor(third + got), all_logits=False).features
     assert given
     for start, features in given:

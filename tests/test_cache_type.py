@@ -82,7 +82,7 @@ def test_a_hybrid_target_with_a_quantized_cache_drafts_losslessly(kind, archs, m
     target, f16 = LlamaCppTarget.load(hybrid, spec), LlamaCppTarget.load(hybrid, replace(spec, kv_cache=KVCache()))
     logits = [model.forward(torch.tensor(PROMPT), features=False).logits for model in (target, f16)]
     assert not torch.equal(*logits), kind
-    target.reset()
+    target.trim(0)
     drafter = ChainDrafter(llamacpp_model(hybrid), block_size=16)
     verified = []
     for block, policy in ((4, None), (16, None), (None, auto_policy(16))):
@@ -102,7 +102,7 @@ def test_a_verify_batch_has_the_logits_of_one_token_decodes_at_any_length_and_th
     ids = torch.randint(5, target.vocab_size, (616,), generator=torch.Generator().manual_seed(0))
     target.forward(ids[:600], all_logits=False, features=False)
     together = target.forward(ids[600:], features=False).logits
-    target.rollback(600)
+    target.trim(600)
     alone = torch.cat([target.forward(ids[i : i + 1], features=False).logits for i in range(600, 616)])
     assert (together != alone).any(dim=1).nonzero().flatten().tolist() == [], kind
 

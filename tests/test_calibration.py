@@ -62,10 +62,7 @@ class ScriptedTarget:
     def set_feature_layers(self, layers: list[int]) -> None:
         pass
 
-    def reset(self) -> None:
-        self.length = 0
-
-    def rollback(self, length: int) -> None:
+    def trim(self, length: int) -> None:
         self.length = length
 
     def forward(self, ids: torch.Tensor, all_logits: bool = True, features: bool = True, greedy: bool = False):
@@ -80,8 +77,8 @@ class ScriptedDrafter:
     def __init__(self, machine: Machine) -> None:
         self.machine = machine
 
-    def reset(self) -> None:
-        self.length = 0
+    def trim(self, length: int) -> None:
+        self.length = min(self.length, length)
 
     def propose(self, target, new_features, tokens, start, size, rows=None) -> None:
         self.machine.run(QUIET_DRAFT)

@@ -122,7 +122,7 @@ def test_drafts_are_the_walk_of_the_selectors_lattice(dflash2_gguf, gguf_target,
     assert (native.selector_top_k, native.block_size) == (TOP_K, 8)
     get_lattice = dflash2_functions()[2]
     hidden = native.cfg.dims.hidden
-    gguf_target.reset()
+    gguf_target.trim(0)
     native.check_target(gguf_target)
     ids = heldout[0] + heldout[1]
     features = gguf_target.forward(torch.tensor(ids), features=True).features

@@ -38,7 +38,7 @@ def test_target_step_over_a_padded_span_matches_eager(kind: str, span: int, llam
     target.forward(prompt)
     eager = target.forward(block)
     eager_next = target.forward(after).logits
-    target.rollback(len(prompt))
+    target.trim(len(prompt))
     last, no_features = target.step(block, torch.arange(10, 15), (), span, 1)
     assert last.shape == (1, target.vocab_size) and no_features is None
     torch.testing.assert_close(last, eager.logits[-1:], atol=1e-5, rtol=1e-5)
@@ -53,7 +53,7 @@ def test_prefill_runs_the_head_on_the_last_row_only(monkeypatch, llama_target) -
     """A forward without all_logits computes the LM head on one row, not on every prompt position."""
     target = TorchLlamaTarget.load(llama_target, LoadSpec(max_context=64))
     want = target.forward(torch.arange(3, 43)).logits[-1:]
-    target.reset()
+    target.trim(0)
     head_rows = []
     head = target.lm_head
     monkeypatch.setattr(target, "lm_head", lambda hidden: head_rows.append(hidden.shape[0]) or head(hidden))

@@ -82,7 +82,7 @@ def test_the_drafters_embed_and_draft_as_the_target(target, drafters, prompts):
     torch_drafter, native = drafters
     set_tap, get_tap = tap_functions()
     ids = torch.tensor(prompts[0][:12])
-    target.reset()
+    target.trim(0)
     set_tap(target.context.ctx, 0, True)  # layer 0's input: the scaled embeddings
     try:
         target.forward(ids, features=False)
@@ -96,8 +96,8 @@ def test_the_drafters_embed_and_draft_as_the_target(target, drafters, prompts):
     for prompt in prompts:
         for drafter in (torch_drafter, native):
             drafter.check_target(target)
-            drafter.reset()
-        target.reset()
+            drafter.trim(0)
+        target.trim(0)
         out = target.forward(torch.tensor(prompt), all_logits=False)
         tokens = [*prompt, int(out.logits[-1].argmax())]
         drafted = [d.propose(target, out.features, tokens, len(prompt), 16) for d in (torch_drafter, native)]
@@ -118,13 +118,13 @@ def test_sampling_follows_the_targets_distribution(target, drafters):
     tiny pair, 3000 samples, fails it at p = 1e-65)."""
     params, samples, prompt = SamplingParams(temperature=1.0, top_k=3), 400, [2, 818, 5279, 529]
     exact: dict[tuple[int, ...], float] = {}
-    target.reset()
+    target.trim(0)
     first = probabilities(target.forward(torch.tensor(prompt), features=False).logits[-1:], params)[0]
     for a in first.nonzero().flatten().tolist():
-        target.rollback(len(prompt))
+        target.trim(len(prompt))
         second = probabilities(target.forward(torch.tensor([a]), features=False).logits, params)[0]
         for b in second.nonzero().flatten().tolist():
-            target.rollback(len(prompt) + 1)
+            target.trim(len(prompt) + 1)
             third = probabilities(target.forward(torch.tensor([b]), features=False).logits, params)[0]
             for c in third.nonzero().flatten().tolist():
                 exact[(a, b, c)] = float(first[a] * second[b] * third[c])

@@ -71,7 +71,7 @@ def test_tapped_features_and_logits_match_torch(tiny_gguf, heldout):
             for all_logits in (True, False):
                 outs = []
                 for target in (gguf_target, torch_target):
-                    target.reset()
+                    target.trim(0)
                     outs.append(target.forward(ids, all_logits=all_logits, features=True))
                 got, want = outs
                 assert got.logits.shape == want.logits.shape
@@ -90,10 +90,10 @@ def test_rollback_leaves_the_state_of_a_fresh_run(tiny_gguf, heldout):
     keep = len(prompt) + 5
 
     def continued(block_tokens: torch.Tensor):
-        target.reset()
+        target.trim(0)
         target.forward(prompt)
         target.forward(block_tokens)
-        target.rollback(keep)
+        target.trim(keep)
         assert target.length == keep
         return target.forward(tail)
 
@@ -103,7 +103,7 @@ def test_rollback_leaves_the_state_of_a_fresh_run(tiny_gguf, heldout):
     with_other_rejects = continued(other)
     assert torch.equal(after_rollback.logits, with_other_rejects.logits)
     assert torch.equal(after_rollback.features, with_other_rejects.features)
-    target.reset()
+    target.trim(0)
     target.forward(prompt)
     target.forward(block[:5])
     fresh = target.forward(tail)
@@ -158,8 +158,8 @@ def test_converted_families_match_torch_and_stay_lossless(kind, request, tmp_pat
 def proposals(target, drafter, prompt: list[int], continuation: list[int], size: int) -> list[list[int]]:
     """The drafter's greedy block proposal after each accepted token of a fixed continuation, fed one token a step."""
     target.set_feature_layers(drafter.target_layer_ids)
-    target.reset()
-    drafter.reset()
+    target.trim(0)
+    drafter.trim(0)
     features = target.forward(torch.tensor(prompt), all_logits=False).features
     tokens, drafts = prompt + continuation[:1], []
     for index in range(1, len(continuation)):
@@ -177,7 +177,7 @@ def test_a_forward_without_features_skips_the_taps_for_its_positions_only(tiny_g
     target.set_feature_layers([1, 3, 7])
     prompt = torch.tensor(heldout[0])
     full = target.forward(prompt)
-    target.reset()
+    target.trim(0)
     first = target.forward(prompt[:30], features=False)
     rest = target.forward(prompt[30:])
     assert first.features is None and torch.equal(first.logits, full.logits[:30])
@@ -252,13 +252,13 @@ def test_the_native_drafter_takes_features_past_the_range_of_f16(tiny_gguf, held
     prompt = heldout[0]
     for model in (drafter, native):
         model.check_target(target)
-    target.reset()
+    target.trim(0)
     out = target.forward(torch.tensor(prompt), all_logits=False)
     tokens = [*prompt, int(out.logits[-1].argmax())]
     for model in (drafter, native):
         drafted = []
         for scale in (1.0, 1e5):
-            model.reset()
+            model.trim(0)
             drafted.append(model.propose(target, out.features * scale, tokens, len(prompt), 16))
         assert torch.isfinite(drafted[1]).all(), type(model).__name__
         assert torch.equal(drafted[0].argmax(dim=1), drafted[1].argmax(dim=1)), type(model).__name__

@@ -90,7 +90,7 @@ def test_a_verify_batch_has_the_logits_of_one_token_decodes(kind, gguf_types):
     ids = torch.randint(5, target.vocab_size, (56,), generator=torch.Generator().manual_seed(0))
     target.forward(ids[:40], all_logits=False, features=False)
     together = target.forward(ids[40:], features=False).logits
-    target.rollback(40)
+    target.trim(40)
     alone = torch.cat([target.forward(ids[i : i + 1], features=False).logits for i in range(40, 56)])
     differ = (together != alone).any(dim=1).nonzero().flatten().tolist()
     assert differ == [], f"{kind}: rows {differ} of 16 differ (libllama: {loaded_library()})"

@@ -111,7 +111,7 @@ def test_greedy_forward_returns_argmax_ids_and_native_drafter_rows_line_up(q8_gg
     block = torch.tensor(prompt[-12:])
     outs = []
     for greedy in (False, True):
-        target.reset()
+        target.trim(0)
         target.forward(torch.tensor(prompt))
         outs.append(target.forward(block, greedy=greedy))
     full, ids = outs
@@ -124,8 +124,8 @@ def test_greedy_forward_returns_argmax_ids_and_native_drafter_rows_line_up(q8_gg
         (native, None),
         (native, 3),
     ):
-        drafter.reset()
-        target.reset()
+        drafter.trim(0)
+        target.trim(0)
         context = target.forward(torch.tensor(tokens[:-1]), all_logits=False).features
         drafts.append(drafter.propose(target, context, tokens, len(tokens) - 1, 8, rows))
     want, got, first = drafts

@@ -56,7 +56,7 @@ def test_default_layer_ids_match_reference():
 def test_rollback_recomputes_identically(llama_target):
     target = TorchLlamaTarget.load(llama_target, LoadSpec())
     whole = target.forward(IDS).logits
-    target.rollback(3)
+    target.trim(3)
     again = target.forward(IDS[3:]).logits
     torch.testing.assert_close(again, whole[3:], atol=1e-6, rtol=1e-5)
 

@@ -36,7 +36,10 @@ class OracleDrafter:
     def check_target(self, target) -> None:
         pass
 
-    def reset(self) -> None:
+    def extend(self, features) -> None:
+        pass
+
+    def trim(self, length: int) -> None:
         pass
 
     def propose(self, target, new_features, tokens, start, size, rows=None):

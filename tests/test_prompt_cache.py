@@ -35,7 +35,7 @@ BILLING = "x-anthropic-billing-header: cc_version=2.1.332.{}; cc_entrypoint=sdk-
 
 
 def saved(tokens: list[int], size: int, exact: bool = False) -> Saved:
-    return Saved(("pair",), tokens, bytearray(size), None, 0, [], None, exact)
+    return Saved(("pair",), tokens, bytearray(size), None, None, exact)
 
 
 def test_the_store_matches_the_longest_prefix_and_drops_the_least_recently_used():

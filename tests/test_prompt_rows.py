@@ -59,7 +59,7 @@ def test_the_widest_verify_after_a_long_prompt_has_the_logits_of_one_token_decod
     ids = torch.randint(5, target.vocab_size, (200 + VERIFY_ROWS,), generator=torch.Generator().manual_seed(1))
     target.forward(ids[:200], all_logits=False, features=False)
     together = target.forward(ids[200:], features=False).logits
-    target.rollback(200)
+    target.trim(200)
     alone = torch.cat([target.forward(ids[i : i + 1], features=False).logits for i in range(200, len(ids))])
     differ = (together != alone).any(dim=1).nonzero().flatten().tolist()
     assert differ == [], f"{kind}: rows {differ} of {VERIFY_ROWS} differ (libllama: {loaded_library()})"
@@ -73,9 +73,9 @@ def test_a_prompts_logits_do_not_depend_on_which_rows_are_outputs(kind, fast_typ
     target = load(fast_types[kind])
     for prompt in long_prompts:
         ids = torch.tensor(prompt)
-        target.reset()
+        target.trim(0)
         plain = target.forward(ids, all_logits=False, features=False).logits
-        target.reset()
+        target.trim(0)
         target.set_feature_layers([target.num_layers - 1])
         every_row = target.forward(ids, all_logits=False, features=True)
         target.set_feature_layers([])

@@ -179,7 +179,7 @@ def test_embedding_scale_and_softcap_draft_and_decode_as_the_reference(qwen3_tar
         logits = drafter.propose(target, features[begin:end], [0] * end + [first], end, 8)
         torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-4)
         assert logits.abs().max() <= 1.5  # soft-capped
-    target.reset(), drafter.reset()
+    target.trim(0), drafter.trim(0)
     for block_size in (4, 16):
         expected_ids, expected_lengths = reference_generate(
             qwen3_target, gemma_style_drafter, ids.tolist(), 40, block_size
@@ -331,7 +331,7 @@ def test_native_sliding_drafters_draft_as_the_torch_one(gguf_target, tiny_swa_dr
     ]
     assert [d.cfg.layer_types for d in natives] == [QWEN36_LAYERS] * 2 and natives[1].cfg.sliding_window == 16
     reference = DFlashDrafter.load(tiny_swa_drafter, LoadSpec(max_context=256))
-    gguf_target.reset()
+    gguf_target.trim(0)
     gguf_target.set_feature_layers([1, 3, 5])
     ids = torch.randint(5, 4000, (90,), generator=torch.Generator().manual_seed(0))
     features = gguf_target.forward(ids, features=True).features

@@ -35,7 +35,7 @@ def _exact_distribution(target, params: SamplingParams) -> dict[tuple[int, ...],
     """P(x1..xn | prompt) for every sequence, from the target's own conditionals."""
     table = {}
     for sequence in itertools.product(range(VOCAB), repeat=NEW_TOKENS):
-        target.reset()
+        target.trim(0)
         logits = target.forward(torch.tensor(PROMPT + list(sequence[:-1])), features=False).logits
         probs = probabilities(logits[len(PROMPT) - 1 :], params)
         table[sequence] = float(torch.prod(probs[torch.arange(NEW_TOKENS), torch.tensor(sequence)]))

@@ -13,6 +13,7 @@ from rich.console import Console
 
 from dflash_local.chat import Chat
 from dflash_local.decode import Settings, generate, run
+from dflash_local.drafters.base import DraftContext
 from dflash_local.generation import GenerationRequest, LoadedModels, load_models, run_request
 from dflash_local.runtime import LoadSpec, RuntimeConfig
 from dflash_local.sampling import SamplingParams
@@ -197,31 +198,45 @@ def same_turns(got: list[tuple], expected: list[tuple]) -> None:
 
 
 class Cache:
-    """What a session needs of a target or drafter: a length it can roll back and reset, and its cache owner."""
+    """What a session needs of a target: a length it trims, and its cache owner."""
 
     def __init__(self) -> None:
         self.length = 0
         self.cache_owner: object | None = None
 
-    def rollback(self, length: int) -> None:
+    def trim(self, length: int) -> None:
         self.length = length
 
-    def reset(self) -> None:
-        self.length = 0
+
+class Context(DraftContext):
+    """A drafter's context bookkeeping (drafters.base) with no cache behind it, and its cache owner."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache_owner: object | None = None
+
+    def _save_cache(self) -> None:
+        return None
+
+    def _load_cache(self, state: None) -> None:
+        pass
 
 
 def test_a_resume_keeps_the_pending_features_below_the_kept_prefix():
     """Pending features cover the drafter's length to the cached length: a resume keeps those of positions below
     the kept prefix, and the drafter's length where it is below that."""
-    target, drafter, session = Cache(), Cache(), Session()
+    target, drafter, session = Cache(), Context(), Session()
     tokens = list(range(100, 151))
     session.resume(target, drafter, tokens[:2], (1,))  # the session owns both caches from here
     features = torch.arange(40.0, 50.0)[:, None]  # positions 40..49
     for kept, want, drafted in ((45, [40.0, 41.0, 42.0, 43.0, 44.0], 40), (38, [], 38)):
-        target.length = drafter.length = 50
-        session.record(tokens, 50, 40, [features])
-        assert session.resume(target, drafter, tokens[:kept] + [7], (1,))[0] == kept
-        assert [row.item() for chunk in session.pending for row in chunk] == want
+        drafter.trim(0)
+        target.length, drafter.length = 50, 40
+        drafter.extend(features)
+        session.record(tokens, 50)
+        assert session.resume(target, drafter, tokens[:kept] + [7], (1,)) == kept
+        held = [] if drafter.held is None else drafter.held.flatten().tolist()
+        assert held == want
         assert drafter.length == drafted and target.length == kept
 
 
@@ -234,7 +249,7 @@ def test_a_session_trusts_only_caches_it_filled_last():
     for shared in ((target, None), (other, drafter)):
         ours.resume(target, drafter, tokens[:2], (1,))
         target.length = drafter.length = 10
-        ours.record(tokens, 10, 10, [])
+        ours.record(tokens, 10)
         assert ours.common_prefix(target, drafter, tokens, (1,)) == 10
         theirs.resume(*shared, tokens[:2], (1,))
         target.length = 10  # the other session filled as many positions

@@ -135,14 +135,14 @@ def test_tool_call_wrapping_holds_the_arguments(tiny):
 def _masked_pair_distribution(target, grammar: Grammar, prompt: list[int], params: SamplingParams) -> dict:
     """P(x1, x2 | prompt) under the grammar's masks, from the target's own conditionals."""
     matcher = grammar.matcher()
-    target.reset()
+    target.trim(0)
     first = probabilities(
         mask_scores(target.forward(torch.tensor(prompt), features=False).logits[-1:], matcher.forbidden("cpu")), params
     )[0]
     table = {}
     for x1 in first.nonzero().flatten().tolist():
         matcher.consume(x1)
-        target.reset()
+        target.trim(0)
         logits = target.forward(torch.tensor([*prompt, x1]), features=False).logits[-1:]
         second = probabilities(mask_scores(logits, matcher.forbidden("cpu")), params)[0]
         matcher.rollback(1)

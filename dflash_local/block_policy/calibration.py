@@ -42,10 +42,10 @@ def median_ms(call: Callable[[], object], device: torch.device | str, repeats: i
 
 def _verify_step(target, block: torch.Tensor, features: bool) -> None:
     """What a step's verify costs the target: the forward of the block (with the drafter's features where one
-    drafts), then the rollback a step makes (it keeps the first token at least; on a hybrid target the rollback
-    restores recurrent state)."""
+    drafts), then the trim a step makes (it keeps the first token at least; on a hybrid target the trim restores
+    recurrent state)."""
     target.forward(block, features=features)
-    target.rollback(CALIBRATION_CONTEXT + 1)
+    target.trim(CALIBRATION_CONTEXT + 1)
 
 
 def _draft_step(target, drafter, context: torch.Tensor) -> Callable[[int], Callable[[], object]]:
@@ -57,8 +57,8 @@ def _draft_step(target, drafter, context: torch.Tensor) -> Callable[[int], Calla
         index.extend(tokens[:CALIBRATION_CONTEXT])
         return lambda k: partial(index.match, k - 1)
     target.set_feature_layers(drafter.target_layer_ids)
-    drafter.reset()
-    target.reset()
+    drafter.trim(0)
+    target.trim(0)
     features = target.forward(context[:CALIBRATION_CONTEXT].to(target.device), all_logits=False).features
     block = drafter.block_size
     drafter.propose(target, features, tokens, CALIBRATION_CONTEXT, block, 1)
@@ -70,14 +70,14 @@ def time_steps(target, drafter, sizes: list[int], rounds: int, steady: int = 0) 
     lookup's), per k in sizes, on a short random context: a warm-up round, then rounds over every size (a burst of
     load lengthens a few rounds of each size, not every timing of one), `rounds` of them and on until `steady` rounds
     in a row left every fit (see fit) within STEADY_CHANGE, within MAX_ROUNDS and CALIBRATION_MAX_S. Both models are
-    reset afterwards."""
+    emptied afterwards."""
     block = block_limit(drafter)[0]
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(0, target.vocab_size, (CALIBRATION_CONTEXT + block,), generator=generator)
     ids = context.to(target.device)
     draft_step = _draft_step(target, drafter, context)
     if drafter is None:
-        target.reset()
+        target.trim(0)
         target.forward(ids[:CALIBRATION_CONTEXT], all_logits=False, features=False)
     target_s: Samples = {k: [] for k in sizes}
     draft_s: Samples = {k: [] for k in sizes if k > 1}
@@ -89,7 +89,7 @@ def time_steps(target, drafter, sizes: list[int], rounds: int, steady: int = 0) 
         for k in sizes:
             block_ids = ids[CALIBRATION_CONTEXT : CALIBRATION_CONTEXT + k]
             seconds = timed(clock, partial(_verify_step, target, block_ids, drafter is not None))
-            target.rollback(CALIBRATION_CONTEXT)
+            target.trim(CALIBRATION_CONTEXT)
             if done:
                 target_s[k].append(seconds)
             if k > 1:
@@ -102,9 +102,9 @@ def time_steps(target, drafter, sizes: list[int], rounds: int, steady: int = 0) 
                 old <= new * (1 + STEADY_CHANGE) for old, new in zip(previous, fitted, strict=True)
             )
             unchanged = unchanged + 1 if steady_now else 0
-    target.reset()
+    target.trim(0)
     if drafter is not None:
-        drafter.reset()
+        drafter.trim(0)
     return target_s, draft_s
 
 

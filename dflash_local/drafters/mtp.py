@@ -20,25 +20,26 @@ from ..llama_context import LlamaContext
 from ..llama_lib import llama_cpp, mtp_functions
 from ..runtime import LoadSpec
 from ..targets.llamacpp import BATCH, LlamaCppTarget, context_params
+from .base import DraftContext
 
 MTP_ARCHITECTURES = ("qwen35", "qwen35moe")
 MTP_BLOCK = 8  # the most positions one verify takes from a chain (each draft step is one more MTP forward)
-HISTORY = 64  # the target's hidden states kept for rollbacks; one further back starts the chain from zeros
+HISTORY = 64  # the target's hidden states kept for trims; one further back starts the chain from zeros
 
 
-class MtpDrafter:
+class MtpDrafter(DraftContext):
     """The Drafter interface (drafters.base) over llama.cpp's MTP context of one GGUF target."""
 
     source = "mtp"
 
     def __init__(self, target: LlamaCppTarget, context: LlamaContext) -> None:
+        super().__init__()
         self.target = target
         self.context = context  # llama.cpp's MTP context over the target's model, reading the target's context
         set_nextn, self._nextn_at = mtp_functions()
         set_nextn(context.ctx, True, True)  # the block's hidden state for each output row
         self.block_size = MTP_BLOCK
         self.target_layer_ids = [target.num_layers - 1]
-        self.length = 0
         self.cache_owner: object | None = None  # the Session that last filled its cache
         self._hidden = np.zeros((0, target.hidden_size), dtype=np.float32)  # positions [_first, _first + len)
         self._first = 0
@@ -74,22 +75,25 @@ class MtpDrafter:
             raise DFlashError("An MTP drafter drafts only for the GGUF target it belongs to.")
         target.set_feature_layers(self.target_layer_ids)
 
-    def reset(self) -> None:
-        self.context.reset()
-        self.length, self._first = 0, 0
-        self._hidden = self._hidden[:0]
+    def _cut(self, length: int) -> None:
+        """Cut the MTP cache to `length` positions: llama.cpp's cells at the next propose (the hidden states kept stay
+        usable), all of them and the hidden states now at 0."""
+        if length == 0:
+            self.context.reset()
+            self._first, self._hidden = 0, self._hidden[:0]
+        self.length = length
 
-    def save_state(self) -> tuple[bytearray, int, np.ndarray, int]:
-        """The MTP cache's state and length and the target's hidden states kept, for load_state (the prompt cache)."""
-        return self.context.save(), self.length, self._hidden.copy(), self._first
+    def _save_cache(self) -> tuple[bytearray, np.ndarray, int]:
+        """The MTP cache's state and the target's hidden states kept."""
+        return self.context.save(), self._hidden.copy(), self._first
 
-    def load_state(self, state: tuple[bytearray, int, np.ndarray, int]) -> None:
-        """Hold a saved MTP cache again (its length and hidden states with it)."""
+    def _load_cache(self, state: tuple[bytearray, np.ndarray, int]) -> None:
+        """Hold a saved MTP cache again (its hidden states with it)."""
         self.context.load(state[0])
-        self.length, self._hidden, self._first = state[1], state[2].copy(), state[3]
+        self._hidden, self._first = state[1].copy(), state[2]
 
     def _state(self, position: int) -> np.ndarray:
-        """The target's hidden state at position (kept since the last rollback past it), else zeros."""
+        """The target's hidden state at position (kept since the last trim past it), else zeros."""
         index = position - self._first
         if position < 0 or not 0 <= index < len(self._hidden):
             return np.zeros(self.target.hidden_size, dtype=np.float32)
@@ -129,13 +133,13 @@ class MtpDrafter:
         size: int,
         rows: int | None = None,
     ) -> torch.Tensor:
-        """Cache the positions up to start, then chain `rows` drafts (default size - 1) from tokens[start]: the
-        logits [rows, vocab] of positions start+1..start+rows, each step's argmax being the next step's token."""
+        """Cache the positions up to start (from the features held, then new_features), then chain `rows` drafts
+        (default size - 1) from tokens[start]: the logits [rows, vocab] of positions start+1..start+rows, each step's
+        argmax being the next step's token."""
         rows = size - 1 if rows is None else rows
         width, ctx = target.hidden_size, self.context.ctx
+        new_features = self._take(new_features, start)
         features = np.zeros((0, width), np.float32) if new_features is None else new_features.float().cpu().numpy()
-        if self.length + len(features) != start:
-            raise ValueError(f"MTP cache holds {self.length} positions, got features up to {start}")
         self.context.trim(self.length)
         self._catch_up(features, tokens, start)
         self.length = start

@@ -29,6 +29,7 @@ from ..paths import files_identity, identity_key, state_dir
 from ..runtime import LoadSpec
 from ..targets.llamacpp import BATCH, LlamaCppTarget, context_params, model_params
 from ..weights import load_weights, read_config
+from .base import DraftContext
 from .config import DrafterConfig, check_fits
 from .gguf_drafter import gguf_drafter_config, is_drafter_gguf
 
@@ -156,15 +157,15 @@ def cached_drafter_gguf(folder: Path, cfg: DrafterConfig, target: LlamaCppTarget
     return path
 
 
-class NativeDrafter:
+class NativeDrafter(DraftContext):
     """The Drafter interface (drafters.base) over a llama.cpp `dflash` context tied to one GGUF target."""
 
     source = "dflash"
 
     def __init__(self, cfg: DrafterConfig, context: LlamaContext, target: LlamaCppTarget) -> None:
+        super().__init__()
         self.cfg, self.target = cfg, target
         self.context = context  # llama.cpp's dflash context and model, reading the target's context
-        self.length = 0
         self.cache_owner: object | None = None  # the Session that last filled its cache
         self.selector_top_k = 0  # a DFlash2 drafter's candidates per row (0: a DFlash drafter, drafting by logits)
 
@@ -212,18 +213,19 @@ class NativeDrafter:
         check_fits(self.cfg, target)
         target.set_feature_layers(self.cfg.target_layer_ids)
 
-    def reset(self) -> None:
-        self.context.reset()
-        self.length = 0
+    def _cut(self, length: int) -> None:
+        """Cut the draft KV cache to `length` positions: llama.cpp's cells at the next propose, all of them now at 0."""
+        if length == 0:
+            self.context.reset()
+        self.length = length
 
-    def save_state(self) -> tuple[bytearray, int]:
-        """The draft KV cache's state and length, for load_state (the prompt cache)."""
-        return self.context.save(), self.length
+    def _save_cache(self) -> bytearray:
+        """The draft KV cache's state."""
+        return self.context.save()
 
-    def load_state(self, state: tuple[bytearray, int]) -> None:
-        """Hold a saved draft KV cache again (its length with it)."""
-        self.context.load(state[0])
-        self.length = state[1]
+    def _load_cache(self, state: bytearray) -> None:
+        """Hold a saved draft KV cache again."""
+        self.context.load(state)
 
     def _add(self, index: int, position: int) -> None:
         if index < 0:
@@ -247,23 +249,23 @@ class NativeDrafter:
     def propose(
         self,
         target,
-        new_features: torch.Tensor,
+        new_features: torch.Tensor | None,
         tokens: list[int],
         start: int,
         size: int,
         rows: int | None = None,
     ) -> torch.Tensor:
-        """Cache the features of positions [length, start); draft [tokens[start], MASK x size-1] at start and return
-        the logits of its first `rows` drafted positions (default all size-1). llama.cpp's dflash graph computes the
-        head on every row (it has no output pruning) and hands back the first n_outputs rows, so the batch flags
-        rows 0..rows as outputs: a smaller `rows` saves the copy, not the compute."""
+        """Cache the features of positions [length, start) (those held, then new_features); draft [tokens[start], MASK
+        x size-1] at start and return the logits of its first `rows` drafted positions (default all size-1).
+        llama.cpp's dflash graph computes the head on every row (it has no output pruning) and hands back the first
+        n_outputs rows, so the batch flags rows 0..rows as outputs: a smaller `rows` saves the copy, not the compute."""
         rows = size - 1 if rows is None else rows
         if self.selector_top_k and size > self.block_size:  # llama.cpp's selector scores the trained block only
             raise ValueError(f"a DFlash2 block holds at most {self.block_size} tokens, got {size}")
-        if self.length + new_features.shape[0] != start:
-            raise ValueError(f"drafter cache holds {self.length} positions, got features up to {start}")
+        new_features = self._take(new_features, start)
         self.context.trim(self.length)
-        self._inject(new_features.float().cpu().numpy(), self.length)
+        if new_features is not None:
+            self._inject(new_features.float().cpu().numpy(), self.length)
         batch = self.context.batch
         llama_cpp.llama_batch_ext_clear(batch)
         for index in range(size):

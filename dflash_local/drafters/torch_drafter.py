@@ -16,6 +16,7 @@ from ..quant import DRAFTER_QUANT_TYPES, check_quantize, quantized_linear
 from ..runtime import LoadSpec, check_kernels, pick_dtype
 from ..targets.base import Target
 from ..weights import read_config, read_weights
+from .base import DraftContext
 from .config import DrafterConfig, check_fits
 
 
@@ -120,12 +121,13 @@ class DFlashModel(nn.Module):
         return torch.tanh(logits / cap) * cap if cap else logits
 
 
-class DFlashDrafter:
+class DFlashDrafter(DraftContext):
     """A loaded DFlash drafter with its context KV cache; proposes a block of tokens in one forward."""
 
     source = "dflash"
 
     def __init__(self, model: DFlashModel, max_context: int, cuda_graphs: bool = True, kernels: str = "auto") -> None:
+        super().__init__()
         set_kernels(model, kernels)  # before any forward: a CUDA graph captures the kernels of its first run
         self.model = model
         self.cfg = model.cfg
@@ -134,7 +136,6 @@ class DFlashDrafter:
         shape = (self.cfg.dims.layers, 1, self.cfg.dims.kv_heads, max_context, self.cfg.dims.head_dim)
         self.cache_k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.cache_v = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.length = 0
         self.cache_owner: object | None = None  # the Session that last filled its cache
         self.graphs = StepGraphs() if cuda_graphs and self.device.type == "cuda" else None
         self._draft_head: tuple[int, torch.Tensor] | None = None  # (id of its target, the head's d2t rows)
@@ -229,18 +230,14 @@ class DFlashDrafter:
         full = rows.new_full((rows.shape[0], target.vocab_size), float("-inf"))
         return full.index_copy_(1, self.model.d2t, rows)
 
-    def reset(self) -> None:
-        self.length = 0
-
-    def save_state(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of the cached context K/V up to length, for load_state (the prompt cache)."""
+    def _save_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the cached context K/V up to length."""
         return self.cache_k[..., : self.length, :].clone(), self.cache_v[..., : self.length, :].clone()
 
-    def load_state(self, state: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Hold a saved context cache again (its length with it)."""
+    def _load_cache(self, state: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Hold saved context K/V again."""
         for cache, saved in zip((self.cache_k, self.cache_v), state, strict=True):
             cache[..., : saved.shape[-2], :] = saved
-        self.length = state[0].shape[-2]
 
     @torch.inference_mode()
     def propose(
@@ -252,16 +249,18 @@ class DFlashDrafter:
         size: int,
         rows: int | None = None,
     ) -> torch.Tensor:
-        """Cache the features of positions [length, start); draft [tokens[start], MASK x size-1] at start and return
-        the logits of its first `rows` drafted positions (default all size-1): the LM head runs on those rows only.
+        """Cache the features of positions [length, start) (those held, then new_features); draft [tokens[start], MASK
+        x size-1] at start and return the logits of its first `rows` drafted positions (default all size-1): the LM
+        head runs on those rows only.
 
         Runs `step`: eagerly over exactly the cached context, or on CUDA, for steps with at most `size` new positions,
         as a replayed graph over a power-of-two span of the cache (the head on all size-1 rows, one graph per size).
         """
         rows = size - 1 if rows is None else rows
+        new_features = self._take(new_features, start)
+        if new_features is None:
+            new_features = torch.zeros(0, self.model.fc.in_features, dtype=self.dtype, device=self.device)
         num_new = new_features.shape[0]
-        if self.length + num_new != start:
-            raise ValueError(f"drafter cache holds {self.length} positions, got features up to {start}")
         block_ids = torch.full((size,), self.cfg.mask_token_id, dtype=torch.long, device=self.device)
         block_ids[0] = tokens[start]
         block_positions = torch.arange(start, start + size, device=self.device)

@@ -19,16 +19,16 @@ class TargetOutput:
 
 
 class Target(Protocol):
-    """A causal LM that the decode loop feeds, verifies with, and rolls back."""
+    """A causal LM that the decode loop feeds, verifies with, and trims back to the accepted tokens."""
 
     device: torch.device
     dtype: torch.dtype
-    length: int
+    length: int  # cached positions: forward appends at it, trim cuts it
     max_context: int
     kernels: str  # the kernel mode the target was loaded with (kernels.MODES)
     cache_owner: object | None  # the Session that last filled this model's cache (session.Session sets it)
     verify_rows: int | None  # the most rows the decode loop verifies in one forward (None: a whole block), the next
-    # forward only while every draft so far stands: a rollback then stays inside the last forward
+    # forward only while every draft so far stands: a trim then stays inside the last forward
     recurrent: bool  # part of its state cannot drop a suffix (a hybrid): a saved state serves only prompts that
     # continue all of it
 
@@ -43,9 +43,9 @@ class Target(Protocol):
 
     def set_feature_layers(self, layer_ids: list[int]) -> None: ...
 
-    def reset(self) -> None: ...
-
-    def rollback(self, length: int) -> None: ...
+    def trim(self, length: int) -> None:
+        """Forget every cached position at or after `length` (0: all of them)."""
+        ...
 
     def save_state(self) -> object:
         """The cached positions' state, for load_state (the prompt cache)."""

@@ -27,7 +27,7 @@ FIXED_ROWS = 8  # a verify forward's rows on a GPU backend: every verify and eve
 # exactly this many rows (padded past the block, the padding dropped after), so that a row meets the same kernels (GPU
 # backends choose matrix and attention kernels by row count) and the same KV cell count in plain decoding as in DFlash;
 # 8 is the widest batch llama.cpp's CUDA and Vulkan matrix-vector kernels take, where 8 rows cost about what one does.
-# A hybrid's padding leaves its recurrent state until the next rollback or forward, which drops it and any rejected
+# A hybrid's padding leaves its recurrent state until the next trim or forward, which drops it and any rejected
 # rows in one step through llama.cpp's snapshots (it takes back one suffix per decode, within that decode)
 VERIFY_ROWS = 63  # the most rows of a CPU forward whose every row's logits are read (a verify): dflash's libllama
 # takes the fast kernels for batches of 64 rows or more, all rows but the last (tools/patch_ggml_cpu.py)
@@ -93,7 +93,7 @@ class LlamaCppTarget:
         model = context.model
         self.recurrent = llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model)
         self._fed: list[int] = []  # the cached tokens, re-fed where a recurrent state cannot roll back
-        self._last_decode = 0  # tokens in llama.cpp's last decode since the last rollback
+        self._last_decode = 0  # tokens in llama.cpp's last decode since the last trim
         self._padding = 0  # padding cells past `length` that a hybrid's last forward left in llama.cpp's memory
         self.cache_owner: object | None = None  # the Session that last filled its cache
         self.feature_layer_ids: list[int] = []
@@ -192,17 +192,17 @@ class LlamaCppTarget:
         llama_cpp.llama_set_embeddings(self.context.ctx, on and last in self.feature_layer_ids)
         self._tapping = on
 
-    def reset(self) -> None:
-        self.context.reset()
-        self.length = self._last_decode = self._padding = 0
-        self._fed.clear()
-
-    def rollback(self, length: int) -> None:
-        """Forget every cached position at or after `length`, and a hybrid's padding cells past the end. A recurrent
-        state goes back through llama.cpp's per-token snapshots (the last STATE_SNAPSHOTS positions, once per decode);
-        further back, the kept tokens are fed again from an empty state."""
+    def trim(self, length: int) -> None:
+        """Forget every cached position at or after `length` (0: every cell), and a hybrid's padding cells past the
+        end. A recurrent state goes back through llama.cpp's per-token snapshots (the last STATE_SNAPSHOTS positions,
+        once per decode); further back, the kept tokens are fed again from an empty state."""
         if not 0 <= length <= self.length:
-            raise ValueError(f"cannot roll back to {length} from {self.length}")
+            raise ValueError(f"cannot trim the cache to {length} from {self.length}")
+        if length == 0:
+            self.context.reset()
+            self.length = self._last_decode = self._padding = 0
+            self._fed.clear()
+            return
         dropped = self.length + self._padding - length
         self._padding = 0
         if dropped:
@@ -234,7 +234,7 @@ class LlamaCppTarget:
     def save_state(self) -> bytearray:
         """The cached positions' state (KV cells, a recurrent state), for load_state (the prompt cache)."""
         if self._padding:
-            self.rollback(self.length)
+            self.trim(self.length)
         return self.context.save()
 
     def load_state(self, state: bytearray, tokens: list[int]) -> None:
@@ -320,7 +320,7 @@ class LlamaCppTarget:
             raise DFlashError(f"The context is full ({self.max_context} tokens).")
         features = features and bool(self.feature_layer_ids)
         if self._padding:  # a hybrid's last forward left padding behind
-            self.rollback(start)
+            self.trim(start)
         self._set_tapping(features)
         logits, feats = [], []
         every_output = features and self.num_layers - 1 in self.feature_layer_ids
@@ -340,10 +340,10 @@ class LlamaCppTarget:
                 feats.append(np.concatenate([self._features(i, len(chunk)) for i in self.feature_layer_ids], axis=1))
             self.length = start + offset + len(chunk)
             self._fed.extend(chunk)
-            if self._last_decode > len(chunk):  # the padding's cells: a hybrid's stay until its next rollback
+            if self._last_decode > len(chunk):  # the padding's cells: a hybrid's stay until its next trim
                 self._padding = self._last_decode - len(chunk)
                 if not self.recurrent:
-                    self.rollback(self.length)
+                    self.trim(self.length)
         out = torch.from_numpy(logits[0] if len(logits) == 1 else np.concatenate(logits)).to(self.device)
         out_feats = None
         if feats:

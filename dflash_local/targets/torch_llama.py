@@ -1,4 +1,4 @@
-"""Llama-family target (Llama 2/3.x, Qwen3) in plain PyTorch with a preallocated, rollback-able KV cache."""
+"""Llama-family target (Llama 2/3.x, Qwen3) in plain PyTorch with a preallocated, trimmable KV cache."""
 
 from __future__ import annotations
 
@@ -291,9 +291,6 @@ class TorchLlamaTarget:
         """Choose which decoder layers' outputs `forward` returns as context features."""
         self.feature_layer_ids = list(layer_ids)
 
-    def reset(self) -> None:
-        self.length = 0
-
     def save_state(self) -> tuple[torch.Tensor, ...]:
         """Copies of the cached K/V up to length, for load_state (the prompt cache)."""
         return tuple(cache[..., : self.length, :].clone() for cache in self.cache)
@@ -304,10 +301,10 @@ class TorchLlamaTarget:
             cache[..., : saved.shape[-2], :] = saved
         self.length = len(tokens)
 
-    def rollback(self, length: int) -> None:
-        """Forget every cached position at or after `length`."""
+    def trim(self, length: int) -> None:
+        """Forget every cached position at or after `length` (0: all)."""
         if not 0 <= length <= self.length:
-            raise ValueError(f"cannot roll back to {length} from {self.length}")
+            raise ValueError(f"cannot trim the cache to {length} from {self.length}")
         self.length = length
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
