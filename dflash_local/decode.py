@@ -15,14 +15,13 @@ from dataclasses import dataclass, field
 import torch
 
 from .block_policy import BlockPolicy
-from .constraint import constraint
 from .defaults import MAX_NEW_TOKENS, block_limit, check_block
 from .drafters.base import Drafter
 from .drafters.suffix_index import Match
 from .errors import DFlashError
 from .grammar import Grammar
 from .runtime import StepClock
-from .sampling import Sampler, SamplingParams, make_sampler
+from .sampling import Sampler, SamplingParams, constraint, make_sampler
 from .session import Session
 from .targets.base import Target
 

@@ -19,11 +19,12 @@ LAYERS = (
         *("weights", "gguf.file"),
     ),
     (  # blocks
-        *("chat_template", "offload", "runtime", "layers", "quant", "cuda_graphs", "sampling", "gguf.shape"),
+        *("chat_template", "offload", "runtime", "layers", "quant", "cuda_graphs", "gguf.shape"),
         *("target_config",),
         *("gguf.tensors",),
     ),
-    ("targets", "tokenizer", "gguf.tokenizer", "grammar", "reasoning", "reply"),  # targets, vocabularies, replies
+    ("targets", "tokenizer", "gguf.tokenizer", "grammar", "sampling", "reasoning", "reply"),  # targets, vocabularies,
+    # replies, and turning scores into tokens (the grammar's processor among them)
     ("drafters", "gguf.convert"),  # what builds on a target
     ("block_policy", "prompt_cache", "session", "decode"),  # the decode loop
     (  # fronts
