@@ -91,7 +91,7 @@ class Projector:
             raise DFlashError(f"No projector file {path}.")
         ctx = mtmd.mtmd_init_from_file(str(path).encode(), model, params)
         if not ctx:
-            reason = first_llama_error() or "not a projector for this model?"
+            reason = first_llama_error().removeprefix("error: ") or "not a projector for this model?"
             raise DFlashError(f"llama.cpp could not load the projector {path} ({reason}).")
         weakref.finalize(self, mtmd.mtmd_free, ctx)
         self.ctx, self.path = ctx, Path(path)

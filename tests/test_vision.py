@@ -1,11 +1,13 @@
 """Images through llama.cpp's libmtmd (dflash_local/vision.py): a tiny random Gemma 3 with a SigLIP vision tower
 (tests/tiny_archs.py's gemma3-vision, converted by llama.cpp's own converter, text model and --mmproj projector). Its
 image embeddings equal transformers' vision tower + projector; with an image in the prompt DFlash gives plain
-decoding's tokens."""
+decoding's tokens; bad images and an image to a text-only target are one `error:` sentence."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +23,7 @@ from dflash_local.drafters.torch_drafter import DFlashDrafter
 from dflash_local.runtime import LoadSpec, RuntimeConfig
 from dflash_local.session import Session
 from dflash_local.targets.llamacpp import LlamaCppTarget
-from dflash_local.vision import Chunk, Projector, prefill
+from dflash_local.vision import MAX_IMAGE_PIXELS, Chunk, Projector, prefill
 
 TESTS = Path(__file__).resolve().parent
 SIZE, ROWS = 112, 16  # the tiny tower's image size and rows per image (tests/tiny_archs.py VISION, IMAGE_ROWS)
@@ -131,3 +133,53 @@ def test_the_image_and_its_non_causal_rows_change_the_output(target, drafter, pr
     causal = [Chunk(c.ids, c.embeddings, False) for c in chunks]
     assert decode(target, drafter, causal, 1)[0] != plain
     assert decode(target, drafter, causal, 16)[0] != plain
+
+
+def dflash(*args: object) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "dflash_local", "generate", *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+
+
+def png(path: Path, image: np.ndarray) -> Path:
+    from PIL import Image
+
+    Image.fromarray(image).save(path)
+    return path
+
+
+def test_generate_with_an_image(model, tmp_path):
+    """`dflash generate --mmproj FILE --image PATH` decodes after the image; another image gives other ids."""
+    common = ["--target", model / "model.gguf", "--mmproj", model / "mmproj.gguf", "--prompt", " What is it?"]
+    common += ["--no-draft", "--max-new-tokens", 12, "--threads", 1, "--json", "--offline"]
+    first = dflash(*common, "--image", png(tmp_path / "a.png", pixels(0)))
+    assert first.returncode == 0, first.stderr
+    second = dflash(*common, "--image", png(tmp_path / "b.png", pixels(1)))
+    assert second.returncode == 0, second.stderr
+    assert first.stdout != second.stdout
+
+
+def test_bad_images_are_one_error_sentence(model, tmp_path):
+    """Not an image, a truncated one, one of too many pixels, a missing file, or an image to a text-only target (no
+    projector): one `error:` line, exit status 1."""
+    good = png(tmp_path / "good.png", pixels(0)).read_bytes()
+    (tmp_path / "text.png").write_text("not an image\n")
+    (tmp_path / "cut.png").write_bytes(good[: len(good) // 2])
+    side = int(MAX_IMAGE_PIXELS**0.5) + 1  # a header claiming side x side pixels
+    (tmp_path / "huge.png").write_bytes(good[:16] + side.to_bytes(4, "big") * 2 + good[24:])
+    base = ["--target", model / "model.gguf", "--prompt", "hi", "--no-draft", "--max-new-tokens", 2, "--offline"]
+    cases = {
+        "text.png": "is not an image dflash reads",
+        "cut.png": "could not be decoded as an image",
+        "huge.png": f"is {side}x{side} pixels",
+        "missing.png": "Cannot read the image",
+    }
+    for name, words in cases.items():
+        done = dflash(*base, "--mmproj", model / "mmproj.gguf", "--image", tmp_path / name)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], (
+            name,
+            done.stderr,
+        )
+    done = dflash(*base, "--image", tmp_path / "good.png")
+    assert done.returncode == 1 and done.stderr.strip().startswith("error: --image needs --prompt and the target's")
