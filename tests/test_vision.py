@@ -23,7 +23,7 @@ from dflash_local.drafters.torch_drafter import DFlashDrafter
 from dflash_local.runtime import LoadSpec, RuntimeConfig
 from dflash_local.session import Session
 from dflash_local.targets.llamacpp import LlamaCppTarget
-from dflash_local.vision import MAX_IMAGE_PIXELS, Chunk, Projector, prefill
+from dflash_local.vision import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, Chunk, Projector, prefill
 
 TESTS = Path(__file__).resolve().parent
 SIZE, ROWS = 112, 16  # the tiny tower's image size and rows per image (tests/tiny_archs.py VISION, IMAGE_ROWS)
@@ -160,18 +160,22 @@ def test_generate_with_an_image(model, tmp_path):
 
 
 def test_bad_images_are_one_error_sentence(model, tmp_path):
-    """Not an image, a truncated one, one of too many pixels, a missing file, or an image to a text-only target (no
-    projector): one `error:` line, exit status 1."""
+    """Not an image, a truncated one, one of too many pixels or bytes, a missing file, or an image to a text-only
+    target (no projector): one `error:` line, exit status 1."""
     good = png(tmp_path / "good.png", pixels(0)).read_bytes()
     (tmp_path / "text.png").write_text("not an image\n")
     (tmp_path / "cut.png").write_bytes(good[: len(good) // 2])
     side = int(MAX_IMAGE_PIXELS**0.5) + 1  # a header claiming side x side pixels
     (tmp_path / "huge.png").write_bytes(good[:16] + side.to_bytes(4, "big") * 2 + good[24:])
+    with open(tmp_path / "big.png", "wb") as big:  # a sparse file past the byte limit
+        big.write(good)
+        big.truncate(MAX_IMAGE_BYTES + 1)
     base = ["--target", model / "model.gguf", "--prompt", "hi", "--no-draft", "--max-new-tokens", 2, "--offline"]
     cases = {
         "text.png": "is not an image dflash reads",
         "cut.png": "could not be decoded as an image",
         "huge.png": f"is {side}x{side} pixels",
+        "big.png": f"is {MAX_IMAGE_BYTES + 1} bytes, more than an image may be",
         "missing.png": "Cannot read the image",
     }
     for name, words in cases.items():
