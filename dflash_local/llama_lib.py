@@ -22,6 +22,7 @@ import sys
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
+from types import ModuleType
 
 from .errors import DFlashError
 
@@ -103,12 +104,12 @@ def loaded_library() -> Path:
     return Path(llama_cpp.llama_cpp._lib._name)
 
 
-def mtmd_library():
-    """llama-cpp-python's libmtmd bindings (llama_cpp.mtmd_cpp), bound to the libmtmd built beside the loaded libllama;
-    a DFlashError where that build has none (another libmtmd would load a second libllama). Quiets its logs."""
-    folder = os.environ.get("MTMD_CPP_LIB")
-    beside = folder is not None and Path(folder).resolve() == loaded_library().resolve().parent
-    if not beside or not (Path(folder) / MTMD).is_file():
+def mtmd_library() -> ModuleType:
+    """llama-cpp-python's libmtmd bindings (llama_cpp.mtmd_cpp), bound to the libmtmd built beside the loaded libllama
+    (MTMD_CPP_LIB, else llama-cpp-python's own folder, as mtmd_cpp loads it); a DFlashError where that build has none
+    (another libmtmd would load a second libllama). Quiets its logs."""
+    folder = Path(os.environ.get("MTMD_CPP_LIB") or Path(llama_cpp.__file__).parent / "lib")
+    if folder.resolve() != loaded_library().resolve().parent or not (folder / MTMD).is_file():
         raise DFlashError(
             f"The libllama loaded ({loaded_library()}) has no libmtmd beside it, which images need; rebuild it with "
             "tools/build_libllama.sh (install.sh runs it)."
