@@ -10,6 +10,8 @@ and each is left alone where the user has already set it:
 - GGML_CPU_TILED_MM=0, only where another library loads (llama-cpp-python's own, or a dflash build older than that
   patch): ggml's tiled matmul (K-quants, batches of 8 rows or more) sums in another order than the one-token path.
   ggml reads it once, at the process's first matmul.
+- MTMD_CPP_LIB: the same folder, where its build holds libmtmd (image projectors), so that llama_cpp.mtmd_cpp binds
+  the libmtmd linked to the libllama loaded here (`mtmd_library`), not llama-cpp-python's own.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import sys
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
+from types import ModuleType
 
 from .errors import DFlashError
 
@@ -49,6 +52,7 @@ GPU_LIBS = {"cuda": LIB_ROOT / "dflash-libllama-cuda", "vulkan": LIB_ROOT / "dfl
 BUILT_FOR = "llama-cpp-python.version"  # the file in each build's folder naming the llama-cpp-python it was built from
 PATCHES = "patches"  # the file in each build's folder naming tools/build_libllama.sh's patches in it
 PROMPT_ROWS_PATCH = "prompt-rows"  # tools/patch_ggml_cpu.py's: verify rows apart from prompt rows
+MTMD = "libmtmd.so"  # llama.cpp's multimodal library, built beside libllama by tools/build_libllama.sh
 UNLOADABLE: list[str] = []  # GPU builds found but not loadable here (their runtime is missing), for `dflash doctor`
 
 
@@ -89,12 +93,32 @@ if (_folder := invariant_lib()) is not None:
 if not splits_prompt_rows(Path(os.environ.get("LLAMA_CPP_LIB_PATH", "."))):
     os.environ.setdefault("GGML_CPU_TILED_MM", "0")
 
+if (Path(os.environ.get("LLAMA_CPP_LIB_PATH", ".")) / MTMD).is_file():
+    os.environ.setdefault("MTMD_CPP_LIB", os.environ["LLAMA_CPP_LIB_PATH"])
+
 import llama_cpp  # noqa: E402
 
 
 def loaded_library() -> Path:
     """The libllama file this process loaded."""
     return Path(llama_cpp.llama_cpp._lib._name)
+
+
+def mtmd_library() -> ModuleType:
+    """llama-cpp-python's libmtmd bindings (llama_cpp.mtmd_cpp), bound to the libmtmd built beside the loaded libllama
+    (MTMD_CPP_LIB, else llama-cpp-python's own folder, as mtmd_cpp loads it); a DFlashError where that build has none
+    (another libmtmd would load a second libllama). Quiets its logs."""
+    folder = Path(os.environ.get("MTMD_CPP_LIB") or Path(llama_cpp.__file__).parent / "lib")
+    if folder.resolve() != loaded_library().resolve().parent or not (folder / MTMD).is_file():
+        raise DFlashError(
+            f"The libllama loaded ({loaded_library()}) has no libmtmd beside it, which images need; rebuild it with "
+            "tools/build_libllama.sh (install.sh runs it)."
+        )
+    from llama_cpp import mtmd_cpp
+
+    quiet_llama_logs()
+    mtmd_cpp.mtmd_helper_log_set(_quiet_callback, ctypes.c_void_p(0))  # its errors kept beside llama.cpp's
+    return mtmd_cpp
 
 
 def output_functions() -> tuple[Callable, Callable]:

@@ -5,11 +5,15 @@ llama.cpp's own converter, with a real vocabulary copied from llama.cpp's models
 the converter writes as llama.cpp's nextn layer; `mtp_reference` computes that block's logits with transformers' own
 modules, the reference for dflash's MTP drafter. `lfm2-weak` is lfm2 with weak layers: like qwen35-mtp's trunk it
 mostly repeats its last token, so lookup's drafts of its own output are accepted (blocks past a verify's 8 rows).
+`gemma3-vision` is a Gemma 3 with a tiny SigLIP vision tower (Gemma3ForConditionalGeneration): its text model goes to
+model.gguf, its vision tower and projector to mmproj.gguf (the converter's --mmproj), its text config alone to hf-text/
+(what a drafter is shaped for); `image_features` is transformers' vision tower + projector on given pixels.
 
 Runs in the oracle environment (torch + transformers), with llama.cpp's source tree (the llama-cpp-python sdist's
 vendor/llama.cpp: its converter and gguf-py) on the path:
   python tests/tiny_archs.py LLAMA_CPP_DIR OUT_DIR ARCH...   # writes OUT_DIR/ARCH/model.gguf and OUT_DIR/ARCH/hf/
   python tests/tiny_archs.py --mtp-reference HF_DIR OUT_FILE ROWS TOKEN...   # the MTP chain's logits (safetensors)
+  python tests/tiny_archs.py --image-features HF_DIR PIXELS_FILE OUT_FILE   # an image's embeddings (safetensors)
 """
 
 from __future__ import annotations
@@ -102,6 +106,10 @@ WITH_MTP = ("qwen35-mtp",)  # variants with one MTP block
 WEAK = 0.02  # the weak variants' layer weights: their stream stays near each token's embedding (it mostly repeats its
 # last token), and qwen35-mtp's MTP block passes the embedding through, so the block's drafts are often right, and
 # often not
+VISION = dict(  # gemma3-vision's SigLIP tower: 112-pixel images of 8x8 patches, pooled to 4x4 = 16 image rows
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=112, patch_size=14
+)
+IMAGE_ROWS = 16  # gemma3-vision's rows per image (mm_tokens_per_image)
 HIDDEN = 0.05  # the weights of the hidden state's half of its MTP block's fc: the hidden state moves its drafts' logits
 
 
@@ -161,6 +169,77 @@ def build(llama_cpp: Path, arch: str, out: Path) -> Path:
         converter.write()
     (out / "model.gguf.partial").rename(out / "model.gguf")
     return out / "model.gguf"
+
+
+def build_gemma3_vision(llama_cpp: Path, out: Path) -> Path:
+    """Write a seeded random tiny Gemma 3 with a vision tower to out/hf (and its text config to out/hf-text), its text
+    model's GGUF (F32) to out/model.gguf and its projector's to out/mmproj.gguf."""
+    import re
+    import shutil
+
+    import gguf
+    import torch
+    import transformers
+    from conversion import get_model_class
+    from safetensors.torch import load_file, save_file
+
+    fields = vocabulary(llama_cpp, "llama-spm")
+    vocab = len(next(f for f in fields if f.name == "tokenizer.ggml.tokens").data)
+    text = dict(**TINY, head_dim=16, sliding_window=64, vocab_size=vocab, max_position_embeddings=4096)
+    text["layer_types"] = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+    config = transformers.Gemma3Config(
+        text_config=text,
+        vision_config=dict(**VISION, vision_use_head=False),
+        mm_tokens_per_image=IMAGE_ROWS,
+        boi_token_index=vocab - 4,
+        eoi_token_index=vocab - 3,
+        image_token_index=vocab - 2,
+    )
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).to(torch.float32)
+    with torch.no_grad():  # larger weights than the default init (as build's): logits far from uniform
+        for name, param in model.named_parameters():
+            if param.dim() >= 2 and "vision_tower" not in name:
+                param.normal_(0.0, 0.2)
+            elif "soft_emb_norm" in name:
+                param.normal_(0.0, 0.2)
+    model.config.architectures = ["Gemma3ForConditionalGeneration"]
+    model.save_pretrained(out / "hf")
+    model.config.text_config.save_pretrained(out / "hf-text")
+    half = dict(image_mean=[0.5] * 3, image_std=[0.5] * 3, image_seq_length=IMAGE_ROWS)  # Gemma 3's preprocessing
+    (out / "hf" / "preprocessor_config.json").write_text(json.dumps(half))
+    tokens = {str(i): i for i in range(vocab)}  # the converter trims the embedding to the tokenizer's size
+    (out / "hf" / "tokenizer.json").write_text(json.dumps({"model": {"vocab": tokens}, "added_tokens": []}))
+    # the projector's converter knows the tower's tensors by the published checkpoints' names (vision_model inside)
+    shutil.copytree(out / "hf", out / "hf-mmproj", ignore=shutil.ignore_patterns("*.safetensors"))
+    weights = load_file(out / "hf" / "model.safetensors")
+    tower = re.compile(r"^vision_tower\.(?!vision_model\.)")
+    renamed = {tower.sub("vision_tower.vision_model.", name): w for name, w in weights.items()}
+    save_file(renamed, out / "hf-mmproj" / "model.safetensors", metadata={"format": "pt"})
+    for name, mmproj in (("model.gguf", False), ("mmproj.gguf", True)):
+        cls = get_model_class("Gemma3ForConditionalGeneration", mmproj=mmproj)
+        folder = out / ("hf-mmproj" if mmproj else "hf")
+        converter = cls(folder, gguf.LlamaFileType.ALL_F32, out / f"{name}.partial", eager=True)
+        if not mmproj:
+            converter.set_vocab = lambda converter=converter: copy_vocabulary(converter.gguf_writer, fields)
+        with torch.inference_mode():
+            converter.write()
+        (out / f"{name}.partial").rename(out / name)
+    return out / "model.gguf"
+
+
+def image_features(folder: Path, pixels):
+    """Transformers' Gemma 3 vision tower + projector on RGB uint8 pixels [height, width, 3] of the tower's own size
+    (no resampling), normalized as Gemma 3's processor and llama.cpp's mtmd do ((x / 255 - 0.5) / 0.5): [rows, dim]."""
+    import torch
+    import transformers
+
+    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    values = ((pixels.to(torch.float32) / 255.0 - 0.5) / 0.5).permute(2, 0, 1)[None]
+    with torch.no_grad():
+        out = model.model.get_image_features(pixel_values=values)
+    out = getattr(out, "pooler_output", out)
+    return (out[0] if isinstance(out, (tuple, list)) else out).reshape(-1, model.config.text_config.hidden_size)
 
 
 def add_mtp_block(folder: Path, config) -> None:
@@ -238,7 +317,16 @@ if __name__ == "__main__":
         logits = mtp_reference(Path(sys.argv[2]), [int(t) for t in sys.argv[5:]], int(sys.argv[4]))
         save_file({"logits": logits.contiguous()}, sys.argv[3])
         sys.exit(0)
+    if sys.argv[1] == "--image-features":
+        from safetensors.torch import load_file, save_file
+
+        features = image_features(Path(sys.argv[2]), load_file(sys.argv[3])["pixels"])
+        save_file({"features": features.contiguous()}, sys.argv[4])
+        sys.exit(0)
     source = Path(sys.argv[1])
     sys.path[:0] = [str(source), str(source / "gguf-py")]
     for name in sys.argv[3:]:
-        build(source, name, Path(sys.argv[2]) / name)
+        if name == "gemma3-vision":
+            build_gemma3_vision(source, Path(sys.argv[2]) / name)
+        else:
+            build(source, name, Path(sys.argv[2]) / name)

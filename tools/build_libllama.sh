@@ -4,7 +4,8 @@
 # K-quant matmul for all rows but their last, while verify and one-token batches and each batch's last row sum in the
 # one-token order, so DFlash stays bitwise lossless on the CPU (docs/gguf.md); and with the layer-input taps set in the
 # graph builders of the architectures in TAPS (stock llama.cpp sets them for llama and qwen3, not gemma3: one line in
-# the layer loop).
+# the layer loop); and beside libllama, llama.cpp's multimodal library libmtmd (image projectors: dflash_local/vision.py)
+# from the same build, linking that libllama.
 # --backend vulkan or cuda adds that GPU backend to the same build (its CPU backend is the same as the CPU build's);
 # the libraries go to VENV/lib/dflash-libllama (cpu) or VENV/lib/dflash-libllama-BACKEND, where
 # dflash_local/llama_lib.py finds them. A build of the same version, taps and patches there is kept.
@@ -20,7 +21,8 @@ venv=${1:-.venv}
 python="$venv/bin/python"
 version=$("$python" -c 'import importlib.metadata as m; print(m.version("llama_cpp_python"))')
 taps="gemma3"
-patches="prompt-rows"  # what tools/patch_ggml_*.py change: a build made before a new patch is redone
+patches="prompt-rows mtmd"  # what tools/patch_ggml_*.py change, and libmtmd built beside libllama: a build made before
+# a new patch (or without libmtmd) is redone
 case "$backend" in
   cpu) dest="$venv/lib/dflash-libllama"; flags=() ;;
   vulkan) dest="$venv/lib/dflash-libllama-vulkan"; flags=(-DGGML_VULKAN=ON); patches="$patches headers descriptors" ;;
@@ -73,17 +75,30 @@ if ! command -v cmake >/dev/null 2>&1; then  # as pip's own build of llama-cpp-p
 fi
 # shellcheck disable=SC2086  # CMAKE_ARGS holds several options
 if ! cmake -S "$work/llama_cpp_python-$version" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DGGML_LLAMAFILE=ON \
-  -DLLAVA_BUILD=OFF "${flags[@]}" ${CMAKE_ARGS:-} >"$work/build.log" 2>&1 ||
-  ! cmake --build "$work/build" --target llama -j "$(nproc)" >>"$work/build.log" 2>&1; then
+  -DLLAVA_BUILD=ON -DMTMD_VIDEO=OFF "${flags[@]}" ${CMAKE_ARGS:-} >"$work/build.log" 2>&1 ||
+  ! cmake --build "$work/build" --target llama mtmd -j "${BUILD_JOBS:-$(nproc)}" >>"$work/build.log" 2>&1; then
   tail -n 40 "$work/build.log" >&2
   echo "build_libllama.sh: the $backend libllama build failed (log above)" >&2
   exit 1
 fi
 cp -P "$work"/build/bin/lib{llama,ggml}*.so* "$stage"/
+find "$work/build" -name 'libmtmd.so*' -exec cp -P {} "$stage"/ \;  # built outside llama.cpp's folder: not in bin/
+[ -f "$stage/libmtmd.so" ] || { echo "build_libllama.sh: the build made no libmtmd.so" >&2; exit 1; }
 echo "$version" >"$stage/llama-cpp-python.version"
 echo "$taps" >"$stage/tapped-architectures"
 echo "$patches" >"$stage/patches"
 echo "$backend" >"$stage/backend"
-rm -rf "$dest"
-mv "$stage" "$dest"
+# dest is replaced in one step where it exists (renameat2's RENAME_EXCHANGE): a process loading it meanwhile (another
+# run's tests) finds the old build or the new one, never none; the old one is left in stage, removed on exit
+if [ ! -e "$dest" ] || ! "$python" - "$stage" "$dest" <<'EOF'
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+at_fdcwd, rename_exchange = -100, 2
+if libc.renameat2(at_fdcwd, os.fsencode(sys.argv[1]), at_fdcwd, os.fsencode(sys.argv[2]), rename_exchange) != 0:
+    sys.exit(f"renameat2: {os.strerror(ctypes.get_errno())}")
+EOF
+then
+  rm -rf "$dest"
+  mv "$stage" "$dest"
+fi
 echo "==> built: $dest"

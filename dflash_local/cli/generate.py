@@ -54,6 +54,15 @@ def generate(
         None, "--prompt", help="Prompt text, UTF-8 (other bytes are an error); needs the target's tokenizer."
     ),
     prompt_ids: Optional[str] = typer.Option(None, "--prompt-ids", help="Prompt as token ids: 1,2,3."),
+    mmproj: Optional[Path] = typer.Option(
+        None, "--mmproj", metavar="FILE", help="The vision projector (an mmproj GGUF) of a GGUF target, for --image."
+    ),
+    images: Optional[list[Path]] = typer.Option(
+        None,
+        "--image",
+        metavar="PATH",
+        help="An image (PNG, JPEG, GIF or BMP) for --prompt, at its <__media__> marker, else before it; repeatable.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
     backend: str = typer.Option("auto", "--backend", help="auto (llamacpp for .gguf), torch or llamacpp."),
     json_schema: Optional[Path] = typer.Option(None, "--json-schema", help="Output JSON following this schema file."),
@@ -92,6 +101,11 @@ def generate(
             raise DFlashError("Give exactly one of --prompt or --prompt-ids.")
         values.check_numbers(decode.max_new_tokens, options.max_context, decode.seed)
         block_size = decode.block()
+        if images and (mmproj is None or prompt is None):
+            raise DFlashError(
+                "--image needs --prompt and the target's vision projector (--mmproj FILE): a text-only model takes "
+                "no images."
+            )
         text = values.prompt_text(prompt) if prompt is not None else values.parse_ids(prompt_ids, "--prompt-ids")
 
         from ..generation import GenerationRequest, run_request
@@ -108,7 +122,12 @@ def generate(
         models = options.load(resolved, None if decode.no_draft else resolved.drafter, backend, block_size is None)
         vocab, stops = models.target.vocab_size, models.stop_ids
         grammar = None if grammar_text is None else compile_grammar(grammar_text, models.tokenizer, vocab, stops)
-        request = GenerationRequest(text, replace(decode.settings(models), grammar=grammar))
+        settings = replace(decode.settings(models), grammar=grammar)
+        if images:
+            from ..vision import image_prompt
+
+            text = image_prompt(models, mmproj, images, text, settings, threads)
+        request = GenerationRequest(text, settings)
         on_text = None if as_json else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
         _report(run_request(models, request, on_text=on_text), models.devices, as_json, models.tokenizer is None)
 

@@ -287,6 +287,46 @@ class LlamaCppTarget:
         self.context.decode([(0, start + index, token, all_logits or index == last) for index, token in enumerate(ids)])
         self._last_decode = len(ids)
 
+    def forward_embeddings(self, rows: np.ndarray, non_causal: bool, features: bool = True) -> TargetOutput:
+        """Append embedding rows (an image's, from dflash_local.vision) at the cache end as prompt rows, in one batch
+        that attends both ways inside it where non_causal (as llama.cpp's mtmd helper feeds Gemma 3's images); return
+        the last row's logits and, as `forward`, the rows' tapped features."""
+        count, start = len(rows), self.length
+        if start + count > self.max_context:
+            raise DFlashError(f"The context is full ({self.max_context} tokens).")
+        if count > BATCH or self.recurrent:
+            raise DFlashError("This target takes no image rows (a recurrent state, or more rows than one batch).")
+        features = features and bool(self.feature_layer_ids)
+        if self._padding:
+            self.rollback(start)
+        self._set_tapping(features)
+        every_output = features and self.num_layers - 1 in self.feature_layer_ids
+        data = np.ascontiguousarray(rows, dtype=np.float32)
+        ctx, width = self.context.ctx, data.shape[1]
+        batch = llama_cpp.llama_batch_ext_init(ctx)
+        llama_cpp.llama_set_causal_attn(ctx, not non_causal)
+        try:
+            for index in range(count):
+                row = ctypes.cast(data.ctypes.data + index * width * 4, ctypes.POINTER(ctypes.c_float))
+                at = llama_cpp.llama_batch_ext_add_embd(batch, 0, llama_cpp.llama_embd(row, 1, width))
+                llama_cpp.llama_batch_ext_set_pos(batch, at, ctypes.byref(llama_cpp.llama_pos(start + index)))
+                llama_cpp.llama_batch_ext_set_output_logits(batch, at, every_output or index == count - 1)
+            status = llama_cpp.llama_process(ctx, llama_cpp.LLAMA_PROCESS_TYPE_DECODE, batch)
+        finally:
+            llama_cpp.llama_set_causal_attn(ctx, True)
+            llama_cpp.llama_batch_ext_free(batch)
+        if status != 0:
+            raise DFlashError(f"llama.cpp failed to evaluate an image's rows (status {status}).")
+        self._last_decode = count
+        logits = self._view(self._logits_at(ctx), count if every_output else 1, self.vocab_size)[-1:].copy()
+        feats = None
+        if features:
+            joined = np.concatenate([self._features(i, count) for i in self.feature_layer_ids], axis=1)
+            feats = torch.from_numpy(joined).to(self.device, self.dtype)
+        self.length = start + count
+        self._fed.extend([0] * count)  # (re-fed only for a recurrent state, which takes no image rows)
+        return TargetOutput(torch.from_numpy(logits).to(self.device), feats)
+
     def _view(self, address: int | None, rows: int, width: int) -> np.ndarray:
         """llama.cpp's float rows at address, in place (valid until its next decode). Views are kept per address:
         llama.cpp reuses its output buffers, and making a view costs more than a small model's decode step."""

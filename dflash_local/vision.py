@@ -1,0 +1,214 @@
+"""Images in a prompt: a projector (llama.cpp's libmtmd over an mmproj GGUF) turns a prompt holding media markers and
+image files into text chunks (token ids) and image chunks (embedding rows the target takes as prompt rows)."""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from .errors import DFlashError
+from .llama_lib import first_llama_error, llama_cpp, mtmd_library
+
+if TYPE_CHECKING:
+    from .decode import Settings
+    from .drafters.base import Drafter
+    from .generation import LoadedModels
+    from .session import Session
+    from .targets.llamacpp import LlamaCppTarget
+
+MAX_IMAGE_BYTES = 32 * 1024 * 1024  # an image file's most bytes
+MAX_IMAGE_PIXELS = 40_000_000  # an image's most pixels (width x height), read from its header before decoding
+IMAGE_ID = 0  # what stands for an image row among a prompt's ids (the session's and lookup's lists; never fed)
+_JPEG_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}  # frame markers: the size
+
+
+@dataclass
+class Chunk:
+    """A run of prompt positions: token ids (text), or embedding rows (an image) with whether they attend to each
+    other both ways (Gemma 3's image rows: llama.cpp's non-causal attention inside the image)."""
+
+    ids: list[int] | None = None
+    embeddings: np.ndarray | None = None
+    non_causal: bool = False
+
+    def __len__(self) -> int:
+        return len(self.ids) if self.ids is not None else len(self.embeddings)
+
+
+def image_size(data: bytes) -> tuple[int, int] | None:
+    """(width, height) from a PNG, JPEG, GIF or BMP header; None for anything else."""
+    if data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) >= 24:
+        return struct.unpack(">II", data[16:24])
+    if data[:6] in (b"GIF87a", b"GIF89a") and len(data) >= 10:
+        return struct.unpack("<HH", data[6:10])
+    if data[:2] == b"BM" and len(data) >= 26:
+        width, height = struct.unpack("<ii", data[18:26])
+        return abs(width), abs(height)
+    if data[:2] == b"\xff\xd8":
+        at = 2
+        while at + 9 <= len(data) and data[at] == 0xFF:
+            marker, length = data[at + 1], struct.unpack(">H", data[at + 2 : at + 4])[0]
+            if marker in _JPEG_SOF:
+                height, width = struct.unpack(">HH", data[at + 5 : at + 9])
+                return width, height
+            at += 2 + length
+    return None
+
+
+def read_image(path: Path) -> bytes:
+    """An image file's bytes, checked: it exists, holds at most MAX_IMAGE_BYTES, is a PNG, JPEG, GIF or BMP (its
+    header) of at most MAX_IMAGE_PIXELS pixels."""
+    try:
+        size = path.stat().st_size
+        if size > MAX_IMAGE_BYTES:
+            raise DFlashError(f"{path} is {size} bytes, more than an image may be ({MAX_IMAGE_BYTES} bytes).")
+        data = path.read_bytes()
+    except OSError as exc:
+        raise DFlashError(f"Cannot read the image {path} ({exc.strerror or exc}).") from None
+    dims = image_size(data)
+    if dims is None:
+        raise DFlashError(f"{path} is not an image dflash reads (PNG, JPEG, GIF or BMP).")
+    if dims[0] * dims[1] > MAX_IMAGE_PIXELS or 0 in dims:
+        raise DFlashError(f"{path} is {dims[0]}x{dims[1]} pixels; an image may have 1 to {MAX_IMAGE_PIXELS} pixels.")
+    return data
+
+
+class Projector:
+    """A vision projector (an mmproj GGUF) loaded by libmtmd for a text model that llama.cpp has loaded."""
+
+    def __init__(self, path: Path, model: llama_cpp.llama_model_p, threads: int) -> None:
+        mtmd = self.mtmd = mtmd_library()
+        params = mtmd.mtmd_context_params_default()
+        params.use_gpu, params.print_timings, params.warmup, params.n_threads = False, False, False, threads
+        if not Path(path).is_file():
+            raise DFlashError(f"No projector file {path}.")
+        ctx = mtmd.mtmd_init_from_file(str(path).encode(), model, params)
+        if not ctx:
+            reason = first_llama_error().removeprefix("error: ") or "not a projector for this model?"
+            raise DFlashError(f"llama.cpp could not load the projector {path} ({reason}).")
+        weakref.finalize(self, mtmd.mtmd_free, ctx)
+        self.ctx, self.path = ctx, Path(path)
+        self.width = llama_cpp.llama_model_n_embd_inp(model)  # an image row's width: the text model's input
+        if not mtmd.mtmd_support_vision(ctx):
+            raise DFlashError(f"{path} is a projector without a vision encoder, so it takes no images.")
+        self.marker = mtmd.mtmd_default_marker().decode()
+
+    def bitmap_of_file(self, path: Path) -> ctypes.c_void_p:
+        """An image file decoded (read_image's checks, then llama.cpp's stb_image) into an mtmd bitmap."""
+        data = read_image(path)
+        buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        bitmap = self.mtmd.mtmd_helper_bitmap_init_from_buf(self.ctx, buffer, len(data), False)
+        if bitmap and self.mtmd.mtmd_bitmap_is_audio(bitmap):
+            self.mtmd.mtmd_bitmap_free(bitmap)
+            bitmap = None
+        if not bitmap:
+            raise DFlashError(f"{path} could not be decoded as an image (truncated or damaged?).")
+        return bitmap
+
+    def bitmap_of_pixels(self, pixels: np.ndarray) -> ctypes.c_void_p:
+        """An mtmd bitmap of an RGB uint8 array [height, width, 3]."""
+        height, width, _ = pixels.shape
+        data = np.ascontiguousarray(pixels, dtype=np.uint8)
+        return self.mtmd.mtmd_bitmap_init(width, height, data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)))
+
+    def chunks(self, prompt: str, bitmaps: list, add_special: bool = True) -> list[Chunk]:
+        """The prompt (text with one media marker per bitmap) as text and image chunks, each image encoded; the
+        bitmaps are freed."""
+        mtmd = self.mtmd
+        try:
+            markers = prompt.count(self.marker)
+            if markers != len(bitmaps):
+                raise DFlashError(f"The prompt holds {markers} image markers ({self.marker}), not {len(bitmaps)}.")
+            text = prompt.encode()
+            given = mtmd.mtmd_input_text(text, len(text), add_special, True)
+            array = (mtmd.mtmd_bitmap_p_ctypes * max(1, len(bitmaps)))(*bitmaps)
+            output = mtmd.mtmd_input_chunks_init()
+            try:
+                status = mtmd.mtmd_tokenize(self.ctx, output, ctypes.byref(given), array, len(bitmaps))
+                if status != 0:
+                    raise DFlashError(f"llama.cpp could not split the prompt at its images (status {status}).")
+                count = mtmd.mtmd_input_chunks_size(output)
+                return [self._chunk(mtmd.mtmd_input_chunks_get(output, i)) for i in range(count)]
+            finally:
+                mtmd.mtmd_input_chunks_free(output)
+        finally:
+            for bitmap in bitmaps:
+                mtmd.mtmd_bitmap_free(bitmap)
+
+    def _chunk(self, chunk) -> Chunk:
+        mtmd = self.mtmd
+        kind = mtmd.mtmd_input_chunk_get_type(chunk)
+        if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
+            count = ctypes.c_size_t()
+            tokens = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(count))
+            return Chunk(ids=[tokens[i] for i in range(count.value)])
+        if kind != mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE:
+            raise DFlashError("The projector made a chunk that is not an image (audio?), which dflash does not take.")
+        if mtmd.mtmd_decode_use_mrope(self.ctx):
+            raise DFlashError(f"{self.path} places image rows by 2D positions (M-RoPE), which dflash does not do yet.")
+        status = mtmd.mtmd_encode_chunk(self.ctx, chunk)
+        if status != 0:
+            raise DFlashError(f"llama.cpp could not encode an image (status {status}: {first_llama_error()}).")
+        rows = mtmd.mtmd_input_chunk_get_n_tokens(chunk)
+        out = mtmd.mtmd_get_output_embd(self.ctx)
+        values = np.ctypeslib.as_array(out, shape=(rows * self.width,)).reshape(rows, self.width).copy()
+        return Chunk(embeddings=values, non_causal=bool(mtmd.mtmd_decode_use_non_causal(self.ctx, chunk)))
+
+
+def prefill(target: LlamaCppTarget, drafter: Drafter | None, chunks: list[Chunk], session: Session) -> list[int]:
+    """Feed an image prompt's chunks but its last (text, which the decode loop forwards) into the target from empty
+    caches, with the drafter's features at every position, and record them in the session, so that the decode loop
+    (given the same drafter, or None with no drafting) keeps them; return the prompt's ids, image rows as IMAGE_ID."""
+    if not chunks or chunks[-1].ids is None or not chunks[-1].ids:
+        raise DFlashError("An image prompt must end with text after its last image.")
+    if not hasattr(target, "forward_embeddings"):
+        raise DFlashError("Images need a GGUF target (the llamacpp backend).")
+    layers = tuple(drafter.target_layer_ids) if drafter is not None else None
+    if drafter is not None:
+        drafter.check_target(target)
+        target.set_feature_layers(list(layers))
+    session.resume(target, drafter, [], layers)  # empty caches, owned by this session
+    ids: list[int] = []
+    pending: list[torch.Tensor] = []
+    for chunk in chunks[:-1]:
+        if chunk.ids is not None:
+            ids_in = torch.tensor(chunk.ids, dtype=torch.long, device=target.device)
+            out = target.forward(ids_in, all_logits=False, features=layers is not None)
+            ids.extend(chunk.ids)
+        else:
+            out = target.forward_embeddings(chunk.embeddings, chunk.non_causal, features=layers is not None)
+            ids.extend([IMAGE_ID] * len(chunk))
+        if out.features is not None:
+            pending.append(out.features)
+    session.record(ids, len(ids), 0, pending)
+    return ids + chunks[-1].ids
+
+
+def image_prompt(
+    models: LoadedModels, mmproj: Path, images: list[Path], prompt: str, settings: Settings, threads: int | None
+) -> list[int]:
+    """Prefill a text prompt with images (at its media markers, else before it) into the models' target through the
+    projector mmproj; return the prompt's ids for the decode loop (`prefill`), which must get the same settings."""
+    target = models.target
+    if not hasattr(target, "context"):
+        raise DFlashError("Images need a GGUF target (the llamacpp backend).")
+    projector = Projector(mmproj, target.context.model, threads or torch.get_num_threads())
+    bitmaps: list = []
+    try:
+        for path in images:
+            bitmaps.append(projector.bitmap_of_file(path))
+    except DFlashError:
+        for bitmap in bitmaps:
+            projector.mtmd.mtmd_bitmap_free(bitmap)
+        raise
+    text = prompt if projector.marker in prompt else projector.marker * len(images) + prompt
+    chunks = projector.chunks(text, bitmaps)
+    drafting = settings.draft and settings.block_size != 1  # as the decode loop decides it
+    return prefill(target, models.drafter if drafting else None, chunks, models.session)

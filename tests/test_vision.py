@@ -1,0 +1,189 @@
+"""Images through llama.cpp's libmtmd (dflash_local/vision.py): a tiny random Gemma 3 with a SigLIP vision tower
+(tests/tiny_archs.py's gemma3-vision, converted by llama.cpp's own converter, text model and --mmproj projector). Its
+image embeddings equal transformers' vision tower + projector; with an image in the prompt DFlash gives plain
+decoding's tokens; bad images and an image to a text-only target are one `error:` sentence."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from reference import oracle_python
+from safetensors.torch import load_file, save_file
+from test_architectures import build_tiny
+from tiny_models import make_drafter
+
+from dflash_local.decode import Settings, run
+from dflash_local.drafters.torch_drafter import DFlashDrafter
+from dflash_local.runtime import LoadSpec, RuntimeConfig
+from dflash_local.session import Session
+from dflash_local.targets.llamacpp import LlamaCppTarget
+from dflash_local.vision import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, Chunk, Projector, prefill
+
+TESTS = Path(__file__).resolve().parent
+SIZE, ROWS = 112, 16  # the tiny tower's image size and rows per image (tests/tiny_archs.py VISION, IMAGE_ROWS)
+TOLERANCE = 2e-3  # llama.cpp's projection matrix is F16 (the converter forces it), the rest F32
+NEW_TOKENS = 24
+
+
+def pixels(seed: int) -> np.ndarray:
+    """A seeded random RGB image of the tower's own size (no resampling on either side)."""
+    return np.random.default_rng(seed).integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    """gemma3-vision's folder: hf/, hf-text/, model.gguf and mmproj.gguf."""
+    return build_tiny(tmp_path_factory.mktemp("vision"), "gemma3-vision") / "gemma3-vision"
+
+
+@pytest.fixture(scope="module")
+def target(model) -> LlamaCppTarget:
+    return LlamaCppTarget.load(model / "model.gguf", LoadSpec(RuntimeConfig(threads=1), max_context=256))
+
+
+@pytest.fixture(scope="module")
+def projector(model, target) -> Projector:
+    return Projector(model / "mmproj.gguf", target.context.model, 1)
+
+
+def image_chunks(projector: Projector, seed: int) -> list[Chunk]:
+    """A prompt of text, one image and text, as the projector splits and encodes it."""
+    prompt = f"Look: {projector.marker} What is it?"
+    return projector.chunks(prompt, [projector.bitmap_of_pixels(pixels(seed))])
+
+
+def test_image_embeddings_equal_transformers_vision_tower_and_projector(model, projector, tmp_path):
+    """mtmd's embeddings of an image equal transformers' get_image_features on the same pixels within TOLERANCE
+    (relative to the largest value); the image is one non-causal chunk of ROWS rows between text chunks."""
+    chunks = image_chunks(projector, 0)
+    assert [c.ids is None for c in chunks] == [False, True, False]
+    image = chunks[1]
+    assert image.embeddings.shape == (ROWS, 32) and image.non_causal
+    save_file({"pixels": torch.from_numpy(pixels(0))}, tmp_path / "pixels.safetensors")
+    command = [oracle_python(), TESTS / "tiny_archs.py", "--image-features", model / "hf"]
+    done = subprocess.run(
+        [*command, tmp_path / "pixels.safetensors", tmp_path / "features.safetensors"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    reference = load_file(tmp_path / "features.safetensors")["features"].numpy()
+    scale = np.abs(reference).max()
+    error = np.abs(image.embeddings - reference).max() / scale
+    print(f"image embeddings: max |mtmd - transformers| / max |transformers| = {error:.2e}")
+    assert error < TOLERANCE
+    other = image_chunks(projector, 1)[1].embeddings
+    assert np.abs(other - reference).max() / scale > 100 * TOLERANCE  # another image is told apart
+
+
+@pytest.fixture(scope="module")
+def drafter(model, tmp_path_factory) -> DFlashDrafter:
+    """A random-weight block-16 DFlash drafter shaped for the text model."""
+    folder = make_drafter(tmp_path_factory.mktemp("vision-drafter") / "drafter", model / "hf-text", std=0.2)
+    return DFlashDrafter.load(folder, LoadSpec(max_context=256))
+
+
+def decode(target, drafter, chunks: list[Chunk], block: int) -> tuple[list[int], int]:
+    """The new ids of a greedy generation after an image prompt (block 1: plain), and how many prompt positions the
+    decode loop's prefill forwarded (the image's rows were fed before it)."""
+    session = Session()
+    ids = prefill(target, drafter if block > 1 else None, chunks, session)
+    settings = Settings(max_new_tokens=NEW_TOKENS, block_size=block, draft=block > 1, lookup=False)
+    new, stats = run(target, drafter if block > 1 else None, ids, settings, session=session)
+    return new, stats.prefill_tokens
+
+
+def test_dflash_with_an_image_equals_plain_decoding(target, drafter, projector):
+    """T=0, blocks 4 and 16: DFlash's tokens after an image prompt are plain decoding's; the decode loop forwards
+    only the text after the image."""
+    chunks = image_chunks(projector, 0)
+    plain, forwarded = decode(target, drafter, chunks, 1)
+    assert forwarded == len(chunks[-1]) and len(plain) == NEW_TOKENS
+    for block in (4, 16):
+        assert decode(target, drafter, chunks, block) == (plain, forwarded), block
+
+
+def test_the_drafter_gets_features_at_every_prompt_position(target, drafter, projector):
+    """After an image prompt's prefill the drafter's pending features cover every position before the last text
+    chunk, image rows included, and those rows carry the image (another image: other features, same text rows)."""
+
+    def features(seed: int) -> tuple[torch.Tensor, int]:
+        session, chunks = Session(), image_chunks(projector, seed)
+        ids = prefill(target, drafter, chunks, session)
+        assert session.length == len(ids) - len(chunks[-1])
+        return torch.cat(session.pending), len(chunks[0])
+
+    first, before = features(0)
+    second, _ = features(1)
+    assert first.shape == (before + ROWS, 32 * len(drafter.target_layer_ids))
+    assert torch.equal(first[:before], second[:before])
+    assert (first[before:] - second[before:]).abs().amax(dim=1).min() > 1e-2
+
+
+def test_the_image_and_its_non_causal_rows_change_the_output(target, drafter, projector):
+    """The equality above is not vacuous: another image, or the same image's rows fed causally (a broken feed), give
+    other tokens, so DFlash decoding that fed them so would fail it."""
+    chunks = image_chunks(projector, 0)
+    plain, _ = decode(target, drafter, chunks, 1)
+    assert decode(target, drafter, image_chunks(projector, 1), 1)[0] != plain
+    causal = [Chunk(c.ids, c.embeddings, False) for c in chunks]
+    assert decode(target, drafter, causal, 1)[0] != plain
+    assert decode(target, drafter, causal, 16)[0] != plain
+
+
+def dflash(*args: object) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "dflash_local", "generate", *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+
+
+def png(path: Path, image: np.ndarray) -> Path:
+    from PIL import Image
+
+    Image.fromarray(image).save(path)
+    return path
+
+
+def test_generate_with_an_image(model, tmp_path):
+    """`dflash generate --mmproj FILE --image PATH` decodes after the image; another image gives other ids."""
+    common = ["--target", model / "model.gguf", "--mmproj", model / "mmproj.gguf", "--prompt", " What is it?"]
+    common += ["--no-draft", "--max-new-tokens", 12, "--threads", 1, "--json", "--offline"]
+    first = dflash(*common, "--image", png(tmp_path / "a.png", pixels(0)))
+    assert first.returncode == 0, first.stderr
+    second = dflash(*common, "--image", png(tmp_path / "b.png", pixels(1)))
+    assert second.returncode == 0, second.stderr
+    assert first.stdout != second.stdout
+
+
+def test_bad_images_are_one_error_sentence(model, tmp_path):
+    """Not an image, a truncated one, one of too many pixels or bytes, a missing file, or an image to a text-only
+    target (no projector): one `error:` line, exit status 1."""
+    good = png(tmp_path / "good.png", pixels(0)).read_bytes()
+    (tmp_path / "text.png").write_text("not an image\n")
+    (tmp_path / "cut.png").write_bytes(good[: len(good) // 2])
+    side = int(MAX_IMAGE_PIXELS**0.5) + 1  # a header claiming side x side pixels
+    (tmp_path / "huge.png").write_bytes(good[:16] + side.to_bytes(4, "big") * 2 + good[24:])
+    with open(tmp_path / "big.png", "wb") as big:  # a sparse file past the byte limit
+        big.write(good)
+        big.truncate(MAX_IMAGE_BYTES + 1)
+    base = ["--target", model / "model.gguf", "--prompt", "hi", "--no-draft", "--max-new-tokens", 2, "--offline"]
+    cases = {
+        "text.png": "is not an image dflash reads",
+        "cut.png": "could not be decoded as an image",
+        "huge.png": f"is {side}x{side} pixels",
+        "big.png": f"is {MAX_IMAGE_BYTES + 1} bytes, more than an image may be",
+        "missing.png": "Cannot read the image",
+    }
+    for name, words in cases.items():
+        done = dflash(*base, "--mmproj", model / "mmproj.gguf", "--image", tmp_path / name)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], (
+            name,
+            done.stderr,
+        )
+    done = dflash(*base, "--image", tmp_path / "good.png")
+    assert done.returncode == 1 and done.stderr.strip().startswith("error: --image needs --prompt and the target's")
