@@ -176,7 +176,6 @@ def prefill(target: LlamaCppTarget, drafter: Drafter | None, chunks: list[Chunk]
         target.set_feature_layers(list(layers))
     session.resume(target, drafter, [], layers)  # empty caches, owned by this session
     ids: list[int] = []
-    pending: list[torch.Tensor] = []
     for chunk in chunks[:-1]:
         if chunk.ids is not None:
             ids_in = torch.tensor(chunk.ids, dtype=torch.long, device=target.device)
@@ -185,9 +184,9 @@ def prefill(target: LlamaCppTarget, drafter: Drafter | None, chunks: list[Chunk]
         else:
             out = target.forward_embeddings(chunk.embeddings, chunk.non_causal, features=layers is not None)
             ids.extend([IMAGE_ID] * len(chunk))
-        if out.features is not None:
-            pending.append(out.features)
-    session.record(ids, len(ids), 0, pending)
+        if drafter is not None:
+            drafter.extend(out.features)
+    session.record(ids, len(ids))
     return ids + chunks[-1].ids
 
 

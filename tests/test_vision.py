@@ -108,14 +108,14 @@ def test_dflash_with_an_image_equals_plain_decoding(target, drafter, projector):
 
 
 def test_the_drafter_gets_features_at_every_prompt_position(target, drafter, projector):
-    """After an image prompt's prefill the drafter's pending features cover every position before the last text
+    """After an image prompt's prefill the drafter's held features cover every position before the last text
     chunk, image rows included, and those rows carry the image (another image: other features, same text rows)."""
 
     def features(seed: int) -> tuple[torch.Tensor, int]:
         session, chunks = Session(), image_chunks(projector, seed)
         ids = prefill(target, drafter, chunks, session)
         assert session.length == len(ids) - len(chunks[-1])
-        return torch.cat(session.pending), len(chunks[0])
+        return drafter.held, len(chunks[0])
 
     first, before = features(0)
     second, _ = features(1)

@@ -298,7 +298,7 @@ class LlamaCppTarget:
             raise DFlashError("This target takes no image rows (a recurrent state, or more rows than one batch).")
         features = features and bool(self.feature_layer_ids)
         if self._padding:
-            self.rollback(start)
+            self.trim(start)
         self._set_tapping(features)
         every_output = features and self.num_layers - 1 in self.feature_layer_ids
         data = np.ascontiguousarray(rows, dtype=np.float32)
