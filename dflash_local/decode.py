@@ -155,7 +155,7 @@ def _check_prompt(target: Target, prompt_ids: list[int], settings: Settings) -> 
     """One clear sentence for a prompt or length the target cannot take."""
     if not prompt_ids:
         raise DFlashError("The prompt is empty.")
-    bad = [i for i in prompt_ids if not 0 <= i < target.vocab_size]
+    bad = [i for i in prompt_ids if i >= target.vocab_size]  # negative: an image row, checked against the caches
     if bad:
         raise DFlashError(f"Prompt token id {bad[0]} is outside the vocabulary (0..{target.vocab_size - 1}).")
     if settings.max_new_tokens < 1:
@@ -186,6 +186,8 @@ class _Decoding:
         self.drafting = drafter is not None
         layers = tuple(drafter.target_layer_ids) if drafter is not None else None
         self.kept = session.resume(target, drafter, prompt_ids, layers)
+        if any(i < 0 for i in prompt_ids[self.kept :]):  # image rows: only those the caches hold (vision's prefill)
+            raise DFlashError("The prompt holds image rows that the session's caches do not hold (prefill them first).")
         self.tokens = list(prompt_ids)
         self.start = len(prompt_ids)
         self.max_length, self.length_reason = self.start + settings.max_new_tokens, "length"

@@ -4,6 +4,7 @@ image files into text chunks (token ids) and image chunks (embedding rows the ta
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import struct
 import weakref
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 
 MAX_IMAGE_BYTES = 32 * 1024 * 1024  # an image file's most bytes
 MAX_IMAGE_PIXELS = 40_000_000  # an image's most pixels (width x height), read from its header before decoding
-IMAGE_ID = 0  # what stands for an image row among a prompt's ids (the session's and lookup's lists; never fed)
+IMAGE_ID_SPAN = 1 << 62  # image rows' ids are -1..-IMAGE_ID_SPAN: never a vocabulary id, never fed
 _JPEG_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}  # frame markers: the size
 
 
@@ -40,6 +41,19 @@ class Chunk:
 
     def __len__(self) -> int:
         return len(self.ids) if self.ids is not None else len(self.embeddings)
+
+    def row_ids(self) -> list[int]:
+        """The chunk's ids: a text chunk's tokens, or an image's rows as negative ids derived from its embeddings
+        (one distinct id per row), so that only the same image matches them in the session and the prompt cache."""
+        if self.ids is not None:
+            return self.ids
+        rows = np.ascontiguousarray(self.embeddings, dtype=np.float32)
+        digest = hashlib.sha256(rows.tobytes() + bytes([self.non_causal]) + str(rows.shape).encode()).digest()
+        ids = []
+        for row in range(len(rows)):
+            value = int.from_bytes(hashlib.sha256(digest + row.to_bytes(8, "little")).digest()[:8], "little")
+            ids.append(-1 - value % IMAGE_ID_SPAN)
+        return ids
 
 
 def image_size(data: bytes) -> tuple[int, int] | None:
@@ -163,9 +177,9 @@ class Projector:
 
 
 def prefill(target: LlamaCppTarget, drafter: Drafter | None, chunks: list[Chunk], session: Session) -> list[int]:
-    """Feed an image prompt's chunks but its last (text, which the decode loop forwards) into the target from empty
-    caches, with the drafter's features at every position, and record them in the session, so that the decode loop
-    (given the same drafter, or None with no drafting) keeps them; return the prompt's ids, image rows as IMAGE_ID."""
+    """Feed an image prompt's chunks but its last (text, which the decode loop forwards) into the target past the
+    longest common prefix the session's caches hold (whole images only), with the drafter's features, and record
+    them, so that the decode loop (given the same drafter, or None) keeps them; return the prompt's ids."""
     if not chunks or chunks[-1].ids is None or not chunks[-1].ids:
         raise DFlashError("An image prompt must end with text after its last image.")
     if not hasattr(target, "forward_embeddings"):
@@ -174,20 +188,33 @@ def prefill(target: LlamaCppTarget, drafter: Drafter | None, chunks: list[Chunk]
     if drafter is not None:
         drafter.check_target(target)
         target.set_feature_layers(list(layers))
-    session.resume(target, drafter, [], layers)  # empty caches, owned by this session
-    ids: list[int] = []
+    ids = [i for chunk in chunks for i in chunk.row_ids()]
+    kept = session.resume(target, drafter, ids, layers)  # owned by this session, trimmed to the common prefix
+    begin = 0
     for chunk in chunks[:-1]:
-        if chunk.ids is not None:
-            ids_in = torch.tensor(chunk.ids, dtype=torch.long, device=target.device)
-            out = target.forward(ids_in, all_logits=False, features=layers is not None)
-            ids.extend(chunk.ids)
-        else:
-            out = target.forward_embeddings(chunk.embeddings, chunk.non_causal, features=layers is not None)
-            ids.extend([IMAGE_ID] * len(chunk))
-        if drafter is not None:
-            drafter.extend(out.features)
-    session.record(ids, len(ids))
-    return ids + chunks[-1].ids
+        end = begin + len(chunk)
+        if chunk.ids is None and begin < kept < end:  # an image's rows are fed whole (they attend to each other)
+            kept = _trim(target, drafter, session, ids, begin)
+        if kept < end:
+            if chunk.ids is not None:
+                ids_in = torch.tensor(chunk.ids[kept - begin :], dtype=torch.long, device=target.device)
+                out = target.forward(ids_in, all_logits=False, features=layers is not None)
+            else:
+                out = target.forward_embeddings(chunk.embeddings, chunk.non_causal, features=layers is not None)
+            if drafter is not None:
+                drafter.extend(out.features)
+            kept = end
+        begin = end
+    session.record(ids, kept)
+    return ids
+
+
+def _trim(target: LlamaCppTarget, drafter: Drafter | None, session: Session, ids: list[int], length: int) -> int:
+    """Cut the caches back to length positions (an image's start) and record that; return length."""
+    for model in (target,) if drafter is None else (target, drafter):
+        model.trim(length)
+    session.record(ids, length)
+    return length
 
 
 def image_prompt(

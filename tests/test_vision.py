@@ -1,7 +1,8 @@
 """Images through llama.cpp's libmtmd (dflash_local/vision.py): a tiny random Gemma 3 with a SigLIP vision tower
 (tests/tiny_archs.py's gemma3-vision, converted by llama.cpp's own converter, text model and --mmproj projector). Its
 image embeddings equal transformers' vision tower + projector; with an image in the prompt DFlash gives plain
-decoding's tokens; bad images and an image to a text-only target are one `error:` sentence."""
+decoding's tokens; a session reuses a prefix holding the same image and never another's; bad images and an image to
+a text-only target are one `error:` sentence."""
 
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ from test_architectures import build_tiny
 from tiny_models import make_drafter
 
 from dflash_local.decode import Settings, run
+from dflash_local.drafters.suffix_index import SuffixIndex
 from dflash_local.drafters.torch_drafter import DFlashDrafter
+from dflash_local.errors import DFlashError
+from dflash_local.prompt_cache import PromptCache
 from dflash_local.runtime import LoadSpec, RuntimeConfig
 from dflash_local.session import Session
 from dflash_local.targets.llamacpp import LlamaCppTarget
@@ -52,9 +56,9 @@ def projector(model, target) -> Projector:
     return Projector(model / "mmproj.gguf", target.context.model, 1)
 
 
-def image_chunks(projector: Projector, seed: int) -> list[Chunk]:
+def image_chunks(projector: Projector, seed: int, question: str = "What is it?") -> list[Chunk]:
     """A prompt of text, one image and text, as the projector splits and encodes it."""
-    prompt = f"Look: {projector.marker} What is it?"
+    prompt = f"Look: {projector.marker} {question}"
     return projector.chunks(prompt, [projector.bitmap_of_pixels(pixels(seed))])
 
 
@@ -133,6 +137,102 @@ def test_the_image_and_its_non_causal_rows_change_the_output(target, drafter, pr
     causal = [Chunk(c.ids, c.embeddings, False) for c in chunks]
     assert decode(target, drafter, causal, 1)[0] != plain
     assert decode(target, drafter, causal, 16)[0] != plain
+
+
+def test_image_rows_have_ids_of_their_image(projector):
+    """An image's rows get negative ids (never a vocabulary id), one distinct id per row, the same for the same
+    image and none shared with another image (or with the same rows fed causally)."""
+    first, again, other = image_chunks(projector, 0)[1], image_chunks(projector, 0)[1], image_chunks(projector, 1)[1]
+    ids = first.row_ids()
+    assert len(ids) == ROWS == len(set(ids)) and all(i < 0 for i in ids)
+    assert again.row_ids() == ids
+    assert not set(other.row_ids()) & set(ids)
+    assert not set(Chunk(None, first.embeddings, not first.non_causal).row_ids()) & set(ids)
+
+
+class Counting:
+    """Counts the prompt rows a target forwards: text ids and image rows (the instance's methods wrapped)."""
+
+    def __init__(self, target, monkeypatch) -> None:
+        self.text = self.image = 0
+        forward, forward_embeddings = target.forward, target.forward_embeddings
+
+        def counted_forward(ids, *args, **kwargs):
+            self.text += len(ids)
+            return forward(ids, *args, **kwargs)
+
+        def counted_embeddings(rows, *args, **kwargs):
+            self.image += len(rows)
+            return forward_embeddings(rows, *args, **kwargs)
+
+        monkeypatch.setattr(target, "forward", counted_forward)
+        monkeypatch.setattr(target, "forward_embeddings", counted_embeddings)
+
+    def take(self) -> tuple[int, int]:
+        """(text ids, image rows) forwarded since the last take."""
+        counts, self.text, self.image = (self.text, self.image), 0, 0
+        return counts
+
+
+def turn(target, drafter, chunks: list[Chunk], session: Session, block: int = 16) -> tuple[list[int], int]:
+    """A greedy generation after an image prompt in the given session: its new ids and the prompt positions the
+    decode loop's prefill forwarded."""
+    ids = prefill(target, drafter if block > 1 else None, chunks, session)
+    settings = Settings(max_new_tokens=NEW_TOKENS, block_size=block, draft=block > 1, lookup=False)
+    new, stats = run(target, drafter if block > 1 else None, ids, settings, session=session)
+    return new, stats.prefill_tokens
+
+
+@pytest.mark.parametrize("block", [1, 16])
+def test_the_same_image_twice_reuses_the_caches_and_another_image_does_not(
+    target, drafter, projector, monkeypatch, block
+):
+    """In one session the same image prompt again forwards no image row and one text id, a longer question after
+    the same image only its new text; another image forwards its rows again (the text before it is kept). Each
+    gives fresh caches' tokens."""
+    fresh = {seed: turn(target, drafter, image_chunks(projector, seed), Session(), block)[0] for seed in (0, 1)}
+    longer = image_chunks(projector, 0, "What is it? Say more.")
+    fresh_longer = turn(target, drafter, longer, Session(), block)[0]
+    counting, session = Counting(target, monkeypatch), Session()
+    chunks = image_chunks(projector, 0)
+    assert turn(target, drafter, chunks, session, block)[0] == fresh[0]
+    assert counting.take()[1] == ROWS
+    new, forwarded = turn(target, drafter, chunks, session, block)
+    assert (new, forwarded) == (fresh[0], 1)
+    assert counting.take()[1] == 0
+    new, forwarded = turn(target, drafter, longer, session, block)
+    assert new == fresh_longer and forwarded < len(longer[-1]) - 1
+    assert counting.take()[1] == 0
+    other = image_chunks(projector, 1)
+    ids = prefill(target, drafter if block > 1 else None, other, session)
+    assert counting.take() == (0, ROWS)  # the text before the image kept, the image's rows forwarded
+    settings = Settings(max_new_tokens=NEW_TOKENS, block_size=block, draft=block > 1, lookup=False)
+    assert run(target, drafter if block > 1 else None, ids, settings, session=session)[0] == fresh[1]
+
+
+def test_the_prompt_cache_swaps_in_a_saved_image_prompt(target, drafter, projector, monkeypatch):
+    """With serve's prompt cache, image A, then image B, then A again: A's saved state is swapped in (no image row
+    forwarded) and gives fresh caches' tokens; B never reuses A's rows."""
+    chunks = {seed: image_chunks(projector, seed) for seed in (0, 1)}
+    fresh = {seed: turn(target, drafter, chunks[seed], Session())[0] for seed in (0, 1)}
+    counting, session = Counting(target, monkeypatch), Session(PromptCache(2**30))
+    for seed, rows in ((0, ROWS), (1, ROWS), (0, 0)):
+        assert turn(target, drafter, chunks[seed], session)[0] == fresh[seed], seed
+        assert counting.take()[1] == rows, seed
+
+
+def test_image_rows_are_never_drafted_nor_fed_as_tokens(target):
+    """Lookup's index never proposes an image row (a negative id) nor indexes what precedes one; the decode loop
+    refuses a prompt whose image rows the session's caches do not hold."""
+    index = SuffixIndex()
+    index.extend([5, 6, 7, -3, -4, 8, 5, 6])
+    assert index.match(5).tokens == [7, 7, 7, 7, 7]
+    index.clear()
+    index.extend([9, -3, -4, 9])
+    assert index.match(3) is None
+    settings = Settings(max_new_tokens=2, block_size=1, draft=False, lookup=False)
+    with pytest.raises(DFlashError, match="image rows that the session's caches do not hold"):
+        run(target, None, [2, -3, -4, 5], settings, session=Session())
 
 
 def dflash(*args: object) -> subprocess.CompletedProcess:

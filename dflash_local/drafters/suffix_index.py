@@ -44,6 +44,8 @@ class SuffixIndex:
             end = len(self.tokens)  # the n-grams ending at end - 1 gain their next token
             self.tokens.append(token)
             self.prefix.append((self.prefix[-1] * _BASE + token + 1) % _MOD)
+            if token < 0:  # an image row (dflash_local.vision): never proposed, so nothing is indexed as before it
+                continue
             for n in LEVELS:
                 if n > end:
                     break
@@ -60,8 +62,8 @@ class SuffixIndex:
 
     def match(self, count: int) -> Match | None:
         """Up to `count` tokens after the latest earlier occurrence of the longest LEVEL-gram ending the text; where
-        that occurrence runs into the text's end, the proposal repeats itself (a periodic text goes on). None where
-        nothing matches."""
+        that occurrence runs into the text's end or an image row (a negative id), the proposal repeats itself (a
+        periodic text goes on). None where nothing matches."""
         end = len(self.tokens)
         for n in reversed(LEVELS):
             if n >= end:
@@ -75,6 +77,11 @@ class SuffixIndex:
             proposal: list[int] = []
             for i in range(count):
                 source = last + 1 + i
-                proposal.append(self.tokens[source] if source < end else proposal[source - end])
+                token = self.tokens[source] if source < end else proposal[source - end]
+                if token < 0:  # an image row is never a draft: the text before it repeats instead
+                    break
+                proposal.append(token)
+            period = len(proposal)  # at least 1: an n-gram is indexed only before a text token
+            proposal += [proposal[i % period] for i in range(period, count)]
             return Match(proposal, n, entry >> 32)
         return None
