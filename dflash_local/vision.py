@@ -15,17 +15,18 @@ import numpy as np
 import torch
 
 from .errors import DFlashError
-from .llama_lib import first_llama_error, llama_cpp, mtmd_library
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # llama_lib loads llama.cpp on import: only once a projector loads (after serve's device setup)
     from .decode import Settings
     from .drafters.base import Drafter
     from .generation import LoadedModels
+    from .llama_lib import llama_cpp
     from .session import Session
     from .targets.llamacpp import LlamaCppTarget
 
 MAX_IMAGE_BYTES = 32 * 1024 * 1024  # an image file's most bytes
 MAX_IMAGE_PIXELS = 40_000_000  # an image's most pixels (width x height), read from its header before decoding
+MEDIA_MARKER = "<__media__>"  # where an image goes in a prompt's text (libmtmd's default marker)
 IMAGE_ID_SPAN = 1 << 62  # image rows' ids are -1..-IMAGE_ID_SPAN: never a vocabulary id, never fed
 _JPEG_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}  # frame markers: the size
 
@@ -77,8 +78,7 @@ def image_size(data: bytes) -> tuple[int, int] | None:
 
 
 def read_image(path: Path) -> bytes:
-    """An image file's bytes, checked: it exists, holds at most MAX_IMAGE_BYTES, is a PNG, JPEG, GIF or BMP (its
-    header) of at most MAX_IMAGE_PIXELS pixels."""
+    """An image file's bytes, checked (check_image), after checking its size before reading it."""
     try:
         size = path.stat().st_size
         if size > MAX_IMAGE_BYTES:
@@ -86,11 +86,19 @@ def read_image(path: Path) -> bytes:
         data = path.read_bytes()
     except OSError as exc:
         raise DFlashError(f"Cannot read the image {path} ({exc.strerror or exc}).") from None
+    return check_image(data, str(path))
+
+
+def check_image(data: bytes, name: str) -> bytes:
+    """The image's bytes where it holds at most MAX_IMAGE_BYTES and is a PNG, JPEG, GIF or BMP (its header) of at
+    most MAX_IMAGE_PIXELS pixels; else one error sentence naming it."""
+    if len(data) > MAX_IMAGE_BYTES:
+        raise DFlashError(f"{name} is {len(data)} bytes, more than an image may be ({MAX_IMAGE_BYTES} bytes).")
     dims = image_size(data)
     if dims is None:
-        raise DFlashError(f"{path} is not an image dflash reads (PNG, JPEG, GIF or BMP).")
+        raise DFlashError(f"{name} is not an image dflash reads (PNG, JPEG, GIF or BMP).")
     if dims[0] * dims[1] > MAX_IMAGE_PIXELS or 0 in dims:
-        raise DFlashError(f"{path} is {dims[0]}x{dims[1]} pixels; an image may have 1 to {MAX_IMAGE_PIXELS} pixels.")
+        raise DFlashError(f"{name} is {dims[0]}x{dims[1]} pixels; an image may have 1 to {MAX_IMAGE_PIXELS} pixels.")
     return data
 
 
@@ -98,6 +106,8 @@ class Projector:
     """A vision projector (an mmproj GGUF) loaded by libmtmd for a text model that llama.cpp has loaded."""
 
     def __init__(self, path: Path, model: llama_cpp.llama_model_p, threads: int) -> None:
+        from .llama_lib import first_llama_error, llama_cpp, mtmd_library
+
         mtmd = self.mtmd = mtmd_library()
         params = mtmd.mtmd_context_params_default()
         params.use_gpu, params.print_timings, params.warmup, params.n_threads = False, False, False, threads
@@ -116,15 +126,31 @@ class Projector:
 
     def bitmap_of_file(self, path: Path) -> ctypes.c_void_p:
         """An image file decoded (read_image's checks, then llama.cpp's stb_image) into an mtmd bitmap."""
-        data = read_image(path)
+        return self.bitmap_of_bytes(read_image(path), str(path))
+
+    def bitmap_of_bytes(self, data: bytes, name: str) -> ctypes.c_void_p:
+        """An image's bytes decoded (check_image's checks, then llama.cpp's stb_image) into an mtmd bitmap."""
+        check_image(data, name)
         buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         bitmap = self.mtmd.mtmd_helper_bitmap_init_from_buf(self.ctx, buffer, len(data), False)
         if bitmap and self.mtmd.mtmd_bitmap_is_audio(bitmap):
             self.mtmd.mtmd_bitmap_free(bitmap)
             bitmap = None
         if not bitmap:
-            raise DFlashError(f"{path} could not be decoded as an image (truncated or damaged?).")
+            raise DFlashError(f"{name} could not be decoded as an image (truncated or damaged?).")
         return bitmap
+
+    def bitmaps(self, images: list[bytes], names: list[str]) -> list:
+        """Each image decoded into an mtmd bitmap (all freed if one fails)."""
+        bitmaps: list = []
+        try:
+            for data, name in zip(images, names, strict=True):
+                bitmaps.append(self.bitmap_of_bytes(data, name))
+        except DFlashError:
+            for bitmap in bitmaps:
+                self.mtmd.mtmd_bitmap_free(bitmap)
+            raise
+        return bitmaps
 
     def bitmap_of_pixels(self, pixels: np.ndarray) -> ctypes.c_void_p:
         """An mtmd bitmap of an RGB uint8 array [height, width, 3]."""
@@ -169,6 +195,8 @@ class Projector:
             raise DFlashError(f"{self.path} places image rows by 2D positions (M-RoPE), which dflash does not do yet.")
         status = mtmd.mtmd_encode_chunk(self.ctx, chunk)
         if status != 0:
+            from .llama_lib import first_llama_error
+
             raise DFlashError(f"llama.cpp could not encode an image (status {status}: {first_llama_error()}).")
         rows = mtmd.mtmd_input_chunk_get_n_tokens(chunk)
         out = mtmd.mtmd_get_output_embd(self.ctx)
@@ -176,10 +204,13 @@ class Projector:
         return Chunk(embeddings=values, non_causal=bool(mtmd.mtmd_decode_use_non_causal(self.ctx, chunk)))
 
 
-def prefill(target: LlamaCppTarget, drafter: Drafter | None, chunks: list[Chunk], session: Session) -> list[int]:
+def prefill(
+    target: LlamaCppTarget, drafter: Drafter | None, chunks: list[Chunk], session: Session
+) -> tuple[list[int], int]:
     """Feed an image prompt's chunks but its last (text, which the decode loop forwards) into the target past the
     longest common prefix the session's caches hold (whole images only), with the drafter's features, and record
-    them, so that the decode loop (given the same drafter, or None) keeps them; return the prompt's ids."""
+    them, so that the decode loop (given the same drafter, or None) keeps them; return the prompt's ids and how many
+    leading positions the caches held already."""
     if not chunks or chunks[-1].ids is None or not chunks[-1].ids:
         raise DFlashError("An image prompt must end with text after its last image.")
     if not hasattr(target, "forward_embeddings"):
@@ -189,12 +220,12 @@ def prefill(target: LlamaCppTarget, drafter: Drafter | None, chunks: list[Chunk]
         drafter.check_target(target)
         target.set_feature_layers(list(layers))
     ids = [i for chunk in chunks for i in chunk.row_ids()]
-    kept = session.resume(target, drafter, ids, layers)  # owned by this session, trimmed to the common prefix
+    kept = reused = session.resume(target, drafter, ids, layers)  # owned by this session, trimmed to the prefix
     begin = 0
     for chunk in chunks[:-1]:
         end = begin + len(chunk)
         if chunk.ids is None and begin < kept < end:  # an image's rows are fed whole (they attend to each other)
-            kept = _trim(target, drafter, session, ids, begin)
+            kept = reused = _trim(target, drafter, session, ids, begin)
         if kept < end:
             if chunk.ids is not None:
                 ids_in = torch.tensor(chunk.ids[kept - begin :], dtype=torch.long, device=target.device)
@@ -206,7 +237,7 @@ def prefill(target: LlamaCppTarget, drafter: Drafter | None, chunks: list[Chunk]
             kept = end
         begin = end
     session.record(ids, kept)
-    return ids
+    return ids, reused
 
 
 def _trim(target: LlamaCppTarget, drafter: Drafter | None, session: Session, ids: list[int], length: int) -> int:
@@ -222,19 +253,27 @@ def image_prompt(
 ) -> list[int]:
     """Prefill a text prompt with images (at its media markers, else before it) into the models' target through the
     projector mmproj; return the prompt's ids for the decode loop (`prefill`), which must get the same settings."""
-    target = models.target
-    if not hasattr(target, "context"):
-        raise DFlashError("Images need a GGUF target (the llamacpp backend).")
-    projector = Projector(mmproj, target.context.model, threads or torch.get_num_threads())
-    bitmaps: list = []
-    try:
-        for path in images:
-            bitmaps.append(projector.bitmap_of_file(path))
-    except DFlashError:
-        for bitmap in bitmaps:
-            projector.mtmd.mtmd_bitmap_free(bitmap)
-        raise
+    projector = load_projector(models, mmproj, threads)
+    bitmaps = projector.bitmaps([read_image(path) for path in images], [str(path) for path in images])
     text = prompt if projector.marker in prompt else projector.marker * len(images) + prompt
-    chunks = projector.chunks(text, bitmaps)
+    return prefill_for(models, projector.chunks(text, bitmaps), settings)[0]
+
+
+def load_projector(models: LoadedModels, mmproj: Path, threads: int | None) -> Projector:
+    """The projector mmproj for the models' target (a GGUF target: llama.cpp's model)."""
+    if not hasattr(models.target, "context"):
+        raise DFlashError("Images need a GGUF target (the llamacpp backend).")
+    return Projector(mmproj, models.target.context.model, threads or torch.get_num_threads())
+
+
+def image_file(projector: Projector, path: Path) -> bytes:
+    """An image file's bytes, read and decoded once to check it (read_image, then llama.cpp's decoder)."""
+    data = read_image(path)
+    projector.mtmd.mtmd_bitmap_free(projector.bitmap_of_bytes(data, str(path)))
+    return data
+
+
+def prefill_for(models: LoadedModels, chunks: list[Chunk], settings: Settings) -> tuple[list[int], int]:
+    """`prefill` with the drafter the decode loop will use under these settings."""
     drafting = settings.draft and settings.block_size != 1  # as the decode loop decides it
-    return prefill(target, models.drafter if drafting else None, chunks, models.session)
+    return prefill(models.target, models.drafter if drafting else None, chunks, models.session)

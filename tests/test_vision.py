@@ -95,7 +95,7 @@ def decode(target, drafter, chunks: list[Chunk], block: int) -> tuple[list[int],
     """The new ids of a greedy generation after an image prompt (block 1: plain), and how many prompt positions the
     decode loop's prefill forwarded (the image's rows were fed before it)."""
     session = Session()
-    ids = prefill(target, drafter if block > 1 else None, chunks, session)
+    ids, _ = prefill(target, drafter if block > 1 else None, chunks, session)
     settings = Settings(max_new_tokens=NEW_TOKENS, block_size=block, draft=block > 1, lookup=False)
     new, stats = run(target, drafter if block > 1 else None, ids, settings, session=session)
     return new, stats.prefill_tokens
@@ -117,7 +117,7 @@ def test_the_drafter_gets_features_at_every_prompt_position(target, drafter, pro
 
     def features(seed: int) -> tuple[torch.Tensor, int]:
         session, chunks = Session(), image_chunks(projector, seed)
-        ids = prefill(target, drafter, chunks, session)
+        ids, _ = prefill(target, drafter, chunks, session)
         assert session.length == len(ids) - len(chunks[-1])
         return drafter.held, len(chunks[0])
 
@@ -177,7 +177,7 @@ class Counting:
 def turn(target, drafter, chunks: list[Chunk], session: Session, block: int = 16) -> tuple[list[int], int]:
     """A greedy generation after an image prompt in the given session: its new ids and the prompt positions the
     decode loop's prefill forwarded."""
-    ids = prefill(target, drafter if block > 1 else None, chunks, session)
+    ids, _ = prefill(target, drafter if block > 1 else None, chunks, session)
     settings = Settings(max_new_tokens=NEW_TOKENS, block_size=block, draft=block > 1, lookup=False)
     new, stats = run(target, drafter if block > 1 else None, ids, settings, session=session)
     return new, stats.prefill_tokens
@@ -204,8 +204,8 @@ def test_the_same_image_twice_reuses_the_caches_and_another_image_does_not(
     assert new == fresh_longer and forwarded < len(longer[-1]) - 1
     assert counting.take()[1] == 0
     other = image_chunks(projector, 1)
-    ids = prefill(target, drafter if block > 1 else None, other, session)
-    assert counting.take() == (0, ROWS)  # the text before the image kept, the image's rows forwarded
+    ids, kept = prefill(target, drafter if block > 1 else None, other, session)
+    assert counting.take() == (0, ROWS) and kept == len(other[0])  # the text before the image kept, not its rows
     settings = Settings(max_new_tokens=NEW_TOKENS, block_size=block, draft=block > 1, lookup=False)
     assert run(target, drafter if block > 1 else None, ids, settings, session=session)[0] == fresh[1]
 

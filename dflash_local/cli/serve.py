@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shlex
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
@@ -120,6 +121,12 @@ def serve(
     drafter_quantize: DrafterQuantize = "none",
     token: Token = None,
     cache_ram: CacheRam = CACHE_RAM_MIB,
+    mmproj: Optional[Path] = typer.Option(
+        None, "--mmproj", metavar="FILE", help="The vision projector (an mmproj GGUF) of a GGUF target: images."
+    ),
+    allow_remote_images: bool = typer.Option(
+        False, "--allow-remote-images", help="Fetch http(s) image URLs in requests (default: only inline data)."
+    ),
 ) -> None:
     """Serve a model over OpenAI's, Anthropic's and Ollama's HTTP APIs (or print a vLLM/SGLang command for the
     same pair)."""
@@ -144,6 +151,11 @@ def serve(
         template = None if chat_template is None else read_template(chat_template)
         sock = listen(host, port)  # before loading: a taken port fails at once
         worker = _engine(model, decode, options, template, max_new_tokens, max_queue)
+        if mmproj is not None:
+            from ..vision import load_projector
+
+            worker.projector = load_projector(worker.models, mmproj, options.threads)
+            worker.remote_images = allow_remote_images
         _announce(model, host, api_key, sock.getsockname())
         run_server(create_app(worker, model, api_key, limits, tuple(cors_origins)), sock, limits)
 

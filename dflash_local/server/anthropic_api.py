@@ -18,6 +18,7 @@ from ..reply.channels import Parts
 from ..sampling import SamplingParams
 from .constrained import forced_call_grammar
 from .engine import Ending, Event, Failure, Job
+from .images import MEDIA_MARKER, Image, attach, decoded, of_url
 from .protocol import BadRequest, Refused, Sampling, flag, number, reasoned, stop_strings, tool_call, whole
 from .request import REASONING, Blocks, InnerRequest, Server, Step, dflash_stats, request_job, sse_event
 from .tools import parse_tools
@@ -79,11 +80,14 @@ def _turns(message: dict, where: str) -> list[dict[str, Any]]:
     role = message.get("role") if isinstance(message, dict) else None
     if role not in ("user", "assistant", "system"):
         raise BadRequest("Each message must be an object with role user or assistant.", where)
-    turns, texts, calls, reasoning = [], [], [], ""
+    turns, texts, calls, reasoning, images = [], [], [], "", []
     for index, block in enumerate(_blocks(message, where)):
         kind, at = block.get("type"), f"{where}.content[{index}]"
         if kind == "text":
             texts.append(_text([block], at))
+        elif kind == "image" and role == "user":
+            images.append(_image(block.get("source"), f"{at}.source"))
+            texts.append(MEDIA_MARKER)
         elif kind in ("image", "document"):
             raise BadRequest("Only text content is supported (no images or documents).", at)
         elif kind == "tool_result" and role == "user":
@@ -101,8 +105,18 @@ def _turns(message: dict, where: str) -> list[dict[str, Any]]:
         turn: dict[str, Any] = {"role": role, "content": "".join(texts)}
         if calls:
             turn["tool_calls"] = calls
-        turns.append(reasoned(turn, reasoning))
+        turns.append(attach(reasoned(turn, reasoning), images))
     return turns
+
+
+def _image(source: object, where: str) -> Image:
+    """An image block's source: {type: base64, data} (checked), or {type: url, url}."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        return decoded(source.get("data"), f"{where}.data")
+    if kind == "url":
+        return of_url(source.get("url"), f"{where}.url")
+    raise BadRequest("An image's source must be {type: base64, media_type, data} or {type: url, url}.", where)
 
 
 def _tools(body: dict) -> list[dict] | None:

@@ -19,6 +19,8 @@ from ..grammar import compile_grammar, prepare_tokenizer
 from ..reasoning import opens_thinking
 from ..reply.channels import PLAIN, Parts, ReplyReader, reply_family
 from ..reply.text_stream import TextStream, end_texts, ending
+from ..vision import Chunk, Projector, prefill_for
+from .images import fetched
 from .protocol import Sampling
 
 log = logging.getLogger("dflash.serve")
@@ -51,7 +53,7 @@ class Job:
     """One request's way through the worker: how to get its prompt ids, its sampling, how its reply is read (the
     model's family for a chat, and its tools), and events back to the loop."""
 
-    prompt: Callable[[LoadedModels], list[int]]
+    prompt: Callable[[LoadedModels], list[int] | str]  # a text with media markers where the job has images
     sampling: Sampling
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
@@ -62,6 +64,7 @@ class Job:
     count_only: bool = False  # render and count the prompt's tokens, generate nothing
     prompt_tokens: int = 0  # the rendered prompt's length (set before the first event)
     cached_tokens: int = 0  # of which the caches held (set before the first text event)
+    images: tuple = ()  # the prompt's images (bytes, or http(s) URLs), one per media marker
 
     def emit(self, event: Event) -> None:
         """Hand an event to the request's coroutine (thread-safe)."""
@@ -82,6 +85,8 @@ class Engine:
         seed: int | None = None,
         no_draft: bool = False,
         report: Callable[[str], None] | None = None,
+        projector: Projector | None = None,
+        remote_images: bool = False,
     ) -> None:
         if models.tokenizer is None:
             raise DFlashError("The model has no tokenizer (tokenizer.json), so it cannot be served.")
@@ -92,6 +97,7 @@ class Engine:
         self.seed = seed  # serve's --seed: the seed of requests that name none (None: a fresh one each)
         self.no_draft = no_draft  # serve's --no-draft: plain decoding, lookup's drafts too
         self.report = report  # takes one line per generation (serve prints it on stderr)
+        self.projector, self.remote_images = projector, remote_images  # serve's --mmproj, --allow-remote-images
         self.size, self.waiting, self.arrived = size, deque[Job](), threading.Condition()
         self.counts = {"served": 0, "cancelled": 0, "failed": 0}
         self.busy = False
@@ -179,10 +185,13 @@ class Engine:
         """Iterate the generation, emitting parts as they come; stop when cancelled (no Ending) or at a stop string."""
         models, sampling = self.models, job.sampling
         ids = job.prompt(models)
+        chunks = self._chunks(ids, job.images) if job.images else None
+        ids = [i for chunk in chunks for i in chunk.row_ids()] if chunks else ids
         job.prompt_tokens, stats = len(ids), Stats()
         if job.count_only:
             return Ending("stop", len(ids), stats)
         settings = self.settings(sampling, len(ids))
+        reused = prefill_for(models, chunks, settings)[1] if chunks else None
         reader = ReplyReader(job.family, job.tools, opens_thinking(models.tokenizer.decode(ids[-8:])))
         ends = ending(self.eos_texts, models.stop_ids, settings.stop_ids)
         text = TextStream(models.tokenizer, models.stop_ids, sampling.stop, ends, reader)
@@ -190,7 +199,7 @@ class Engine:
             with closing(stream(models, GenerationRequest(ids, settings))) as chunks:
                 for chunk in chunks:
                     stats = chunk.stats
-                    job.cached_tokens = len(ids) - stats.prefill_tokens
+                    job.cached_tokens = len(ids) - stats.prefill_tokens if reused is None else reused
                     if job.cancelled.is_set():
                         return None
                     parts = text.add(chunk.step.token_ids)
@@ -206,6 +215,14 @@ class Engine:
         if self.report is not None:
             self.report(request_line(len(ids), job.cached_tokens, stats))
         return Ending(end.reason, len(ids), stats, end.stop, job.cached_tokens)
+
+    def _chunks(self, text: str, images: tuple) -> list[Chunk]:
+        """A rendered prompt's text and its images as the projector's chunks (images encoded)."""
+        if self.projector is None:
+            raise DFlashError("This model takes no images: serve it with its vision projector (--mmproj FILE).")
+        data = [fetched(image, self.remote_images) for image in images]
+        names = [f"Image {index + 1}" for index in range(len(images))]
+        return self.projector.chunks(text, self.projector.bitmaps(data, names), add_special=False)
 
 
 def request_line(prompt_tokens: int, cached: int, stats: Stats) -> str:

@@ -18,6 +18,7 @@ from ..reply.channels import PLAIN, Parts
 from ..sampling import SamplingParams
 from .constrained import ollama_format_grammar
 from .engine import Ending, Event, Failure
+from .images import IMAGES, MEDIA_MARKER, decoded
 from .protocol import BadRequest, Refused, Sampling, flag, number, parse_messages, stop_strings, whole
 from .request import InnerRequest, Server, request_job
 from .tools import parse_tools
@@ -26,7 +27,7 @@ log = logging.getLogger("dflash.serve")
 
 API_VERSION = "0.12.0"  # the Ollama release whose API these routes follow (clients gate features on it)
 OPTIONS = {"num_predict", "temperature", "top_p", "top_k", "seed", "stop"}
-REFUSED = {"images": "images", "suffix": "'suffix'"}
+REFUSED = {"suffix": "'suffix'"}
 REFUSED |= {"context": "'context' token lists"}
 
 
@@ -73,10 +74,23 @@ def parse_options(body: dict) -> Sampling:
 def parse_chat(body: dict) -> InnerRequest:
     """An /api/chat body as the one internal request: the messages, options, tools and the think switch."""
     messages, sampling, tools = parse_messages(body), parse_options(body), parse_tools(body)
+    for index, (given, message) in enumerate(zip(body["messages"], messages, strict=True)):
+        with_images(message, given.get("images"), f"messages[{index}].images")
     think = body.get("think")
     if think is not None and not isinstance(think, bool):
         raise BadRequest("'think' must be true or false.", "think")
     return InnerRequest(sampling, messages, tools=tools, thinking=think)
+
+
+def with_images(message: dict, images: object, where: str) -> dict:
+    """A parsed user message with Ollama's images (a list of base64 strings) before its text, as media markers."""
+    if images is None or images == []:
+        return message
+    if not isinstance(images, list) or message["role"] != "user":
+        raise BadRequest("'images' must be a list of base64 strings, in user messages.", where)
+    message[IMAGES] = [decoded(image, f"{where}[{index}]") for index, image in enumerate(images)]
+    message["content"] = MEDIA_MARKER * len(images) + message["content"]
+    return message
 
 
 class Reply:
@@ -158,9 +172,12 @@ def routes(server: Server) -> list[Route]:
         if not prompt:  # Ollama's way to load a model: nothing to generate
             return JSONResponse(Reply(model).piece("", True) | {"done_reason": "load"})
         if flag(body, "raw"):
+            if body.get("images"):
+                raise BadRequest("'images' need the chat template: send them without raw.", "images")
             asked = InnerRequest(sampling, prompt=prompt)
         else:  # the chat template's, its reply read as it is
-            asked = InnerRequest(sampling, [{"role": "user", "content": prompt}], plain=True, system=system)
+            turn = with_images({"role": "user", "content": prompt}, body.get("images"), "images")
+            asked = InnerRequest(sampling, [turn], plain=True, system=system)
         return await server.answer(request, request_job(engine, asked), Reply(model))
 
     async def tags(request: Request, body: None) -> Response:

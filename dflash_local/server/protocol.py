@@ -14,6 +14,7 @@ from ..sampling import SamplingParams
 log = logging.getLogger("dflash.serve")
 
 MAX_STOPS = 4
+IMAGES = "_images"  # a parsed message's images (bytes, or an http(s) URL string), in the order of its markers
 
 
 class Refused(Exception):
@@ -182,17 +183,29 @@ def top_p(body: dict) -> float:
     return value
 
 
-def _content(message: dict, where: str) -> str:
-    """A message's text: a string, or the text parts of a list of content parts."""
+def _content(message: dict, where: str, images: list | None = None) -> str:
+    """A message's text: a string, or the text parts of a list of content parts (image_url parts, where images is a
+    list, become media markers and their images go into it)."""
+    from . import images as images_of  # (images.py refuses through BadRequest, defined here)
+
     content = message.get("content")
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(isinstance(p, dict) for p in content):
-        if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in content):
-            raise BadRequest("Only text content parts are supported.", f"{where}.content")
-        return "".join(p["text"] for p in content)
+        texts = []
+        for index, part in enumerate(content):
+            if part.get("type") == "image_url" and images is not None:
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                images.append(images_of.of_url(url, f"{where}.content[{index}].image_url"))
+                texts.append(images_of.MEDIA_MARKER)
+            elif part.get("type") == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            else:
+                raise BadRequest("Only text and image_url content parts are supported.", f"{where}.content")
+        return "".join(texts)
     raise BadRequest("A message's content must be a string or a list of text parts.", f"{where}.content")
 
 
@@ -239,7 +252,10 @@ def parse_messages(body: dict) -> list[dict]:
         where = f"messages[{index}]"
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise BadRequest("Each message must be an object with a 'role' string.", where)
-        taken = {"role": message["role"], "content": _content(message, where)}
+        images: list | None = [] if message["role"] == "user" else None  # images only in user turns
+        taken = {"role": message["role"], "content": _content(message, where, images)}
+        if images:
+            taken[IMAGES] = images
         if message.get("tool_calls"):
             taken["tool_calls"] = _tool_calls(message, where)
         for name in ("tool_call_id", "name"):

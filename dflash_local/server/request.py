@@ -15,12 +15,13 @@ from typing import Any, Protocol
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..chat_template import takes_tools
+from ..chat_template import render_chat, takes_tools
 from ..decode import Stats
 from ..generation import LoadedModels
 from ..reply.channels import PLAIN, Parts, collected
 from .engine import Ending, Engine, Event, Failure, Job
 from .hardening import RETRY_AFTER_S, Limits, read_json
+from .images import IMAGES, Image
 from .protocol import Refused, Sampling
 from .tools import conversation
 
@@ -42,28 +43,37 @@ class InnerRequest:
     thinking: bool | None = None  # None: the server's default
     plain: bool = False  # the reply read as it is, not as the model's family writes it (a raw prompt's always is)
     system: InitVar[str] = ""  # the API's own system text (Anthropic's system, Responses' instructions, Ollama's)
+    images: tuple[Image, ...] = ()  # the user turns' images in order, one media marker each in their text
 
     def __post_init__(self, system: str) -> None:
-        """The messages' system turns, whichever API sent them, put the one way (one_system)."""
+        """The messages' system turns, whichever API sent them, put the one way (one_system); their images taken
+        out of them, in order."""
         if self.messages is not None:
-            object.__setattr__(self, "messages", one_system(self.messages, system))
+            messages = one_system(self.messages, system)
+            images = tuple(image for message in messages for image in message.pop(IMAGES, ()))
+            object.__setattr__(self, "messages", messages)
+            object.__setattr__(self, "images", images)
 
 
 def request_job(engine: Engine, request: InnerRequest, count_only: bool = False) -> Job:
     """The job that renders the request (a raw prompt as it is, messages through the chat template and its tools)
     and reads its reply (count_only: only counts the prompt's tokens)."""
 
-    def render(models: LoadedModels) -> list[int]:
+    def render(models: LoadedModels) -> list[int] | str:
         prompt = request.prompt
         if prompt is not None:
             return models.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         enable = engine.thinking if request.thinking is None else request.thinking
-        turns, shown = conversation(request.messages or [], request.tools, takes_tools(models.tokenizer.config))
+        config = models.tokenizer.config
+        turns, shown = conversation(request.messages or [], request.tools, takes_tools(config))
+        if request.images:  # the text, its markers where the images go (the engine's projector splits it)
+            return render_chat(config, turns, True, enable, shown)
         return models.tokenizer.encode_chat(turns, True, enable, shown)
 
     family = PLAIN if request.plain or request.prompt is not None else engine.family
     loop = asyncio.get_running_loop()
-    return Job(render, request.sampling, loop, family=family, tools=request.tools, count_only=count_only)
+    tools, images = request.tools, request.images
+    return Job(render, request.sampling, loop, family=family, tools=tools, count_only=count_only, images=images)
 
 
 def one_system(messages: list[dict[str, Any]], system: str = "") -> list[dict[str, Any]]:

@@ -18,6 +18,7 @@ from ..reply.channels import Parts
 from ..sampling import SamplingParams
 from .constrained import forced_call_grammar, response_format_grammar
 from .engine import Ending, Event, Failure
+from .images import MEDIA_MARKER, attach, of_url
 from .protocol import BadRequest, Sampling, error_response, flag, number, reasoned, tool_call, top_p, whole
 from .request import REASONING, Blocks, InnerRequest, Server, Step, dflash_stats, request_job, sse_event
 from .tools import parse_tools
@@ -29,14 +30,26 @@ NO_STATE = "'previous_response_id' cannot be honoured: dflash serve keeps no res
 EFFORTS = {"none": False, "minimal": False, "low": True, "medium": True, "high": True, "xhigh": True}
 
 
-def _text(content: object, where: str) -> str:
-    """An item's content: a string, or its text parts joined (images and files refused)."""
+def _text(content: object, where: str, images: list | None = None) -> str:
+    """An item's content: a string, or its text parts joined (input_image parts, where images is a list, as media
+    markers, their images put into it; files and audio refused)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(isinstance(p, dict) for p in content):
-        if any(p.get("type") in ("input_image", "input_file", "input_audio") for p in content):
-            raise BadRequest("Only text input is supported (no images, files or audio).", where)
-        return "".join(p["text"] for p in content if p.get("type") in TEXT_PARTS and isinstance(p.get("text"), str))
+        texts = []
+        for index, part in enumerate(content):
+            kind = part.get("type")
+            if kind == "input_image" and images is not None:
+                url = part.get("image_url")
+                if isinstance(part.get("file_id"), str) and url is None:
+                    raise BadRequest("An input_image by file_id needs the Files API; send its image_url.", where)
+                images.append(of_url(url, f"{where}[{index}].image_url"))
+                texts.append(MEDIA_MARKER)
+            elif kind in ("input_image", "input_file", "input_audio"):
+                raise BadRequest("Only text and (in user messages) image input is supported.", where)
+            elif kind in TEXT_PARTS and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+        return "".join(texts)
     raise BadRequest("Content must be a string or a list of text parts.", where)
 
 
@@ -57,7 +70,9 @@ def _messages(body: dict) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise BadRequest("A message item's role must be user, assistant, system or developer.", where)
-            turns.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
+            images: list | None = [] if role == "user" else None
+            turn = {"role": role, "content": _text(item.get("content"), f"{where}.content", images)}
+            turns.append(attach(turn, images or []))
         elif kind == "function_call":
             call = _call(item, where)
             last = turns[-1] if turns else None
