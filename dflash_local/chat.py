@@ -7,6 +7,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import BinaryIO, TextIO
 
 from rich.cells import cell_len, chop_cells
@@ -14,7 +15,7 @@ from rich.console import Console, ConsoleOptions, RenderResult
 from rich.live import Live
 from rich.text import Text
 
-from .chat_template import template_source, uses_thinking
+from .chat_template import render_chat, template_source, uses_thinking
 from .decode import Settings, Stats
 from .defaults import check_block
 from .errors import DFlashError
@@ -23,6 +24,7 @@ from .reasoning import ANSWER, Piece, opens_thinking
 from .reply.channels import Parts, ReplyReader, reply_family
 from .reply.text_stream import TextStream, end_texts, ending
 from .sampling import SamplingParams
+from .vision import MEDIA_MARKER, Chunk, Projector, image_file, prefill_for
 
 HELP = """commands:
   /help          this text
@@ -32,6 +34,7 @@ HELP = """commands:
   /block N|auto  verify block size (2..the drafter's trained size), or auto: chosen every step
   /draft on|off  speculative decoding on or off (off = plain autoregressive)
   /think on|off  the chat template's thinking mode (templates with enable_thinking, e.g. Qwen3)
+  /image PATH    attach an image to the next message (with --mmproj)
   /quit          leave (Ctrl-D works too)"""
 
 
@@ -154,8 +157,10 @@ class Chat:
         console: Console,
         notes: Console | None = None,
         thinking: bool | None = None,
+        projector: Projector | None = None,
     ) -> None:
-        """thinking: the mode the drafter was trained with (catalog); templates with a switch default to on."""
+        """thinking: the mode the drafter was trained with (catalog); templates with a switch default to on;
+        projector: --mmproj's, for /image."""
         if models.tokenizer is None:
             raise DFlashError("The model has no tokenizer.json, so it cannot chat.")
         self.models = models
@@ -167,6 +172,8 @@ class Chat:
         self.family = reply_family(models.tokenizer.config)  # how replies write reasoning (as serve reads them)
         self.ends = end_texts(models.tokenizer, models.stop_ids)
         self.completion = template_source(models.tokenizer.config) is None  # a base model: lines continue the text
+        self.projector, self.pending = projector, []  # images for the next message (their bytes)
+        self.chunks: list[Chunk] | None = None  # the last encoded conversation's chunks, where it holds images
         if self.completion:
             self.notes.print("[dim](this model has no chat template: each line continues the text so far)[/dim]")
 
@@ -189,6 +196,14 @@ class Chat:
     def encode(self, messages: list[dict[str, str]]) -> list[int]:
         """The messages rendered (with the thinking mode) and tokenized, ready for the answer; without a template,
         the text so far: each user line on a line of its own, each answer right after it."""
+        self.chunks = None
+        images = [image for message in messages for image in message.get("images", ())]
+        messages = [{key: value for key, value in m.items() if key != "images"} for m in messages]
+        if images:
+            text = render_chat(self.models.tokenizer.config, messages, True, self.state.thinking)
+            names = [f"Image {index + 1}" for index in range(len(images))]
+            self.chunks = self.projector.chunks(text, self.projector.bitmaps(images, names), add_special=False)
+            return [i for chunk in self.chunks for i in chunk.row_ids()]
         if not self.completion:
             return self.models.tokenizer.encode_chat(messages, True, self.state.thinking)
         text = ""
@@ -204,8 +219,11 @@ class Chat:
         Ctrl-C while decoding keeps the partial answer and returns. Thinking shows dimmed and stays out of the history.
         The models' session reuses the caches for the conversation's prefix that the last turn left there.
         """
-        candidate = [*self.state.messages, {"role": "user", "content": text}]
+        user = {"role": "user", "content": MEDIA_MARKER * len(self.pending) + text, "images": self.pending}
+        candidate = [*self.state.messages, user]
         messages, ids = self.fit(candidate)
+        if self.chunks:  # the images' rows (those not in the caches) go in first, then the decode loop's text
+            ids = prefill_for(self.models, self.chunks, self.state.settings)[0]
         settings, stats, answer = self.state.settings, Stats(), []
         reader = ReplyReader(self.family, None, opens_thinking(self.models.tokenizer.decode(ids[-8:])))
         ends = ending(self.ends, self.models.stop_ids, settings.stop_ids)
@@ -241,7 +259,7 @@ class Chat:
     def commit(self, messages: list[dict[str, str]], dropped: int) -> dict[str, str]:
         """Make the fitted conversation the history, with an empty answer turn to fill; say what was dropped."""
         turn = {"role": "assistant", "content": ""}
-        self.state.messages = [*messages, turn]
+        self.state.messages, self.pending = [*messages, turn], []
         if dropped:
             self.notes.print(f"[dim](context full: dropped the oldest {dropped} turn{'s' * (dropped > 1)})[/dim]")
         return turn
@@ -286,6 +304,13 @@ class Chat:
                 raise DFlashError("This model's chat template has no thinking switch.")
             state.thinking = arg == "on"
             self.console.print(f"(thinking {arg})")
+        elif name == "/image":
+            if self.projector is None or self.completion:
+                raise DFlashError(
+                    "This chat takes no images: start it with the model's chat template and --mmproj FILE."
+                )
+            self.pending.append(image_file(self.projector, Path(arg).expanduser()))
+            self.console.print(f"(image {len(self.pending)} attached to the next message)")
         else:
             raise DFlashError(f"Unknown command {name}; /help lists them.")
         return True
@@ -331,21 +356,25 @@ def piped_lines(stream: BinaryIO) -> Iterator[str]:
 
 
 def run_chat(
-    models: LoadedModels, settings: Settings, stdin: TextIO | None = None, thinking: bool | None = None
+    models: LoadedModels,
+    settings: Settings,
+    stdin: TextIO | None = None,
+    thinking: bool | None = None,
+    projector: Projector | None = None,
 ) -> None:
     """Interactive loop on a terminal; on a pipe, one answer per input line. stdin: sys.stdin at the call (not at
-    import: whoever runs the CLI may have replaced it). thinking: as for Chat.
+    import: whoever runs the CLI may have replaced it). thinking, projector: as for Chat.
 
     On a pipe, answers go to stdout, status lines and `error: ...` lines to stderr, and the process exits
     with status 1 when the last line failed.
     """
     stdin = sys.stdin if stdin is None else stdin
     if stdin.isatty():
-        chat = Chat(models, settings, Console(highlight=False, force_terminal=True), thinking=thinking)
+        chat = Chat(models, settings, Console(highlight=False, force_terminal=True), None, thinking, projector)
         _interactive(chat)
         return
     out, notes = Console(highlight=False, soft_wrap=True), Console(highlight=False, soft_wrap=True, stderr=True)
-    chat, failed = Chat(models, settings, out, notes, thinking), False
+    chat, failed = Chat(models, settings, out, notes, thinking, projector), False
     for line in piped_lines(stdin.buffer):
         if line.strip():
             failed = _turn(chat, line.strip())

@@ -19,15 +19,18 @@ from safetensors.torch import load_file, save_file
 from test_architectures import build_tiny
 from tiny_models import make_drafter
 
+from dflash_local.chat import Chat, _turn
+from dflash_local.chat_template import read_template, use_template
 from dflash_local.decode import Settings, run
 from dflash_local.drafters.suffix_index import SuffixIndex
 from dflash_local.drafters.torch_drafter import DFlashDrafter
 from dflash_local.errors import DFlashError
+from dflash_local.generation import load_models
 from dflash_local.prompt_cache import PromptCache
 from dflash_local.runtime import LoadSpec, RuntimeConfig
 from dflash_local.session import Session
 from dflash_local.targets.llamacpp import LlamaCppTarget
-from dflash_local.vision import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, Chunk, Projector, prefill
+from dflash_local.vision import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, Chunk, Projector, load_projector, prefill
 
 TESTS = Path(__file__).resolve().parent
 SIZE, ROWS = 112, 16  # the tiny tower's image size and rows per image (tests/tiny_archs.py VISION, IMAGE_ROWS)
@@ -287,3 +290,35 @@ def test_bad_images_are_one_error_sentence(model, tmp_path):
         )
     done = dflash(*base, "--image", tmp_path / "good.png")
     assert done.returncode == 1 and done.stderr.strip().startswith("error: --image needs --prompt and the target's")
+
+
+def test_chat_attaches_an_image_to_the_next_message(model, tmp_path, monkeypatch):
+    """`dflash chat --mmproj`: /image PATH attaches an image to the next message (a bad one is one `error:` line and
+    the chat goes on); the next turn keeps the image in the caches (no row forwarded again); without a projector
+    /image is one error line."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    models = load_models(model / "model.gguf", None, LoadSpec(RuntimeConfig(threads=1), max_context=256), False)
+    models.tokenizer.config = use_template(models.tokenizer.config, read_template("chatml"), model / "model.gguf")
+    settings = Settings(max_new_tokens=8, block_size=1, draft=False, lookup=False)
+    out, notes = StringIO(), StringIO()
+    chat = Chat(models, settings, Console(file=out), Console(file=notes, width=400), None, None)
+    assert _turn(chat, f"/image {png(tmp_path / 'a.png', pixels(0))}") is True
+    assert notes.getvalue().startswith("error: This chat takes no images")
+    chat.projector = load_projector(models, model / "mmproj.gguf", 1)
+    (tmp_path / "text.png").write_text("not an image\n")
+    for name, words in (("missing.png", "Cannot read the image"), ("text.png", "is not an image dflash reads")):
+        notes.truncate(0), notes.seek(0)
+        assert _turn(chat, f"/image {tmp_path / name}") is True
+        lines = notes.getvalue().strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], lines
+    assert not chat.pending
+    counting = Counting(models.target, monkeypatch)
+    assert _turn(chat, f"/image {tmp_path / 'a.png'}") is False and len(chat.pending) == 1
+    assert _turn(chat, "What is it?") is False and not chat.pending
+    assert counting.take()[1] == ROWS and chat.state.messages[-1]["content"]
+    assert _turn(chat, "And the colours?") is False
+    assert counting.take()[1] == 0  # the first turn's image stays in the caches
+    assert chat.state.messages[0]["images"] and len(chat.state.messages) == 4

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -73,6 +74,9 @@ def chat(
     drafter_quantize: DrafterQuantize = "none",
     token: Token = None,
     cache_ram: CacheRam = CACHE_RAM_MIB,
+    mmproj: Optional[Path] = typer.Option(
+        None, "--mmproj", metavar="FILE", help="The vision projector (an mmproj GGUF) of a GGUF target, for /image."
+    ),
 ) -> None:
     """Chat with a model: streaming answers, live tokens/s and acceptance, /help for commands."""
     given = locals()
@@ -92,5 +96,10 @@ def chat(
         resolved = resolve(model, decode.drafter, options.offline, options.token)
         models = options.load(resolved, resolved.drafter, resolved.backend, block_size is None)
         models.tokenizer.config = use_template(models.tokenizer.config, template, resolved.target)
+        projector = None
+        if mmproj is not None:
+            from ..vision import load_projector
+
+            projector = load_projector(models, mmproj, options.threads)
         with memory_guard("Answering in this conversation", models.target.device.type):
-            run_chat(models, decode.settings(models), thinking=resolved.thinking)
+            run_chat(models, decode.settings(models), thinking=resolved.thinking, projector=projector)
