@@ -225,7 +225,9 @@ class Chat:
         if self.chunks:  # the images' rows (those not in the caches) go in first, then the decode loop's text
             ids = prefill_for(self.models, self.chunks, self.state.settings)[0]
         settings, stats, answer = self.state.settings, Stats(), []
-        reader = ReplyReader(self.family, None, opens_thinking(self.models.tokenizer.decode(ids[-8:])))
+        reader = ReplyReader(
+            self.family, None, opens_thinking(self.models.tokenizer.decode([i for i in ids[-8:] if i >= 0]))
+        )
         ends = ending(self.ends, self.models.stop_ids, settings.stop_ids)
         reply = TextStream(self.models.tokenizer, self.models.stop_ids, (), ends, reader)
         view = TerminalAnswer(self.console) if self.console.is_terminal else PipedAnswer(self.console, self.notes)

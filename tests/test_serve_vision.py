@@ -185,3 +185,19 @@ def test_an_image_to_a_model_without_a_projector_is_a_400(model, urls):
             client.chat("tiny", messages=[{"role": "user", "content": "hi", "images": [png(0)]}])
         assert caught.value.status_code == 400
         assert client.chat("tiny", messages=[{"role": "user", "content": "hi"}], options={"num_predict": 2})
+
+
+def test_an_image_at_the_prompts_end_is_served(model):
+    """A template that renders only the content: the prompt ends a few ids after the image's rows, which the reply
+    reader's look at the prompt's last ids must skip (an image row is no token: llama.cpp aborts on it)."""
+    engine = engine_of(model, None)
+    bare = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+    config = engine.models.tokenizer.config
+    engine.models.tokenizer.config = use_template(config, bare, model / "model.gguf")
+    with serving(engine) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        part = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64(png(0))}"}}
+        answer = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": [part]}], temperature=0, max_tokens=4
+        )
+        assert answer.usage.prompt_tokens < ROWS + 8 + 8

@@ -322,3 +322,7 @@ def test_chat_attaches_an_image_to_the_next_message(model, tmp_path, monkeypatch
     assert _turn(chat, "And the colours?") is False
     assert counting.take()[1] == 0  # the first turn's image stays in the caches
     assert chat.state.messages[0]["images"] and len(chat.state.messages) == 4
+    bare = "{% for message in messages %}{{ message['content'] }}{% endfor %}"  # the prompt ends near the image
+    models.tokenizer.config = use_template(models.tokenizer.config, bare, model / "model.gguf")
+    assert _turn(chat, f"/image {tmp_path / 'a.png'}") is False and _turn(chat, "") is False
+    assert len(chat.state.messages) == 6

@@ -192,7 +192,9 @@ class Engine:
             return Ending("stop", len(ids), stats)
         settings = self.settings(sampling, len(ids))
         reused = prefill_for(models, chunks, settings)[1] if chunks else None
-        reader = ReplyReader(job.family, job.tools, opens_thinking(models.tokenizer.decode(ids[-8:])))
+        reader = ReplyReader(
+            job.family, job.tools, opens_thinking(models.tokenizer.decode([i for i in ids[-8:] if i >= 0]))
+        )
         ends = ending(self.eos_texts, models.stop_ids, settings.stop_ids)
         text = TextStream(models.tokenizer, models.stop_ids, sampling.stop, ends, reader)
         try:

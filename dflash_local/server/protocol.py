@@ -204,7 +204,9 @@ def _content(message: dict, where: str, images: list | None = None) -> str:
             elif part.get("type") == "text" and isinstance(part.get("text"), str):
                 texts.append(part["text"])
             else:
-                raise BadRequest("Only text and image_url content parts are supported.", f"{where}.content")
+                raise BadRequest(
+                    "Only text content parts are supported (image_url parts in user messages).", f"{where}.content"
+                )
         return "".join(texts)
     raise BadRequest("A message's content must be a string or a list of text parts.", f"{where}.content")
 
