@@ -27,7 +27,7 @@ def decoded(data: object, where: str) -> bytes:
     except (binascii.Error, ValueError):
         raise BadRequest("An image's data is not valid base64.", where) from None
     try:
-        return check_image(raw, "The image")
+        return check_image(raw, where)
     except DFlashError as exc:
         raise BadRequest(str(exc), where) from None
 
