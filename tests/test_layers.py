@@ -28,7 +28,8 @@ LAYERS = (
     ("drafters", "gguf.convert"),  # what builds on a target
     ("block_policy", "prompt_cache", "session", "decode"),  # the decode loop
     (  # fronts
-        *("generation", "handoff", "export", "doctor", "chat", "bench", "peer", "server", "model_list", "train"),
+        *("generation", "vision", "handoff", "export", "doctor", "chat", "bench", "peer", "server", "model_list"),
+        *("train",),
         *("cli", "__main__"),
     ),
 )
@@ -155,3 +156,16 @@ def test_tools_import_nothing_from_tests():
             names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             found += [f"{path.name}: {name}" for name in names if name.partition(".")[0] in ("tests", "conftest")]
     assert not found, "\n".join(found)
+
+
+def test_modules_and_functions_stay_readable():
+    """No module of the package over 450 lines and no function over 70 (docs/architecture.md's bar)."""
+    long = []
+    for name, path in modules().items():
+        text = path.read_text()
+        if text.count("\n") > 450:
+            long.append(f"{name}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 70:
+                long.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not long, "\n".join(long)

@@ -6,7 +6,7 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
@@ -33,6 +33,7 @@ from .options import (
     Lookup,
     MaxContext,
     MaxNewTokens,
+    Mmproj,
     ModelOptions,
     NoDraft,
     Offline,
@@ -46,6 +47,19 @@ from .options import (
     picked,
 )
 
+Images = Annotated[
+    Optional[list[Path]],
+    typer.Option(
+        "--image",
+        metavar="PATH",
+        help="An image (PNG, JPEG, GIF or BMP) for --prompt, at its <__media__> marker, else before it; repeatable.",
+    ),
+]
+
+if TYPE_CHECKING:
+    from ..decode import Settings
+    from ..generation import LoadedModels
+
 
 def generate(
     ctx: typer.Context,
@@ -54,15 +68,8 @@ def generate(
         None, "--prompt", help="Prompt text, UTF-8 (other bytes are an error); needs the target's tokenizer."
     ),
     prompt_ids: Optional[str] = typer.Option(None, "--prompt-ids", help="Prompt as token ids: 1,2,3."),
-    mmproj: Optional[Path] = typer.Option(
-        None, "--mmproj", metavar="FILE", help="The vision projector (an mmproj GGUF) of a GGUF target, for --image."
-    ),
-    images: Optional[list[Path]] = typer.Option(
-        None,
-        "--image",
-        metavar="PATH",
-        help="An image (PNG, JPEG, GIF or BMP) for --prompt, at its <__media__> marker, else before it; repeatable.",
-    ),
+    mmproj: Mmproj = None,
+    images: Images = None,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
     backend: str = typer.Option("auto", "--backend", help="auto (llamacpp for .gguf), torch or llamacpp."),
     json_schema: Optional[Path] = typer.Option(None, "--json-schema", help="Output JSON following this schema file."),
@@ -97,19 +104,12 @@ def generate(
     given = locals()
     with user_errors():
         decode, options = picked(DecodeOptions, given), picked(ModelOptions, given, progress=ctx.obj)
-        if (prompt is None) == (prompt_ids is None):
-            raise DFlashError("Give exactly one of --prompt or --prompt-ids.")
+        text = _prompt(prompt, prompt_ids, images, mmproj)
         values.check_numbers(decode.max_new_tokens, options.max_context, decode.seed)
         block_size = decode.block()
-        if images and (mmproj is None or prompt is None):
-            raise DFlashError(
-                "--image needs --prompt and the target's vision projector (--mmproj FILE): a text-only model takes "
-                "no images."
-            )
-        text = values.prompt_text(prompt) if prompt is not None else values.parse_ids(prompt_ids, "--prompt-ids")
 
         from ..generation import GenerationRequest, run_request
-        from ..grammar import compile_grammar, json_schema_grammar, load_schema
+        from ..grammar import json_schema_grammar, load_schema
         from ..vulkan_probe import expose_for
 
         expose_for(device)  # before llama.cpp loads: which Vulkan devices it may use
@@ -120,16 +120,38 @@ def generate(
             raise DFlashError("Pass --drafter DIR, drop --no-lookup, or --no-draft for plain autoregressive decoding.")
         backend = resolved.backend if backend == "auto" else backend
         models = options.load(resolved, None if decode.no_draft else resolved.drafter, backend, block_size is None)
-        vocab, stops = models.target.vocab_size, models.stop_ids
-        grammar = None if grammar_text is None else compile_grammar(grammar_text, models.tokenizer, vocab, stops)
-        settings = replace(decode.settings(models), grammar=grammar)
+        settings = _settings(decode, models, grammar_text)
         if images:
             from ..vision import image_prompt
 
             text = image_prompt(models, mmproj, images, text, settings, threads)
-        request = GenerationRequest(text, settings)
         on_text = None if as_json else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
-        _report(run_request(models, request, on_text=on_text), models.devices, as_json, models.tokenizer is None)
+        result = run_request(models, GenerationRequest(text, settings), on_text=on_text)
+        _report(result, models.devices, as_json, models.tokenizer is None)
+
+
+def _settings(decode: DecodeOptions, models: LoadedModels, grammar_text: str | None) -> Settings:
+    """Decode's settings for the loaded models, with the --json-schema grammar compiled for their vocabulary."""
+    from ..grammar import compile_grammar
+
+    vocab, stops = models.target.vocab_size, models.stop_ids
+    grammar = None if grammar_text is None else compile_grammar(grammar_text, models.tokenizer, vocab, stops)
+    return replace(decode.settings(models), grammar=grammar)
+
+
+def _prompt(
+    prompt: str | None, prompt_ids: str | None, images: list[Path] | None, mmproj: Path | None
+) -> str | list[int]:
+    """The prompt's text (or ids), checked: exactly one of --prompt and --prompt-ids; --image only with --prompt and
+    --mmproj."""
+    if (prompt is None) == (prompt_ids is None):
+        raise DFlashError("Give exactly one of --prompt or --prompt-ids.")
+    if images and (mmproj is None or prompt is None):
+        raise DFlashError(
+            "--image needs --prompt and the target's vision projector (--mmproj FILE): a text-only model takes no "
+            "images."
+        )
+    return values.prompt_text(prompt) if prompt is not None else values.parse_ids(prompt_ids, "--prompt-ids")
 
 
 def _report(result: dict, devices: dict, as_json: bool, ids_only: bool) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Optional, TypeVar
 
 import typer
@@ -14,8 +15,6 @@ from ..defaults import DEFAULT_CONTEXT, MAX_NEW_TOKENS, MIN_BLOCK
 from . import values
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from ..catalog import ResolvedModel
     from ..decode import Settings
     from ..generation import LoadedModels
@@ -68,6 +67,13 @@ Offline = Annotated[bool, typer.Option("--offline", help="Use only models alread
 Quantize = Annotated[str, typer.Option("--quantize", help="Torch targets: auto (model's default), none, int4, nf4.")]
 DrafterQuantize = Annotated[str, typer.Option("--drafter-quantize", help="Drafter linears: none, int8 or nf4.")]
 Token = Annotated[Optional[str], typer.Option("--token", help="Hugging Face token (default: HF_TOKEN).")]
+# Vision: a GGUF target's projector, for images in the prompt.
+Mmproj = Annotated[
+    Optional[Path],
+    typer.Option(
+        "--mmproj", metavar="FILE", help="The vision projector (an mmproj GGUF) of a GGUF target, for images."
+    ),
+]
 # `dflash serve` and `dflash chat`: the prompt cache (saved prompt states in host RAM).
 CacheRam = Annotated[
     int,
