@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -30,6 +29,7 @@ from .options import (
     Kernels,
     Lookup,
     MaxContext,
+    Mmproj,
     ModelOptions,
     Offline,
     Quantize,
@@ -74,9 +74,7 @@ def chat(
     drafter_quantize: DrafterQuantize = "none",
     token: Token = None,
     cache_ram: CacheRam = CACHE_RAM_MIB,
-    mmproj: Optional[Path] = typer.Option(
-        None, "--mmproj", metavar="FILE", help="The vision projector (an mmproj GGUF) of a GGUF target, for /image."
-    ),
+    mmproj: Mmproj = None,
 ) -> None:
     """Chat with a model: streaming answers, live tokens/s and acceptance, /help for commands."""
     given = locals()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shlex
 from functools import partial
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
@@ -33,6 +32,7 @@ from .options import (
     GpuLayers,
     Kernels,
     MaxContext,
+    Mmproj,
     ModelOptions,
     NoDraft,
     Offline,
@@ -43,6 +43,8 @@ from .options import (
 )
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from ..server import Engine, Limits
 
 # serve's own options (and its help for --max-new-tokens and --seed).
@@ -53,6 +55,9 @@ ApiKey = Annotated[
 MaxQueue = Annotated[
     int,
     typer.Option("--max-queue", "--queue-size", help="Requests that may wait; more are answered 429 (Anthropic: 529)."),
+]
+RemoteImages = Annotated[
+    bool, typer.Option("--allow-remote-images", help="Fetch http(s) image URLs in requests (default: inline only).")
 ]
 MaxBody = Annotated[int, typer.Option("--max-body", help="Largest request body in bytes; more is a 413.")]
 ReadTimeout = Annotated[
@@ -121,12 +126,8 @@ def serve(
     drafter_quantize: DrafterQuantize = "none",
     token: Token = None,
     cache_ram: CacheRam = CACHE_RAM_MIB,
-    mmproj: Optional[Path] = typer.Option(
-        None, "--mmproj", metavar="FILE", help="The vision projector (an mmproj GGUF) of a GGUF target: images."
-    ),
-    allow_remote_images: bool = typer.Option(
-        False, "--allow-remote-images", help="Fetch http(s) image URLs in requests (default: only inline data)."
-    ),
+    mmproj: Mmproj = None,
+    allow_remote_images: RemoteImages = False,
 ) -> None:
     """Serve a model over OpenAI's, Anthropic's and Ollama's HTTP APIs (or print a vLLM/SGLang command for the
     same pair)."""
@@ -152,10 +153,7 @@ def serve(
         sock = listen(host, port)  # before loading: a taken port fails at once
         worker = _engine(model, decode, options, template, max_new_tokens, max_queue)
         if mmproj is not None:
-            from ..vision import load_projector
-
-            worker.projector = load_projector(worker.models, mmproj, options.threads)
-            worker.remote_images = allow_remote_images
+            _images(worker, mmproj, options.threads, allow_remote_images)
         _announce(model, host, api_key, sock.getsockname())
         run_server(create_app(worker, model, api_key, limits, tuple(cors_origins)), sock, limits)
 
@@ -182,6 +180,13 @@ def _engine(
     return Engine(
         models, block_size, max_new_tokens, max_queue, resolved.thinking, decode.seed, decode.no_draft, report
     )
+
+
+def _images(worker: Engine, mmproj: Path, threads: int | None, remote: bool) -> None:
+    """Give the engine --mmproj's projector (images in requests) and --allow-remote-images."""
+    from ..vision import load_projector
+
+    worker.projector, worker.remote_images = load_projector(worker.models, mmproj, threads), remote
 
 
 def _announce(model: str, host: str, api_key: str | None, address: tuple) -> None:

@@ -15,6 +15,7 @@ from starlette.routing import Route
 from ..reply.channels import Parts
 from .constrained import forced_call_grammar, response_format_grammar
 from .engine import Ending, Event, Failure
+from .images import of_url
 from .protocol import error_response, parse_messages, parse_prompt, parse_sampling, parse_thinking
 from .request import InnerRequest, Server, dflash_stats, request_job, sse
 from .tools import parse_tools
@@ -36,7 +37,7 @@ def usage(ending: Ending) -> dict:
 def parse_chat(body: dict) -> InnerRequest:
     """A chat completions body as the one internal request: messages, sampling (with any forced call or
     response_format grammar), tools and the thinking switch."""
-    messages, sampling, thinking = parse_messages(body), parse_sampling(body), parse_thinking(body)
+    messages, sampling, thinking = parse_messages(body, of_url), parse_sampling(body), parse_thinking(body)
     tools = parse_tools(body)
     grammar = forced_call_grammar(body, tools) or response_format_grammar(body)
     return InnerRequest(replace(sampling, grammar=grammar), messages, tools=tools, thinking=thinking)

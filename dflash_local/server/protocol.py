@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from starlette.responses import JSONResponse
 
 from ..reply.tool_calls import json_object
 from ..sampling import SamplingParams
+from ..vision import MEDIA_MARKER
 
 log = logging.getLogger("dflash.serve")
 
 MAX_STOPS = 4
+ImageReader = Callable[[object, str], "bytes | str"]  # an image URL and its place -> the image (images.of_url)
 IMAGES = "_images"  # a parsed message's images (bytes, or an http(s) URL string), in the order of its markers
 
 
@@ -183,11 +186,9 @@ def top_p(body: dict) -> float:
     return value
 
 
-def _content(message: dict, where: str, images: list | None = None) -> str:
+def _content(message: dict, where: str, images: list | None = None, of_url: ImageReader | None = None) -> str:
     """A message's text: a string, or the text parts of a list of content parts (image_url parts, where images is a
-    list, become media markers and their images go into it)."""
-    from . import images as images_of  # (images.py refuses through BadRequest, defined here)
-
+    list, become media markers and their images, read by of_url, go into it)."""
     content = message.get("content")
     if content is None:
         return ""
@@ -196,11 +197,11 @@ def _content(message: dict, where: str, images: list | None = None) -> str:
     if isinstance(content, list) and all(isinstance(p, dict) for p in content):
         texts = []
         for index, part in enumerate(content):
-            if part.get("type") == "image_url" and images is not None:
+            if part.get("type") == "image_url" and images is not None and of_url is not None:
                 url = part.get("image_url")
                 url = url.get("url") if isinstance(url, dict) else url
-                images.append(images_of.of_url(url, f"{where}.content[{index}].image_url"))
-                texts.append(images_of.MEDIA_MARKER)
+                images.append(of_url(url, f"{where}.content[{index}].image_url"))
+                texts.append(MEDIA_MARKER)
             elif part.get("type") == "text" and isinstance(part.get("text"), str):
                 texts.append(part["text"])
             else:
@@ -243,9 +244,10 @@ def _tool_calls(message: dict, where: str) -> list[dict]:
     return taken
 
 
-def parse_messages(body: dict) -> list[dict]:
+def parse_messages(body: dict, of_url: ImageReader | None = None) -> list[dict]:
     """The chat messages as the template takes them: role and content strings, an assistant's tool calls and
-    reasoning (as `reasoning_content` and `thinking`), and a tool result's call id and name."""
+    reasoning (as `reasoning_content` and `thinking`), and a tool result's call id and name; with of_url, a user
+    turn's image_url parts as media markers, their images (read by of_url) under IMAGES."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list of {role, content} objects.", "messages")
@@ -255,7 +257,7 @@ def parse_messages(body: dict) -> list[dict]:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise BadRequest("Each message must be an object with a 'role' string.", where)
         images: list | None = [] if message["role"] == "user" else None  # images only in user turns
-        taken = {"role": message["role"], "content": _content(message, where, images)}
+        taken = {"role": message["role"], "content": _content(message, where, images, of_url)}
         if images:
             taken[IMAGES] = images
         if message.get("tool_calls"):
