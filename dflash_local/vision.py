@@ -207,10 +207,8 @@ class Projector:
 def prefill(
     target: LlamaCppTarget, drafter: Drafter | None, chunks: list[Chunk], session: Session
 ) -> tuple[list[int], int]:
-    """Feed an image prompt's chunks but its last (text, which the decode loop forwards) into the target past the
-    longest common prefix the session's caches hold (whole images only), with the drafter's features, and record
-    them, so that the decode loop (given the same drafter, or None) keeps them; return the prompt's ids and how many
-    leading positions the caches held already."""
+    """Feed an image prompt's chunks but its last (text, for the decode loop) past the caches' common prefix (whole
+    images), with the drafter's features, and record them; return the prompt's ids and the positions kept."""
     if not chunks or chunks[-1].ids is None or not chunks[-1].ids:
         raise DFlashError("An image prompt must end with text after its last image.")
     if not hasattr(target, "forward_embeddings"):

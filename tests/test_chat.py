@@ -182,7 +182,7 @@ def test_cache_ram_gives_the_chat_a_prompt_cache_in_host_ram(monkeypatch):
     """chat --cache-ram MIB, as serve's: the session keeps other prefixes' saved states within that budget (default
     defaults.CACHE_RAM_MIB, 0 none), and /stats says what it holds; a negative budget is one error line."""
     caches = []
-    monkeypatch.setattr(chat_module, "run_chat", lambda models, settings, thinking=None: caches.append(models))
+    monkeypatch.setattr(chat_module, "run_chat", lambda models, settings, **_: caches.append(models))
     for args in (("--cache-ram", "8", "--device", "cpu"), (), ("--cache-ram", "0")):
         result = invoke("chat", "tiny", *args)
         assert result.exit_code == 0, result.stderr

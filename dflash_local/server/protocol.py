@@ -245,9 +245,8 @@ def _tool_calls(message: dict, where: str) -> list[dict]:
 
 
 def parse_messages(body: dict, of_url: ImageReader | None = None) -> list[dict]:
-    """The chat messages as the template takes them: role and content strings, an assistant's tool calls and
-    reasoning (as `reasoning_content` and `thinking`), and a tool result's call id and name; with of_url, a user
-    turn's image_url parts as media markers, their images (read by of_url) under IMAGES."""
+    """The chat messages as the template takes them: content strings, tool calls, reasoning, tool results' ids and
+    names; with of_url, a user turn's image_url parts as media markers and their images under IMAGES."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list of {role, content} objects.", "messages")
