@@ -186,8 +186,10 @@ class _Decoding:
         self.drafting = drafter is not None
         layers = tuple(drafter.target_layer_ids) if drafter is not None else None
         self.kept = session.resume(target, drafter, prompt_ids, layers)
-        if any(i < 0 for i in prompt_ids[self.kept :]):  # image rows: only those the caches hold (vision's prefill)
-            raise DFlashError("The prompt holds image rows that the session's caches do not hold (prefill them first).")
+        bad = [i for i in prompt_ids[self.kept :] if i < 0]  # image rows: only those the caches hold (vision's prefill)
+        if bad:
+            top = target.vocab_size - 1
+            raise DFlashError(f"Prompt token id {bad[0]} is outside the vocabulary (0..{top}) and no image row held.")
         self.tokens = list(prompt_ids)
         self.start = len(prompt_ids)
         self.max_length, self.length_reason = self.start + settings.max_new_tokens, "length"

@@ -234,7 +234,8 @@ def test_image_rows_are_never_drafted_nor_fed_as_tokens(target):
     index.extend([9, -3, -4, 9])
     assert index.match(3) is None
     settings = Settings(max_new_tokens=2, block_size=1, draft=False, lookup=False)
-    with pytest.raises(DFlashError, match="image rows that the session's caches do not hold"):
+    words = r"Prompt token id -3 is outside the vocabulary \(0\.\.31999\) and no image row held"
+    with pytest.raises(DFlashError, match=words):
         run(target, None, [2, -3, -4, 5], settings, session=Session())
 
 
