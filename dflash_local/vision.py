@@ -218,6 +218,8 @@ def prefill(
         drafter.check_target(target)
         target.set_feature_layers(list(layers))
     ids = [i for chunk in chunks for i in chunk.row_ids()]
+    if len(ids) >= target.max_context:  # as the decode loop says it, before any row goes in
+        raise DFlashError(f"The prompt ({len(ids)} tokens) does not fit the {target.max_context}-token context.")
     kept = reused = session.resume(target, drafter, ids, layers)  # owned by this session, trimmed to the prefix
     begin = 0
     for chunk in chunks[:-1]:

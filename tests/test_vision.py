@@ -224,6 +224,13 @@ def test_the_prompt_cache_swaps_in_a_saved_image_prompt(target, drafter, project
         assert counting.take()[1] == rows, seed
 
 
+def test_an_image_prompt_past_the_context_is_one_sentence(target, projector):
+    """An image prompt longer than the context is refused before any row goes into the caches."""
+    chunks = image_chunks(projector, 0, "word " * 300)
+    with pytest.raises(DFlashError, match=r"The prompt \(\d+ tokens\) does not fit the 256-token context"):
+        prefill(target, None, chunks, Session())
+
+
 def test_image_rows_are_never_drafted_nor_fed_as_tokens(target):
     """Lookup's index never proposes an image row (a negative id) nor indexes what precedes one; the decode loop
     refuses a prompt whose image rows the session's caches do not hold."""
