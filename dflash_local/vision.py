@@ -213,6 +213,8 @@ def prefill(
         raise DFlashError("An image prompt must end with text after its last image.")
     if not hasattr(target, "forward_embeddings"):
         raise DFlashError("Images need a GGUF target (the llamacpp backend).")
+    if drafter is not None and drafter.source == "mtp":  # its layer reads each position's token id: none at an image
+        raise DFlashError("An MTP drafter takes no images yet: pass a DFlash drafter, or --no-draft.")
     layers = tuple(drafter.target_layer_ids) if drafter is not None else None
     if drafter is not None:
         drafter.check_target(target)

@@ -231,6 +231,16 @@ def test_an_image_prompt_past_the_context_is_one_sentence(target, projector):
         prefill(target, None, chunks, Session())
 
 
+def test_an_mtp_drafter_with_an_image_is_one_sentence(target, drafter, projector, monkeypatch):
+    """An MTP drafter's layer reads each position's token id, which an image row has none of (llama.cpp aborts the
+    process on a negative id): refused in one sentence before any row is fed."""
+    monkeypatch.setattr(drafter, "source", "mtp")
+    fed = target.length
+    with pytest.raises(DFlashError, match="^An MTP drafter takes no images yet"):
+        prefill(target, drafter, image_chunks(projector, 0), Session())
+    assert target.length == fed
+
+
 def test_image_rows_are_never_drafted_nor_fed_as_tokens(target):
     """Lookup's index never proposes an image row (a negative id) nor indexes what precedes one; the decode loop
     refuses a prompt whose image rows the session's caches do not hold."""
