@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..defaults import CACHE_RAM_MIB
+from ..defaults import CACHE_RAM_MIB, DEFAULT_CONTEXT
 from . import values
 from .app import user_errors
 from .files import resolve
@@ -65,7 +65,7 @@ def chat(
     threads: Threads = None,
     gpu_layers: GpuLayers = "auto",
     cpu_moe: CpuMoe = False,
-    max_context: MaxContext = 2048,
+    max_context: MaxContext = DEFAULT_CONTEXT,
     cache_type: CacheType = "f16",
     cache_type_k: CacheTypeK = None,
     cache_type_v: CacheTypeV = None,
