@@ -61,37 +61,9 @@ if .venv/bin/python -m pip show --quiet dflash >/dev/null 2>&1; then
   .venv/bin/python -m pip uninstall --quiet --yes dflash transformers
 fi
 
-# llama-cpp-python (GGUF targets) builds libllama from source for the CPU, GPU or not: a CUDA build needs nvcc, which
-# most machines lack; the GPU path is the torch target with Triton kernels (the gpu extra).
-extras=gguf
-[ "$gpu" = 1 ] && extras=gguf,gpu
-[ "$dev" = 1 ] && extras=dev
-echo "==> installing dflash-local[$extras]"
-"${pip[@]}" -e ".[$extras]"
-# DFlash is bitwise lossless on F16/BF16/F32 GGUFs on the CPU only with a libllama built without llamafile's tinyBLAS:
-# build it once per llama-cpp-python version into .venv/lib/dflash-libllama (a few minutes).
-tools/build_libllama.sh .venv
-
-# The GPU build beside it (its CPU backend is the same), once per llama-cpp-python version and backend.
-backend=$gpu_choice
-if [ "$backend" = auto ]; then
-  if [ "$gpu" = 1 ]; then
-    backend=cuda
-  elif .venv/bin/python -m dflash_local.vulkan_probe >/dev/null 2>&1; then
-    backend=vulkan
-  else
-    backend=none
-  fi
-fi
-if [ "$backend" != none ]; then
-  if missing=$(tools/gpu_build_deps.sh "$backend" "$dev") && tools/build_libllama.sh --backend "$backend" .venv; then
-    echo "==> dflash runs GGUFs on the GPU through llama.cpp's $backend backend (dflash doctor lists the devices)"
-  else
-    echo "install.sh: the $backend libllama was not built (${missing:-the build failed, log above}); dflash runs on the CPU." >&2
-  fi
-fi
-
-if [ "$dev" = 1 ]; then
+# --dev's venvs for the tests' references; made in the background while libllama builds (pip here mostly unpacks
+# wheels, the build compiles), their log printed after
+test_venvs() {
   echo "==> creating .venv-oracle: the reference implementation the tests compare against"
   [ -x .venv-oracle/bin/python ] || "$python" -m venv .venv-oracle
   oracle=(.venv-oracle/bin/python -m pip install --quiet --disable-pip-version-check -c constraints-oracle.txt)
@@ -126,6 +98,53 @@ if [ "$dev" = 1 ]; then
     rm -rf .venv-oracle/llama.cpp
     mv .venv-oracle/llama.cpp.partial .venv-oracle/llama.cpp
     rm -rf "$work"
+  fi
+}
+
+# llama-cpp-python (GGUF targets) builds libllama from source for the CPU, GPU or not: a CUDA build needs nvcc, which
+# most machines lack; the GPU path is the torch target with Triton kernels (the gpu extra).
+extras=gguf
+[ "$gpu" = 1 ] && extras=gguf,gpu
+[ "$dev" = 1 ] && extras=dev
+echo "==> installing dflash-local[$extras]"
+"${pip[@]}" -e ".[$extras]"
+if [ "$dev" = 1 ]; then
+  venvs_log=$(mktemp)
+  test_venvs >"$venvs_log" 2>&1 &
+  venvs_pid=$!
+  trap 'kill "$venvs_pid" 2>/dev/null || true' EXIT  # a failed build stops them too
+fi
+# DFlash is bitwise lossless on F16/BF16/F32 GGUFs on the CPU only with a libllama built without llamafile's tinyBLAS:
+# build it once per llama-cpp-python version into .venv/lib/dflash-libllama (a few minutes).
+tools/build_libllama.sh .venv
+
+# The GPU build beside it (its CPU backend is the same), once per llama-cpp-python version and backend.
+backend=$gpu_choice
+if [ "$backend" = auto ]; then
+  if [ "$gpu" = 1 ]; then
+    backend=cuda
+  elif .venv/bin/python -m dflash_local.vulkan_probe >/dev/null 2>&1; then
+    backend=vulkan
+  else
+    backend=none
+  fi
+fi
+if [ "$backend" != none ]; then
+  if missing=$(tools/gpu_build_deps.sh "$backend" "$dev") && tools/build_libllama.sh --backend "$backend" .venv; then
+    echo "==> dflash runs GGUFs on the GPU through llama.cpp's $backend backend (dflash doctor lists the devices)"
+  else
+    echo "install.sh: the $backend libllama was not built (${missing:-the build failed, log above}); dflash runs on the CPU." >&2
+  fi
+fi
+
+if [ "$dev" = 1 ]; then
+  venvs_status=0
+  wait "$venvs_pid" || venvs_status=$?
+  cat "$venvs_log"
+  rm -f "$venvs_log"
+  if [ "$venvs_status" != 0 ]; then
+    echo "install.sh: the test venvs (.venv-oracle, .venv-vllm) were not made (log above)." >&2
+    exit "$venvs_status"
   fi
 fi
 echo "==> done: run .venv/bin/dflash --help"

@@ -106,10 +106,12 @@ def _one_thread():
     torch.set_num_threads(1)
 
 
-# The files that take longest start first, so that none runs last, alone (test_architectures about 150 s of CPU,
-# its GGUF build in the oracle included, plus its hybrid T > 0 test: 175 s wall on a busy 2-core machine; test_gemma
-# about 150 s; test_sampled_lossless and the rest less).
+# The files that take longest start first, so that none runs last, alone: test_gpu_backends (lavapipe runs every
+# architecture; 1,650 s of the suite's 1,789 s wall in one worker on a busy 2-core machine, 2026-12-07), then
+# test_architectures (its GGUF builds in the oracle, its hybrid T > 0 test), test_gemma (its chi-square test), and the
+# rest less.
 SLOWEST_FIRST = (
+    "test_gpu_backends.py",
     "test_architectures.py",
     "test_gemma.py",
     "test_sampled_lossless.py",
