@@ -237,7 +237,9 @@ def find_local_models() -> list[LocalModel]:
         except (ValueError, KeyError, OSError, UnicodeDecodeError):
             continue  # partial or not a GGUF: nothing that loads
         if architecture and architecture not in NOT_TARGETS:
-            projector = local_projector(name, path) if store in ("ollama", "lmstudio") else None
+            projector = None
+            with contextlib.suppress(DFlashError):  # a listing names what it finds; loading the model says why not
+                projector = local_projector(name, path) if store in ("ollama", "lmstudio") else None
             models.append(LocalModel(name, path, store, architecture, real.stat().st_size, projector))
     return models
 
