@@ -17,10 +17,11 @@ from one_error import assert_one_error
 from test_gguf_cli import write_header_gguf
 from test_local_models import _ollama_model
 
+from dflash_local import hub_access
 from dflash_local.catalog import load_catalog, resolve
 from dflash_local.errors import DFlashError
 from dflash_local.hub import HubSource, human_size
-from tools.hub_server import COMMIT, FakeHub
+from tools.hub_server import COMMIT, FakeHub, Fault
 
 pytest.importorskip("llama_cpp")
 pytest.importorskip("gguf")
@@ -155,6 +156,32 @@ def test_pull_fetches_the_projector_verified_and_rm_removes_it(home, tmp_path, m
     removed = invoke("rm", "vision-hub")
     assert removed.exit_code == 0 and f"freed {human_size(50000)}" in removed.stdout, removed.stdout
     assert not (tmp_path / "hf" / "hub" / "models--test--vision-GGUF").exists()
+
+
+def test_an_interrupted_projector_download_leaves_no_projector_and_resumes(home, tmp_path, monkeypatch):
+    """A projector download cut midway is one sentence and leaves only its partial blob (no projector file, the
+    entry not pulled); the next pull resumes from the partial bytes and verifies the whole file."""
+    monkeypatch.setattr(hub_access, "FIRST_DELAY", 0.01)
+    _catalog(tmp_path, monkeypatch, HUB_ENTRY)
+    data = bytes(range(256)) * 400
+    files = {"model-Q8_0.gguf": b"m" * 30000, "mmproj-model-f16.gguf": data}
+    projector = r"/mmproj-model-f16\.gguf$"
+    with FakeHub({"test/vision-GGUF": files}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        hub.faults = [Fault("drop", projector, after=40000), Fault("status", projector, times=99)]
+        assert_one_error(invoke("pull", "vision-hub"), "test/vision-GGUF/mmproj-model-f16.gguf")
+        snapshot = tmp_path / "hf" / "hub" / "models--test--vision-GGUF" / "snapshots" / COMMIT
+        assert not (snapshot / "mmproj-model-f16.gguf").exists()
+        blobs = snapshot.parent.parent / "blobs"
+        partial = [p.stat().st_size for p in blobs.glob("*.incomplete")]
+        assert len(partial) == 1 and 0 < partial[0] < len(data)
+        listed = {line.split("\t")[0]: line.split("\t") for line in invoke("models").stdout.splitlines()}
+        assert listed["vision-hub"][2] == "partial"
+        hub.faults.clear()
+        assert invoke("pull", "vision-hub").exit_code == 0
+        ranges = [r.range for r in hub.downloads() if r.path.endswith("/mmproj-model-f16.gguf")]
+    assert ranges[-1] == f"bytes={partial[0]}-"
+    assert (snapshot / "mmproj-model-f16.gguf").read_bytes() == data and not list(blobs.glob("*.incomplete"))
 
 
 def _ollama_vision(models: Path, name: str, model: Path, projector: Path) -> Path:
