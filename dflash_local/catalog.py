@@ -17,7 +17,7 @@ from pathlib import Path
 from .atomic import write_text_atomic
 from .errors import DFlashError
 from .hub import DRAFTER_FILES, MODEL_FILES, HubSource, cached_folder
-from .local_models import OLLAMA_PREFIX, check_loadable, file_digest, ollama_model
+from .local_models import OLLAMA_PREFIX, check_loadable, file_digest, local_projector, ollama_model
 from .paths import cache_dir
 
 MODELS_DIR = Path(str(files("dflash_local.models")))  # models/ in the source tree; package data in a wheel
@@ -42,10 +42,11 @@ class ModelEntry:
     hardware: str = ""
     memory_gb: float = 0.0
     thinking: bool | None = None  # whether the drafter was trained with the template's thinking on (None: unsaid)
+    mmproj: Source | None = None  # the target's vision projector (an mmproj GGUF): images in the prompt
 
     def sources(self) -> list[HubSource]:
         """What pull fetches: the Hub sources (bundled folders come with dflash-local)."""
-        return [s for s in (self.target, self.drafter) if isinstance(s, HubSource)]
+        return [s for s in (self.target, self.drafter, self.mmproj) if isinstance(s, HubSource)]
 
     @property
     def bundled(self) -> bool:
@@ -62,6 +63,7 @@ class ResolvedModel:
     prompts: Path | None = None
     quantize: str | None = None
     thinking: bool | None = None  # the catalog drafter's thinking mode; None with another drafter or none said
+    mmproj: Path | None = None  # the target's vision projector: the catalog's, or the one its store keeps beside it
 
 
 def catalog_paths() -> list[Path]:
@@ -95,6 +97,7 @@ ENTRY_KEYS = (
     "thinking",
     "shape",
     "weights",
+    "mmproj",
 )
 SOURCE_KEYS = ("repo", "files", "revision", "package")
 CATALOG_BACKENDS = ("auto", "torch", "llamacpp")
@@ -130,6 +133,7 @@ def _entry(name: str, table: object, path: Path) -> ModelEntry:
     if thinking is not None and not isinstance(thinking, bool):
         raise DFlashError(f"{where}: thinking must be true or false, got {_show(thinking)}.")
     base = path.parent
+    mmproj = _projector(table["mmproj"], base, backend, f"{where}: mmproj") if "mmproj" in table else None
     return ModelEntry(
         name=name,
         summary=table.get("summary", ""),
@@ -142,7 +146,21 @@ def _entry(name: str, table: object, path: Path) -> ModelEntry:
         hardware=table.get("hardware", ""),
         memory_gb=float(memory),
         thinking=thinking,
+        mmproj=mmproj,
     )
+
+
+def _projector(value: object, base: Path, backend: str, where: str) -> Source:
+    """An entry's mmproj: "bundled:FILE.gguf", or { repo, files = ["FILE.gguf"] } naming one GGUF file."""
+    if backend == "torch":
+        raise DFlashError(f"{where}: a projector needs a GGUF target (backend llamacpp), not backend torch.")
+    if isinstance(value, dict) and "files" not in value:
+        raise DFlashError(f'{where} must name its file: {{ repo = "owner/name", files = ["mmproj-....gguf"] }}.')
+    source = _source(value, base, (), where)
+    names = [source.name] if isinstance(source, Path) else list(source.patterns)
+    if len(names) != 1 or not names[0].endswith(".gguf") or any(c in names[0] for c in "*?["):
+        raise DFlashError(f"{where} must name one .gguf file, got {_show(value)}.")
+    return source
 
 
 def _memory_gb(table: dict, where: str) -> float:
@@ -313,6 +331,7 @@ def resolve(name: str, drafter: str | None, fetch) -> ResolvedModel:
         found = lookup(name)
         entry = found if isinstance(found, ModelEntry) else None
         target = local_path(entry.target if entry else found, fetch)
+    mmproj = local_projector(name, path) if path is not None else _entry_projector(entry, fetch)
     if drafter == MTP:
         drafter_path = target  # a GGUF drafting for itself: with its MTP layers (drafters.mtp)
     elif drafter is not None:
@@ -322,9 +341,19 @@ def resolve(name: str, drafter: str | None, fetch) -> ResolvedModel:
     else:
         drafter_path = None
     if entry is None:
-        return ResolvedModel(target, drafter_path)
+        return ResolvedModel(target, drafter_path, mmproj=mmproj)
     thinking = entry.thinking if drafter is None else None
-    return ResolvedModel(target, drafter_path, entry.backend, entry.prompts, entry.quantize, thinking)
+    return ResolvedModel(target, drafter_path, entry.backend, entry.prompts, entry.quantize, thinking, mmproj)
+
+
+def _entry_projector(entry: ModelEntry | None, fetch) -> Path | None:
+    """The local file of a catalog entry's projector (pulled now by fetch where it is not yet); None without one."""
+    if entry is None or entry.mmproj is None:
+        return None
+    path = local_path(entry.mmproj, fetch)
+    if not path.is_file():
+        raise DFlashError(f"The projector of '{entry.name}' is missing from {path}: dflash pull {entry.name} again.")
+    return path
 
 
 def local_target(name: str) -> Path | None:

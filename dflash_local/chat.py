@@ -34,7 +34,7 @@ HELP = """commands:
   /block N|auto  verify block size (2..the drafter's trained size), or auto: chosen every step
   /draft on|off  speculative decoding on or off (off = plain autoregressive)
   /think on|off  the chat template's thinking mode (templates with enable_thinking, e.g. Qwen3)
-  /image PATH    attach an image to the next message (with --mmproj)
+  /image PATH    attach an image to the next message (a model with a projector, or --mmproj)
   /quit          leave (Ctrl-D works too)"""
 
 
@@ -309,7 +309,8 @@ class Chat:
         elif name == "/image":
             if self.projector is None or self.completion:
                 raise DFlashError(
-                    "This chat takes no images: start it with the model's chat template and --mmproj FILE."
+                    "This chat takes no images: start it with the model's chat template and its vision projector "
+                    "(--mmproj FILE, or a model that comes with one: dflash models marks them)."
                 )
             self.pending.append(image_file(self.projector, Path(arg).expanduser()))
             self.console.print(f"(image {len(self.pending)} attached to the next message)")

@@ -127,11 +127,25 @@ def model_checks(name: str) -> list[Check]:
         where = Check(name, f"{missing.source.repo} is not downloaded (dflash pull {name})", None)
         if entry is None:
             return [where, Check(f"{name} fits?", "unknown until it is downloaded", None)]
-        return [where, fit_check(name, entry.memory_gb, "the catalog's estimate")]
+        images = images_check(name, f"fetched by `dflash pull {name}`" if entry.mmproj is not None else None)
+        return [where, images, fit_check(name, entry.memory_gb, "the catalog's estimate")]
     on_disk = "bundled" if entry is not None and entry.bundled else f"on disk: {resolved.target}"
     checks = [Check(name, on_disk + ("" if resolved.drafter else "; no drafter (pass --drafter)"))]
-    need, basis = estimate_gb(resolved.target, resolved.drafter)
+    projector = resolved.mmproj
+    checks.append(images_check(name, None if projector is None else f"{projector}, {human_size(_size(projector))}"))
+    need, basis = estimate_gb(resolved.target, resolved.drafter, projector)
     return [*checks, fit_check(name, need, basis)]
+
+
+def images_check(name: str, projector: str | None) -> Check:
+    """Whether a model takes images: the projector loaded with it (where it is), or none."""
+    if projector is None:
+        return Check(f"{name} images?", "no: text only (a GGUF vision target takes --mmproj FILE)", None)
+    return Check(f"{name} images?", f"yes: its vision projector loads with it ({projector})")
+
+
+def _size(path: Path) -> int:
+    return path.stat().st_size if path.is_file() else 0
 
 
 def fit_check(name: str, need_gb: float, basis: str) -> Check:
@@ -151,12 +165,15 @@ def fit_check(name: str, need_gb: float, basis: str) -> Check:
     return Check(f"{name} fits?", f"{found}: fits", True)
 
 
-def estimate_gb(target: Path, drafter: Path | None) -> tuple[float, str]:
-    """GB a local model needs with a default-length context, from its files' shapes, and what that counts."""
+def estimate_gb(target: Path, drafter: Path | None, projector: Path | None = None) -> tuple[float, str]:
+    """GB a local model needs with a default-length context, from its files' shapes (and the vision projector's
+    file, which libmtmd loads whole), and what that counts."""
     from .defaults import DEFAULT_CONTEXT
-    from .memory_estimate import estimate_files
+    from .memory_estimate import Estimate, estimate_files
 
     estimate = estimate_files(target, drafter, DEFAULT_CONTEXT)
+    if projector is not None:
+        estimate = Estimate(estimate.parts | {"vision projector": _size(projector)})
     return estimate.total_gb, f"{DEFAULT_CONTEXT}-token context: {estimate.summary()}"
 
 

@@ -19,6 +19,7 @@ OLLAMA_PREFIX = "ollama:"
 OLLAMA_HOST = "registry.ollama.ai"
 OLLAMA_NAMESPACE = "library"
 OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
+OLLAMA_PROJECTOR_LAYER = "application/vnd.ollama.image.projector"  # a vision model's mmproj GGUF
 NOT_TARGETS = ("clip", "dflash")  # vision projectors and llama.cpp's own DFlash drafters: GGUFs, but not targets
 LATER_SPLIT = re.compile(r"-(\d{5})-of-\d{5}\.gguf$")  # a split GGUF is loaded from its first part
 
@@ -32,6 +33,7 @@ class LocalModel:
     store: str  # "hf-cache", "ollama", "lmstudio" or "llama.cpp"
     architecture: str
     size: int
+    projector: Path | None = None  # the vision projector its store keeps with it (local_projector)
 
 
 def ollama_dirs() -> list[Path]:
@@ -103,14 +105,14 @@ def ollama_short_name(host: str, namespace: str, model: str, tag: str) -> str:
     return f"{OLLAMA_PREFIX}{prefix}{model}:{tag}"
 
 
-def _ollama_blob(folder: Path, manifest: Path) -> Path | None:
-    """The model blob a manifest names (its layer of the model media type), or None if it has none on disk."""
+def _ollama_blob(folder: Path, manifest: Path, media_type: str = OLLAMA_MODEL_LAYER) -> Path | None:
+    """The blob of a manifest's layer of media_type (the model's, or its projector's), or None if none is on disk."""
     try:
         layers = json.loads(manifest.read_text()).get("layers", [])
     except (OSError, ValueError, AttributeError):
         return None
     for layer in layers if isinstance(layers, list) else []:
-        if isinstance(layer, dict) and layer.get("mediaType") == OLLAMA_MODEL_LAYER:
+        if isinstance(layer, dict) and layer.get("mediaType") == media_type:
             digest = str(layer.get("digest", ""))
             if re.fullmatch(r"sha256[:-][0-9a-f]{64}", digest):
                 blob = folder / "blobs" / digest.replace(":", "-")
@@ -136,21 +138,59 @@ def gguf_link(blob: Path) -> Path:
     return link
 
 
-def ollama_model(name: str) -> Path:
-    """The blob behind `ollama:NAME[:TAG]` (under a `.gguf` link), read where ollama keeps it; one sentence when
-    it is not there."""
+def _ollama_manifest(name: str) -> tuple[Path, Path]:
+    """(ollama's models folder, the manifest) of `NAME[:TAG]`; one sentence when no store holds it."""
     host, namespace, model, tag = parse_ollama_name(name)
     folders = ollama_dirs()
     for folder in folders:
         manifest = folder / "manifests" / host / namespace / model / tag
         if manifest.is_file():
-            blob = _ollama_blob(folder, manifest)
-            if blob is None:
-                raise DFlashError(f"ollama's manifest {manifest} names no model file that is on disk.")
-            return gguf_link(blob)
+            return folder, manifest
     looked = ", ".join(str(f) for f in folders) or "no ollama folder exists (OLLAMA_MODELS, ~/.ollama/models)"
     shown = ollama_short_name(host, namespace, model, tag)
     raise DFlashError(f"{shown} is not in ollama's store (looked in: {looked}); `dflash models` lists what is.")
+
+
+def ollama_model(name: str) -> Path:
+    """The blob behind `ollama:NAME[:TAG]` (under a `.gguf` link), read where ollama keeps it; one sentence when
+    it is not there."""
+    folder, manifest = _ollama_manifest(name)
+    blob = _ollama_blob(folder, manifest)
+    if blob is None:
+        raise DFlashError(f"ollama's manifest {manifest} names no model file that is on disk.")
+    return gguf_link(blob)
+
+
+def ollama_projector(name: str) -> Path | None:
+    """The projector blob (an mmproj GGUF, read in place) that ollama keeps for `NAME[:TAG]` as a layer of its
+    manifest; None for a model without one."""
+    return _ollama_blob(*_ollama_manifest(name), OLLAMA_PROJECTOR_LAYER)
+
+
+def beside_projector(model: Path) -> Path | None:
+    """The projector LM Studio keeps beside a model's GGUF in its folder: an `mmproj*.gguf` file holding a vision
+    encoder (GGUF architecture `clip`), the first by name where there are several; None where there is none."""
+    from .gguf.file import read_header
+
+    for path in sorted(model.parent.glob("*.gguf")):
+        if "mmproj" not in path.name.lower() or path.resolve() == model.resolve():
+            continue
+        with contextlib.suppress(ValueError, KeyError, OSError, UnicodeDecodeError):
+            if str(read_header(path.resolve()).fields.get("general.architecture", "")) == "clip":
+                return path
+    return None
+
+
+def local_projector(name: str, path: Path) -> Path | None:
+    """The vision projector a store keeps for a model named `name` (found at path): ollama's projector layer, or
+    the mmproj GGUF beside a model in an LM Studio folder; None for other models."""
+    if name.startswith(OLLAMA_PREFIX):
+        return ollama_projector(name.removeprefix(OLLAMA_PREFIX))
+    places = (path.resolve(), path.parent.resolve() / path.name)  # the file, or a link in LM Studio's folder
+    folders = [folder.resolve() for folder in lmstudio_dirs()]
+    if path.is_file() and any(place.is_relative_to(folder) for place in places for folder in folders):
+        return beside_projector(path)
+    return None
 
 
 def _ollama_models() -> Iterator[tuple[str, Path]]:
@@ -197,7 +237,10 @@ def find_local_models() -> list[LocalModel]:
         except (ValueError, KeyError, OSError, UnicodeDecodeError):
             continue  # partial or not a GGUF: nothing that loads
         if architecture and architecture not in NOT_TARGETS:
-            models.append(LocalModel(name, path, store, architecture, real.stat().st_size))
+            projector = None
+            with contextlib.suppress(DFlashError):  # a listing names what it finds; loading the model says why not
+                projector = local_projector(name, path) if store in ("ollama", "lmstudio") else None
+            models.append(LocalModel(name, path, store, architecture, real.stat().st_size, projector))
     return models
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from rich.console import Console
 from rich.padding import Padding
@@ -25,6 +25,15 @@ class ModelRow:
     runs_on: str
     about: str
     path: str = ""  # local GGUFs: the file read in place
+    projector: str = ""  # the vision projector loaded with it (it takes images): a Hub file, a bundled or local path
+
+
+SEES_IMAGES = "sees images"
+
+
+def _about(row: ModelRow) -> str:
+    """What to know about a model, marked where it takes images."""
+    return " · ".join(part for part in (row.about, SEES_IMAGES if row.projector else "") if part)
 
 
 def _on_disk(entry: ModelEntry) -> str:
@@ -39,17 +48,26 @@ def _on_disk(entry: ModelEntry) -> str:
     return human_size(sum(sizes)) if None not in sizes else ("partial" if pulled else "-")
 
 
+def _projector(entry: ModelEntry) -> str:
+    """Where an entry's projector comes from: repo/FILE on the Hub, or the bundled file; "" for none."""
+    if isinstance(entry.mmproj, HubSource):
+        return f"{entry.mmproj.repo}/{entry.mmproj.patterns[0]}"
+    return str(entry.mmproj or "")
+
+
 def catalog_rows() -> list[ModelRow]:
     rows = []
     for entry in load_catalog().values():
         needs = f"{entry.memory_gb:g} GB" + (f" ({entry.quantize})" if entry.quantize else "")
-        rows.append(ModelRow(entry.name, "catalog", _on_disk(entry), needs, entry.hardware, entry.summary))
+        row = ModelRow(entry.name, "catalog", _on_disk(entry), needs, entry.hardware, entry.summary)
+        rows.append(replace(row, projector=_projector(entry)))
     return rows
 
 
 def local_row(model: LocalModel) -> ModelRow:
     about = f"{model.architecture} GGUF (plain decoding; pass --drafter to draft)"
-    return ModelRow(model.name, model.store, human_size(model.size), "", "", about, str(model.path))
+    projector = str(model.projector or "")
+    return ModelRow(model.name, model.store, human_size(model.size), "", "", about, str(model.path), projector)
 
 
 def model_rows() -> list[ModelRow]:
@@ -63,7 +81,8 @@ def rows_as_json(rows: list[ModelRow]) -> list[dict]:
 
 def plain_line(row: ModelRow) -> str:
     """One model on one line, tab-separated (name first), for pipes and scripts."""
-    return "\t".join(field.replace("\t", " ") for field in (row.name, row.source, row.on_disk, row.needs, row.about))
+    fields = (row.name, row.source, row.on_disk, row.needs, _about(row))
+    return "\t".join(field.replace("\t", " ") for field in fields)
 
 
 def render(rows: list[ModelRow], console: Console) -> None:
@@ -73,14 +92,14 @@ def render(rows: list[ModelRow], console: Console) -> None:
     console.print(Text("dflash models (pull with: dflash pull NAME)", style="bold underline"))
     for row in catalog:
         details = " · ".join(d for d in (f"on disk: {row.on_disk}", f"needs {row.needs}", row.runs_on) if d)
-        _entry(console, row.name, [details, row.about])
+        _entry(console, row.name, [details, _about(row)])
     console.print()
     if not local:
         console.print("No GGUF models found from other tools (Hugging Face cache, ollama, LM Studio, llama.cpp).")
         return
     console.print(Text("GGUF models on this machine (use the name wherever a model name goes)", style="bold underline"))
     for row in local:
-        _entry(console, row.name, [f"{row.source} · {row.on_disk} · {row.about}"])
+        _entry(console, row.name, [f"{row.source} · {row.on_disk} · {_about(row)}"])
 
 
 def _entry(console: Console, name: str, details: list[str]) -> None:

@@ -85,8 +85,12 @@ def test_doctor_takes_folders_gguf_files_and_repos(monkeypatch, tmp_path, tiny_g
     such, a catalog entry not pulled gets the catalog's figure, and doctor never downloads (no Hub is reachable)."""
     target = TINY / "target"
     estimate = memory_estimate.estimate_files(target, None, 4096)
-    where, fit = doctor.model_checks(str(target))
+    where, images, fit = doctor.model_checks(str(target))
     assert (where.found, where.ok) == (f"on disk: {target}; no drafter (pass --drafter)", True)
+    assert (images.name, images.found) == (
+        f"{target} images?",
+        "no: text only (a GGUF vision target takes --mmproj FILE)",
+    )
     assert fit.found.startswith(f"needs ~{estimate.total_gb:.1f} GB (4096-token context: {estimate.summary()})")
     kv = 2 * 8 * 2 * 64 * 4096 * 2  # K and V, 8 layers, 2 KV heads of 64, 4096 tokens, 16-bit
     assert estimate.parts["KV cache"] == kv
@@ -107,8 +111,9 @@ def test_doctor_takes_folders_gguf_files_and_repos(monkeypatch, tmp_path, tiny_g
     where, fit = doctor.model_checks("someone/model")
     assert where.found == "someone/model is not downloaded (dflash pull someone/model)"
     assert (fit.found, fit.ok) == ("unknown until it is downloaded", None)
-    where, fit = doctor.model_checks("qwen3-4b-q4")
+    where, images, fit = doctor.model_checks("qwen3-4b-q4")
     assert where.found == "Qwen/Qwen3-4B-GGUF is not downloaded (dflash pull qwen3-4b-q4)"
+    assert images.found.startswith("no: text only")
     figure = memory_estimate.estimate_shape("qwen3-4b", "q4_k_m", 4096).total_gb
     assert fit.found.startswith(f"needs ~{figure:.1f} GB (the catalog's estimate)") and figure > 4
     assert not (tmp_path / "hf").exists()

@@ -95,9 +95,9 @@ def chat(
         models = options.load(resolved, resolved.drafter, resolved.backend, block_size is None)
         models.tokenizer.config = use_template(models.tokenizer.config, template, resolved.target)
         projector = None
-        if mmproj is not None:
+        if (mmproj or resolved.mmproj) is not None:  # --mmproj, else the catalog's or the store's
             from ..vision import load_projector
 
-            projector = load_projector(models, mmproj, options.threads)
+            projector = load_projector(models, mmproj or resolved.mmproj, options.threads)
         with memory_guard("Answering in this conversation", models.target.device.type):
             run_chat(models, decode.settings(models), thinking=resolved.thinking, projector=projector)

@@ -104,7 +104,7 @@ def generate(
     given = locals()
     with user_errors():
         decode, options = picked(DecodeOptions, given), picked(ModelOptions, given, progress=ctx.obj)
-        text = _prompt(prompt, prompt_ids, images, mmproj)
+        text = _prompt(prompt, prompt_ids, images)
         values.check_numbers(decode.max_new_tokens, options.max_context, decode.seed)
         block_size = decode.block()
 
@@ -118,6 +118,7 @@ def generate(
         resolved = resolve(target, decode.drafter, options.offline, options.token)
         if not decode.no_draft and resolved.drafter is None and not decode.lookup:
             raise DFlashError("Pass --drafter DIR, drop --no-lookup, or --no-draft for plain autoregressive decoding.")
+        mmproj = _projector(images, mmproj or resolved.mmproj)  # --mmproj, else the catalog's or the store's
         backend = resolved.backend if backend == "auto" else backend
         models = options.load(resolved, None if decode.no_draft else resolved.drafter, backend, block_size is None)
         settings = _settings(decode, models, grammar_text)
@@ -139,19 +140,23 @@ def _settings(decode: DecodeOptions, models: LoadedModels, grammar_text: str | N
     return replace(decode.settings(models), grammar=grammar)
 
 
-def _prompt(
-    prompt: str | None, prompt_ids: str | None, images: list[Path] | None, mmproj: Path | None
-) -> str | list[int]:
-    """The prompt's text (or ids), checked: exactly one of --prompt and --prompt-ids; --image only with --prompt and
-    --mmproj."""
+def _prompt(prompt: str | None, prompt_ids: str | None, images: list[Path] | None) -> str | list[int]:
+    """The prompt's text (or ids), checked: exactly one of --prompt and --prompt-ids; --image only with --prompt."""
     if (prompt is None) == (prompt_ids is None):
         raise DFlashError("Give exactly one of --prompt or --prompt-ids.")
-    if images and (mmproj is None or prompt is None):
+    if images and prompt is None:
+        raise DFlashError("--image needs --prompt (text around the image), not --prompt-ids.")
+    return values.prompt_text(prompt) if prompt is not None else values.parse_ids(prompt_ids, "--prompt-ids")
+
+
+def _projector(images: list[Path] | None, mmproj: Path | None) -> Path | None:
+    """The projector to load (--mmproj's, else the one that comes with the model), checked to be there for --image."""
+    if images and mmproj is None:
         raise DFlashError(
             "--image needs --prompt and the target's vision projector (--mmproj FILE): a text-only model takes no "
             "images."
         )
-    return values.prompt_text(prompt) if prompt is not None else values.parse_ids(prompt_ids, "--prompt-ids")
+    return mmproj
 
 
 def _report(result: dict, devices: dict, as_json: bool, ids_only: bool) -> None:

@@ -71,7 +71,10 @@ Token = Annotated[Optional[str], typer.Option("--token", help="Hugging Face toke
 Mmproj = Annotated[
     Optional[Path],
     typer.Option(
-        "--mmproj", metavar="FILE", help="The vision projector (an mmproj GGUF) of a GGUF target, for images."
+        "--mmproj",
+        metavar="FILE",
+        help="The vision projector (an mmproj GGUF) of a GGUF target, for images (default: the catalog entry's, or "
+        "the one ollama or LM Studio keeps with the model).",
     ),
 ]
 # `dflash serve` and `dflash chat`: the prompt cache (saved prompt states in host RAM).

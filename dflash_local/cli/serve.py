@@ -151,9 +151,7 @@ def serve(
         expose_for(device)  # before llama.cpp loads: which Vulkan devices it may use
         template = None if chat_template is None else read_template(chat_template)
         sock = listen(host, port)  # before loading: a taken port fails at once
-        worker = _engine(model, decode, options, template, max_new_tokens, max_queue)
-        if mmproj is not None:
-            _images(worker, mmproj, options.threads, allow_remote_images)
+        worker = _engine(model, decode, options, template, max_new_tokens, max_queue, mmproj, allow_remote_images)
         _announce(model, host, api_key, sock.getsockname())
         run_server(create_app(worker, model, api_key, limits, tuple(cors_origins)), sock, limits)
 
@@ -165,9 +163,12 @@ def _engine(
     template: str | None,
     max_new_tokens: int | None,
     max_queue: int,
+    mmproj: Path | None = None,
+    remote_images: bool = False,
 ) -> Engine:
     """The model loaded (with the chat template given, and the prompt cache --cache-ram asks for) and its serving
-    engine."""
+    engine, taking images where a projector is given (--mmproj) or comes with the model (catalog, ollama, LM
+    Studio)."""
     from ..chat_template import use_template
     from ..server import Engine
 
@@ -177,9 +178,12 @@ def _engine(
     models = options.load(resolved, drafter_path, resolved.backend, block_size is None and not decode.no_draft)
     models.tokenizer.config = use_template(models.tokenizer.config, template, resolved.target)
     report = partial(typer.echo, err=True)
-    return Engine(
+    engine = Engine(
         models, block_size, max_new_tokens, max_queue, resolved.thinking, decode.seed, decode.no_draft, report
     )
+    if (mmproj or resolved.mmproj) is not None:
+        _images(engine, mmproj or resolved.mmproj, options.threads, remote_images)
+    return engine
 
 
 def _images(worker: Engine, mmproj: Path, threads: int | None, remote: bool) -> None:
