@@ -192,14 +192,15 @@ class LlamaCppTarget:
     def _set_tapping(self, on: bool) -> None:
         """Have llama.cpp keep the feature layers' rows from the next decode on, or not (a decode without them
         costs a few percent less on a small model)."""
-        if on == self.context.tapping:
-            return
         last = self.num_layers - 1
-        for layer in self.feature_layer_ids:
-            if layer != last:
-                self._set_tap(self.context.ctx, layer + 1, on)
-        llama_cpp.llama_set_embeddings(self.context.ctx, on and last in self.feature_layer_ids)
-        self.context.tapping = on
+        with self.context.lock:  # other sequences' threads share the context (serve --parallel)
+            if on == self.context.tapping:
+                return
+            for layer in self.feature_layer_ids:
+                if layer != last:
+                    self._set_tap(self.context.ctx, layer + 1, on)
+            llama_cpp.llama_set_embeddings(self.context.ctx, on and last in self.feature_layer_ids)
+            self.context.tapping = on
 
     def sequence(self, seq: int, lanes: Lanes) -> LlamaCppTarget:
         """A view of this target for llama.cpp sequence `seq` (its own length and cache, empty), sharing the context,
