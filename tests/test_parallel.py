@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import http.client
 import json
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
@@ -37,7 +40,8 @@ from dflash_local.targets.llamacpp import VERIFY_ROWS, LlamaCppTarget
 __all__ = ["folders"]  # test_sampled_lossless's fixture, used here
 
 TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"
-NEW = 24  # tokens each served answer makes
+NEW = 24  # tokens a served answer makes (the first of two sent at once: LONG, so that it is still under way when
+LONG = 160  # the second's request has arrived, however slowly the machine runs it)
 
 
 def together(lanes: Lanes, work: list) -> list:
@@ -135,29 +139,64 @@ def stream(address, prompt: list[int], log: list, name: str, lock: threading.Loc
     return {"text": text, "usage": usage}
 
 
-def test_two_requests_at_once_are_decoded_together_each_as_alone(served, tiny_gguf, heldout, monkeypatch):
-    """Two streamed requests sent at once: the second's text begins before the first ends, the decodes held both,
-    each text is llama.cpp's own greedy run's, and each usage is what the same request gets sent alone (its prompt,
-    its tokens, its acceptance lengths)."""
-    prompts = [heldout[0], heldout[3][:20]]
-    expected = llamacpp_greedy(tiny_gguf["q8_0"], prompts, monkeypatch, NEW)
+@pytest.fixture(scope="module")
+def address(tiny_gguf) -> Iterator[tuple[str, int]]:
+    """`dflash serve` of the bundled pair as a Q8_0 GGUF with llama.cpp's native drafter, --parallel 2, block 4, as
+    a live process on a loopback port: its host and port once /health answers."""
+    args = [sys.executable, "-m", "dflash_local", "serve", tiny_gguf["q8_0"], "--drafter", TINY / "drafter"]
+    args += ["--parallel", "2", "--block-size", "4", "--threads", "1", "--max-context", "512", "--port", "0"]
+    args += ["--api-key", AUTH["Authorization"].split()[1]]
+    process = subprocess.Popen([str(arg) for arg in args], stderr=subprocess.PIPE, text=True)
+    try:
+        line = process.stderr.readline()
+        while line and not line.startswith("serving "):
+            line = process.stderr.readline()
+        assert line, "the server ended before serving"
+        threading.Thread(target=process.stderr.read, daemon=True).start()  # keep the pipe drained
+        host, port = line.split()[3].removeprefix("http://").removesuffix("/v1").rsplit(":", 1)
+        wait_for(lambda: health((host, int(port))) is not None, 120)
+        yield host, int(port)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def health(address: tuple[str, int]) -> dict | None:
+    """GET /health's answer (None while the server does not answer)."""
+    try:
+        connection = http.client.HTTPConnection(*address, timeout=10)
+        connection.request("GET", "/health")
+        return json.loads(connection.getresponse().read())
+    except OSError:
+        return None
+
+
+def test_two_requests_at_once_are_decoded_together_each_as_alone(address, served, tiny_gguf, heldout, monkeypatch):
+    """`dflash serve --parallel 2`: two streamed requests sent at once: the second's first token comes before the
+    first ends, decodes held both, each text is llama.cpp's own greedy run's, and each usage is what the same request
+    gets sent alone (its prompt, its tokens, its acceptance lengths)."""
+    prompts, lengths = [heldout[0], heldout[3][:20]], [LONG, NEW]
+    expected = [
+        llamacpp_greedy(tiny_gguf["q8_0"], [p], monkeypatch, n)[0] for p, n in zip(prompts, lengths, strict=True)
+    ]
     texts = [served.tokenizer.decode(ids) for ids in expected]
-    engine = Engine(served, 4, None, size=8, parallel=2)
     lock, log = threading.Lock(), []
-    with serving(engine) as address:
-        alone = [stream(address, prompt, [], "alone", lock) for prompt in prompts]
-        before = engine.state()["shared_decodes"]
-        with ThreadPoolExecutor(2) as pool:
-            futures = [pool.submit(stream, address, p, log, str(i), lock) for i, p in enumerate(prompts)]
-            answers = [future.result() for future in futures]
-        shared = engine.state()["shared_decodes"] - before
+    assert health(address)["parallel"] == 2
+    alone = [stream(address, p, [], "alone", lock, max_tokens=n) for p, n in zip(prompts, lengths, strict=True)]
+    before = health(address)["shared_decodes"]
+    with ThreadPoolExecutor(2) as pool:
+        futures = [
+            pool.submit(stream, address, p, log, str(i), lock, max_tokens=n)
+            for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
+        ]
+        answers = [future.result() for future in futures]
+    shared = health(address)["shared_decodes"] - before
     assert [answer["text"] for answer in alone] == texts
     assert [answer["text"] for answer in answers] == texts
-    first_end = min(log.index((name, "end")) for name in ("0", "1"))
-    assert all((name, "text") in log[:first_end] for name in ("0", "1")), log  # both under way before either ends
+    assert log.index(("1", "text")) < log.index(("0", "end")), log  # the second's first token before the first ends
     assert shared > 0
-    for answer, single, prompt in zip(answers, alone, prompts, strict=True):
-        assert answer["usage"]["prompt_tokens"] == len(prompt) and answer["usage"]["completion_tokens"] == NEW
+    for answer, single, prompt, length in zip(answers, alone, prompts, lengths, strict=True):
+        assert answer["usage"]["prompt_tokens"] == len(prompt) and answer["usage"]["completion_tokens"] == length
         assert answer["usage"]["dflash"]["acceptance_lengths"] == single["usage"]["dflash"]["acceptance_lengths"]
 
 
@@ -173,9 +212,9 @@ def test_requests_beyond_parallel_wait_in_the_queue_up_to_max_queue(served, held
 
         threads = [threading.Thread(target=ask, args=(str(i),)) for i in range(3)]
         with served.target.context.lock:
-            for thread in threads[:2]:
+            for running, thread in enumerate(threads[:2], 1):  # one at a time: a job waits until a worker takes it
                 thread.start()
-            wait_for(lambda: engine.running == 2)
+                wait_for(lambda running=running: engine.running == running)
             threads[2].start()
             wait_for(lambda: engine.queued() == 1)
             connection = http.client.HTTPConnection(*address, timeout=60)
