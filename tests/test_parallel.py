@@ -263,8 +263,18 @@ def test_sampled_answers_of_sequences_in_flight_together_follow_the_targets_dist
     assert sum(n for n, _ in lengths) / len(lengths) > 1.3 and sum(n == k for n, k in lengths) > samples / 20
 
 
-def test_parallel_with_a_torch_target_is_one_sentence():
-    """serve --parallel 2 with the bundled torch pair: one error sentence, before it serves."""
-    result = invoke("serve", "tiny", "--parallel", "2", "--port", "0", "--device", "cpu")
-    assert result.exit_code != 0
-    assert "--parallel 2 cannot serve this model: only a GGUF target" in result.stderr
+@pytest.mark.parametrize(
+    "args, sentence",
+    [
+        (("tiny", "--device", "cpu"), "error: --parallel 2 cannot serve this model: only a GGUF target"),
+        (("tiny", "--mmproj", TINY / "README.md"), "error: --parallel 2 takes no images yet: serve --mmproj with"),
+        (("tiny", "--parallel", "0"), "error: --parallel must be at least 1, got 0."),
+    ],
+)
+def test_what_parallel_cannot_serve_is_one_sentence(args, sentence):
+    """serve --parallel 2 with the bundled torch pair, or with an image projector, and --parallel 0: one error
+    sentence, before it serves."""
+    result = invoke("serve", "--parallel", "2", "--port", "0", *args)
+    assert result.exit_code != 0 and "serving" not in result.stderr
+    lines = result.stderr.splitlines()  # (loading may say where the models were placed first)
+    assert lines[-1].startswith(sentence) and result.stderr.count("error") == 1, result.stderr
