@@ -80,6 +80,8 @@ class Lanes:
         return self._wait(_Waiting(seq, None, tap, rows[0], rows[1], features, read))
 
     def _wait(self, waiting: _Waiting) -> Any:
+        """Wait until the forward has run (whichever waiting thread finds every generating sequence waiting runs them
+        all); its result, or its error raised in this thread."""
         with self.turn:
             self.waiting.append(waiting)
             self.turn.notify_all()
