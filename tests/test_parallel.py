@@ -28,6 +28,7 @@ from test_gguf_lossless import llamacpp_greedy
 from test_sampled_lossless import EFFECT_FLOOR, FIXED_BLOCK, NEW_TOKENS, PROMPT, folders, llamacpp_next_logits
 from test_server_hostile import AUTH, serving
 
+from dflash_local.atomic import write_text_atomic
 from dflash_local.decode import Settings, generate
 from dflash_local.drafters.native import NativeDrafter
 from dflash_local.generation import LoadedModels, load_models, share
@@ -278,3 +279,24 @@ def test_what_parallel_cannot_serve_is_one_sentence(args, sentence):
     assert result.exit_code != 0 and "serving" not in result.stderr
     lines = result.stderr.splitlines()  # (loading may say where the models were placed first)
     assert lines[-1].startswith(sentence) and result.stderr.count("error") == 1, result.stderr
+
+
+def test_workers_saving_one_file_at_once_each_write_it_whole(tmp_path):
+    """Two threads (serve --parallel's workers saving the block policy's costs) writing one file 300 times each: no
+    write fails, and the file holds one of them whole."""
+    path, errors = tmp_path / "costs.json", []
+
+    def save(text: str) -> None:
+        for _ in range(300):
+            try:
+                write_text_atomic(path, text)
+            except OSError as exc:
+                errors.append(exc)
+
+    texts = [json.dumps({"worker": name, "costs": list(range(2000))}) for name in "ab"]
+    threads = [threading.Thread(target=save, args=(text,)) for text in texts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and path.read_text() in texts
