@@ -267,13 +267,13 @@ def test_sampled_answers_of_sequences_in_flight_together_follow_the_targets_dist
 @pytest.mark.parametrize(
     "args, sentence",
     [
-        (("tiny", "--device", "cpu"), "error: --parallel 2 cannot serve this model: only a GGUF target"),
-        (("tiny", "--mmproj", TINY / "README.md"), "error: --parallel 2 takes no images yet: serve --mmproj with"),
-        (("tiny", "--parallel", "0"), "error: --parallel must be at least 1, got 0."),
+        ((TINY / "target", "--device", "cpu"), "error: --parallel 2 cannot serve this model: only a GGUF target"),
+        ((TINY / "target", "--mmproj", TINY / "README.md"), "error: --parallel 2 takes no images yet: serve --mmproj"),
+        ((TINY / "target", "--parallel", "0"), "error: --parallel must be at least 1, got 0."),
     ],
 )
 def test_what_parallel_cannot_serve_is_one_sentence(args, sentence):
-    """serve --parallel 2 with the bundled torch pair, or with an image projector, and --parallel 0: one error
+    """serve --parallel 2 with the bundled torch target, or with an image projector, and --parallel 0: one error
     sentence, before it serves."""
     result = invoke("serve", "--parallel", "2", "--port", "0", *args)
     assert result.exit_code != 0 and "serving" not in result.stderr
