@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from pathlib import Path
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write text to path through a sibling `.partial` file and a rename (creating the folder)."""
+    """Write text to path through a sibling `.partial` file of this thread's own and a rename (creating the folder):
+    serve --parallel's workers may save the same file at once."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
+    partial = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.partial")
     partial.write_text(text)
     os.replace(partial, path)
 

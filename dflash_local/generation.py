@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, field, replace
@@ -294,3 +295,49 @@ def run_request(models: LoadedModels, request: GenerationRequest, on_text: Calla
     if models.tokenizer:
         result["text"] = models.tokenizer.decode([t for t in output_ids if t not in models.stop_ids])
     return result
+
+
+def refusal(models: LoadedModels) -> str | None:
+    """Why these models cannot decode several sequences together in this version (None: they can)."""
+    from .drafters.native import NativeDrafter
+    from .targets.llamacpp import LlamaCppTarget
+
+    target = models.target
+    if not isinstance(target, LlamaCppTarget):
+        return "only a GGUF target (llama.cpp) decodes several sequences together"
+    if target.fixed_rows or target.on_gpu:
+        return "several sequences decode together on the CPU only (a GPU's kernels change with the rows of a batch)"
+    if target.recurrent:
+        return "a recurrent or hybrid target's state is not kept per sequence yet"
+    if models.drafter is not None and not isinstance(models.drafter, NativeDrafter):
+        return "only llama.cpp's native DFlash drafter (or none: --no-draft, lookup) drafts for several sequences"
+    return None
+
+
+def share(models: LoadedModels, count: int) -> list[LoadedModels]:
+    """count views of the models, one per llama.cpp sequence (0..count-1) of the context loaded for them
+    (LoadSpec.sequences), meeting at one Lanes; each with its own session (a prompt cache of an even share of the
+    models' budget) and its own copy of the block policy. Every cache starts empty."""
+    from .lanes import Lanes
+    from .prompt_cache import PromptCache
+    from .targets.llamacpp import VERIFY_ROWS
+
+    reason = refusal(models)
+    if reason is not None:
+        raise DFlashError(f"--parallel {count} cannot serve this model: {reason}.")
+    target, drafter, cache = models.target, models.drafter, models.session.cache
+    if target.context.sequences < count:
+        raise ValueError(f"the target's context holds {target.context.sequences} sequences, not {count}")
+    for model in (target,) if drafter is None else (target, drafter):
+        model.trim(0)
+        model.context.reset()  # every sequence's cells (another engine's views may have filled them)
+    models.session.invalidate()
+    lanes = Lanes(target.context, VERIFY_ROWS)
+    views = []
+    for seq in range(count):
+        view = target.sequence(seq, lanes)
+        session = Session(None if cache is None else PromptCache(cache.budget // count))
+        policy = copy.deepcopy(models.policy)
+        viewer = None if drafter is None else drafter.sequence(seq, view)
+        views.append(replace(models, target=view, drafter=viewer, session=session, policy=policy))
+    return views

@@ -4,6 +4,7 @@ creates, feeds, trims, saves, restores and frees a context, for the GGUF target,
 from __future__ import annotations
 
 import ctypes
+import threading
 import weakref
 from pathlib import Path
 
@@ -34,7 +35,8 @@ class LlamaContext:
     `decode`), or with rows=0 an extended batch (tokens and embeddings, filled by the caller, run by `process`).
 
     owns_model: free the model with the context (and on a failed creation); other: the context it reads
-    (llama.cpp's ctx_other), kept alive while this one is."""
+    (llama.cpp's ctx_other), kept alive while this one is, whose lock it shares. Every call into llama.cpp holds the
+    lock, so that threads decoding several sequences of one context (serve --parallel) take turns."""
 
     def __init__(
         self,
@@ -53,6 +55,9 @@ class LlamaContext:
                 llama_cpp.llama_model_free(model)
             raise DFlashError(f"llama.cpp could not create {name} ({first_llama_error() or 'no reason given'}).")
         self.model, self.ctx, self.name, self.other = model, ctx, name, other
+        self.sequences = params.n_seq_max  # sequence ids 0..sequences-1, each with its own KV cells
+        self.lock = threading.RLock() if other is None else other.lock
+        self.tapping = False  # llama.cpp keeps the feature layers' rows (a target's taps: targets.llamacpp)
         self.memory = llama_cpp.llama_get_memory(ctx)
         self.extended = not rows
         self.batch = llama_cpp.llama_batch_ext_init(ctx) if self.extended else llama_cpp.llama_batch_init(rows, 0, 1)
@@ -60,22 +65,24 @@ class LlamaContext:
 
     def decode(self, rows: list[tuple[int, int, int, bool]]) -> None:
         """Feed (sequence, position, token, wants_logits) rows through the token batch."""
-        batch = self.batch
-        batch.n_tokens = len(rows)
-        # the arrays read once: each read of a ctypes struct's field makes a new pointer object
-        tokens, positions, outputs = batch.token, batch.pos, batch.logits
-        counts, sequences = batch.n_seq_id, batch.seq_id
-        for index, (sequence, position, token, wants) in enumerate(rows):
-            tokens[index], positions[index], outputs[index] = token, position, wants
-            counts[index], sequences[index][0] = 1, sequence
-        self.process()
+        with self.lock:
+            batch = self.batch
+            batch.n_tokens = len(rows)
+            # the arrays read once: each read of a ctypes struct's field makes a new pointer object
+            tokens, positions, outputs = batch.token, batch.pos, batch.logits
+            counts, sequences = batch.n_seq_id, batch.seq_id
+            for index, (sequence, position, token, wants) in enumerate(rows):
+                tokens[index], positions[index], outputs[index] = token, position, wants
+                counts[index], sequences[index][0] = 1, sequence
+            self.process()
 
     def process(self) -> None:
         """Run the batch as it stands; a DFlashError (with llama.cpp's first error) where llama.cpp fails."""
-        if self.extended:
-            status = llama_cpp.llama_process(self.ctx, llama_cpp.LLAMA_PROCESS_TYPE_DECODE, self.batch)
-        else:
-            status = llama_cpp.llama_decode(self.ctx, self.batch)
+        with self.lock:
+            if self.extended:
+                status = llama_cpp.llama_process(self.ctx, llama_cpp.LLAMA_PROCESS_TYPE_DECODE, self.batch)
+            else:
+                status = llama_cpp.llama_decode(self.ctx, self.batch)
         if status != 0:
             reason = first_llama_error()
             said = f"status {status}: {reason}" if reason else f"status {status}"
@@ -83,23 +90,34 @@ class LlamaContext:
 
     def trim(self, length: int, sequence: int = 0) -> bool:
         """Forget a sequence's cells from position `length` on; False where llama.cpp cannot (a recurrent state)."""
-        return llama_cpp.llama_memory_seq_rm(self.memory, sequence, length, -1)
+        with self.lock:
+            return llama_cpp.llama_memory_seq_rm(self.memory, sequence, length, -1)
 
     def reset(self) -> None:
         """Forget every sequence's cells."""
-        llama_cpp.llama_memory_clear(self.memory, True)
+        with self.lock:
+            llama_cpp.llama_memory_clear(self.memory, True)
 
-    def save(self) -> bytearray:
-        """Sequence 0's memory (KV cells, a recurrent state) as llama.cpp serializes it, for `load`."""
-        state = bytearray(llama_cpp.llama_state_seq_get_size(self.ctx, 0))
-        buffer = (ctypes.c_uint8 * len(state)).from_buffer(state)
-        if not llama_cpp.llama_state_seq_get_data(self.ctx, buffer, len(state), 0):
-            raise DFlashError("llama.cpp could not save a sequence's state for the prompt cache.")
+    def clear(self, sequence: int) -> None:
+        """Forget one sequence's cells (with one sequence, every cell: `reset`)."""
+        if self.sequences == 1:
+            self.reset()
+        elif not self.trim(0, sequence):
+            raise DFlashError(f"llama.cpp could not empty sequence {sequence}'s cache.")
+
+    def save(self, sequence: int = 0) -> bytearray:
+        """A sequence's memory (KV cells, a recurrent state) as llama.cpp serializes it, for `load`."""
+        with self.lock:
+            state = bytearray(llama_cpp.llama_state_seq_get_size(self.ctx, sequence))
+            buffer = (ctypes.c_uint8 * len(state)).from_buffer(state)
+            if not llama_cpp.llama_state_seq_get_data(self.ctx, buffer, len(state), sequence):
+                raise DFlashError("llama.cpp could not save a sequence's state for the prompt cache.")
         return state
 
-    def load(self, state: bytearray) -> None:
-        """Replace the memory with a state from `save`."""
-        self.reset()
-        buffer = (ctypes.c_uint8 * len(state)).from_buffer(state)
-        if not llama_cpp.llama_state_seq_set_data(self.ctx, buffer, len(state), 0):
-            raise DFlashError("llama.cpp could not restore a sequence's state from the prompt cache.")
+    def load(self, state: bytearray, sequence: int = 0) -> None:
+        """Replace a sequence's memory with a state from `save`."""
+        with self.lock:
+            self.clear(sequence)
+            buffer = (ctypes.c_uint8 * len(state)).from_buffer(state)
+            if not llama_cpp.llama_state_seq_set_data(self.ctx, buffer, len(state), sequence):
+                raise DFlashError("llama.cpp could not restore a sequence's state from the prompt cache.")

@@ -143,6 +143,7 @@ class LoadSpec:
     kv_cache: KVCache = KVCache()  # a llama.cpp target's K and V types (drafters keep theirs in f16: drafters.native)
     mtp: bool = False  # the target drafts with its own MTP layers (--drafter mtp): llama.cpp loads them with it
     placement: Placement | None = None  # planned: where llama.cpp runs the target and its native drafter
+    sequences: int = 1  # llama.cpp sequences decoded together (serve --parallel), each with a max_context cache
     progress: Callable[[str], None] = field(default=_silent, compare=False)  # e.g. "loading the target"
 
     def reporting_to(self, progress: Callable[[str], None]) -> LoadSpec:

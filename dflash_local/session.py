@@ -8,9 +8,9 @@ records after every step, so a generation abandoned at any step (an exception in
 generator) still leaves a description the next generation can trust. Each model's `cache_owner` names the Session
 that last filled its cache: a session trusts only caches it owns.
 
-The engine runs one sequence today. With several (llama.cpp sequence ids, `--parallel N`), each Session will stand for
-one sequence id: the models keep their length and held features per id, `trim(n)` takes the Session's id, and
-`cache_owner` becomes per id; the Session itself stays as it is, tokens and owner and index.
+With several sequences (serve --parallel N, generation.share), each Session belongs to one worker, whose target and
+drafter are views for one llama.cpp sequence id: each view keeps its own length, held features and cache_owner and
+trims its own id, so the Session itself stays as it is, tokens and owner and index.
 """
 
 from __future__ import annotations

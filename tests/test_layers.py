@@ -11,7 +11,7 @@ SOURCES = {"dflash_local": REPO / "dflash_local", "dflash_local.kernels": REPO /
 
 LAYERS = (
     (  # gguf: init
-        *("errors", "atomic", "paths", "dimensions", "shapes", "llama_lib", "llama_context", "vulkan_probe"),
+        *("errors", "atomic", "paths", "dimensions", "shapes", "llama_lib", "llama_context", "lanes", "vulkan_probe"),
         *("devices", "tap_probe", "defaults", "kernels", "gguf", "kv_cache"),
     ),
     (  # files

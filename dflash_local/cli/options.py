@@ -148,6 +148,7 @@ class ModelOptions:
     drafter_quantize: str = "none"
     token: Optional[str] = None
     cache_ram: int = 0  # MiB of host RAM for saved prompt states (the commands with --cache-ram); 0: none
+    parallel: int = 1  # sequences the target's context holds, decoded together (serve --parallel)
     progress: Optional[Callable[[str], None]] = None  # the status line's show() that main() passes, if any
 
     def load(self, resolved: ResolvedModel, drafter: Path | None, backend: str, auto_block: bool) -> LoadedModels:
@@ -168,6 +169,7 @@ class ModelOptions:
             gpu_layers=values.gpu_layers(self.gpu_layers),
             cpu_moe=self.cpu_moe,
             kv_cache=values.kv_cache(self.cache_type, self.cache_type_k, self.cache_type_v),
+            sequences=self.parallel,
         )
         if self.progress is not None:
             spec = spec.reporting_to(self.progress)

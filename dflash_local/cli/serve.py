@@ -66,6 +66,14 @@ ReadTimeout = Annotated[
         "--read-timeout", help="Seconds a client has to send its request's headers, then its body (else 408)."
     ),
 ]
+Parallel = Annotated[
+    int,
+    typer.Option(
+        "--parallel",
+        help="Requests decoded together, one llama.cpp batch per step (GGUF targets on the CPU), each with its own "
+        "--max-context KV cache (N times the memory); more wait in the queue. Default 1: one at a time.",
+    ),
+]
 MaxConnections = Annotated[int, typer.Option("--max-connections", help="Open connections; more are answered 503.")]
 EngineName = Annotated[
     Optional[str],
@@ -95,6 +103,7 @@ def serve(
     port: int = typer.Option(8000, "--port", help="TCP port (0: any free one)."),
     api_key: ApiKey = None,
     max_queue: MaxQueue = 16,
+    parallel: Parallel = 1,
     chat_template: ChatTemplate = None,
     max_body: MaxBody = MAX_BODY,
     read_timeout: ReadTimeout = READ_TIMEOUT_S,
@@ -142,7 +151,7 @@ def serve(
             raise DFlashError("--exec runs an engine's command: use it with --engine vllm or --engine sglang.")
         new_tokens = 1 if max_new_tokens is None else max_new_tokens
         values.check_numbers(new_tokens, options.max_context, decode.seed, options.cache_ram)
-        limits = _limits(max_queue, max_body, read_timeout, max_connections, port)
+        limits = _limits(max_queue, max_body, read_timeout, max_connections, port, options.parallel)
 
         from ..chat_template import read_template
         from ..server import create_app, listen, run_server
@@ -167,11 +176,13 @@ def _engine(
     remote_images: bool = False,
 ) -> Engine:
     """The model loaded (with the chat template given, and the prompt cache --cache-ram asks for) and its serving
-    engine, taking images where a projector is given (--mmproj) or comes with the model (catalog, ollama, LM
-    Studio)."""
+    engine (with --parallel, its workers' views of the models), taking images where a projector is given (--mmproj) or
+    comes with the model (catalog, ollama, LM Studio) and one sequence decodes."""
     from ..chat_template import use_template
     from ..server import Engine
 
+    if options.parallel > 1 and mmproj is not None:
+        raise DFlashError(f"--parallel {options.parallel} takes no images yet: serve --mmproj with --parallel 1.")
     block_size = decode.block()
     resolved = resolve(model, decode.drafter, options.offline, options.token)
     drafter_path = None if decode.no_draft else resolved.drafter
@@ -179,10 +190,21 @@ def _engine(
     models.tokenizer.config = use_template(models.tokenizer.config, template, resolved.target)
     report = partial(typer.echo, err=True)
     engine = Engine(
-        models, block_size, max_new_tokens, max_queue, resolved.thinking, decode.seed, decode.no_draft, report
+        models,
+        block_size,
+        max_new_tokens,
+        max_queue,
+        resolved.thinking,
+        decode.seed,
+        decode.no_draft,
+        report,
+        parallel=options.parallel,
     )
-    if (mmproj or resolved.mmproj) is not None:
-        _images(engine, mmproj or resolved.mmproj, options.threads, remote_images)
+    projector = mmproj or resolved.mmproj
+    if projector is not None and options.parallel > 1:  # one that comes with the model: serve text, and say so
+        report(f"note: images are off: --parallel {options.parallel} takes no images yet (--parallel 1 takes them).")
+    elif projector is not None:
+        _images(engine, projector, options.threads, remote_images)
     return engine
 
 
@@ -205,11 +227,15 @@ def _announce(model: str, host: str, api_key: str | None, address: tuple) -> Non
     typer.echo(f"serving {model} on http://{shown}:{address[1]}/v1 ({apis}; Ctrl-C stops)", err=True)
 
 
-def _limits(max_queue: int, max_body: int, read_timeout: float, max_connections: int, port: int) -> Limits:
-    """serve's limits as the server wants them, each checked (and --max-queue and --port) before anything loads."""
+def _limits(
+    max_queue: int, max_body: int, read_timeout: float, max_connections: int, port: int, parallel: int
+) -> Limits:
+    """serve's limits as the server wants them, each checked (and --max-queue, --parallel and --port) before anything
+    loads."""
     from ..server import Limits
 
     counts = {"--max-queue": max_queue, "--max-body": max_body, "--max-connections": max_connections}
+    counts["--parallel"] = parallel
     for flag, value in counts.items():
         if value < 1:
             raise DFlashError(f"{flag} must be at least 1, got {value}.")

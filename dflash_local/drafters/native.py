@@ -9,6 +9,7 @@ draft KV cache); the noise block goes in as tokens with non-causal attention.
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
 import os
 from dataclasses import replace
@@ -168,6 +169,15 @@ class NativeDrafter(DraftContext):
         self.context = context  # llama.cpp's dflash context and model, reading the target's context
         self.cache_owner: object | None = None  # the Session that last filled its cache
         self.selector_top_k = 0  # a DFlash2 drafter's candidates per row (0: a DFlash drafter, drafting by logits)
+        self.seq = 0  # its llama.cpp sequence id (serve --parallel: one view per sequence, see `sequence`)
+
+    def sequence(self, seq: int, target: LlamaCppTarget) -> NativeDrafter:
+        """A view of this drafter for llama.cpp sequence `seq` beside target's view of it (its own length, held
+        features and cache, empty), sharing the context; its proposals run one sequence at a time."""
+        view = copy.copy(self)
+        view.seq, view.target, view.cache_owner = seq, target, None
+        view.length, view._held = 0, []
+        return view
 
     @classmethod
     def load(cls, folder: str | Path, target: LlamaCppTarget, spec: LoadSpec) -> NativeDrafter:
@@ -216,16 +226,16 @@ class NativeDrafter(DraftContext):
     def _cut(self, length: int) -> None:
         """Cut the draft KV cache to `length` positions: llama.cpp's cells at the next propose, all of them now at 0."""
         if length == 0:
-            self.context.reset()
+            self.context.clear(self.seq)
         self.length = length
 
     def _save_cache(self) -> bytearray:
         """The draft KV cache's state."""
-        return self.context.save()
+        return self.context.save(self.seq)
 
     def _load_cache(self, state: bytearray) -> None:
         """Hold a saved draft KV cache again."""
-        self.context.load(state)
+        self.context.load(state, self.seq)
 
     def _add(self, index: int, position: int) -> None:
         if index < 0:
@@ -243,7 +253,7 @@ class NativeDrafter(DraftContext):
             for row in range(chunk.shape[0]):
                 row_ptr = ctypes.cast(ctypes.addressof(base.contents) + row * width * 4, ctypes.POINTER(ctypes.c_float))
                 embd = llama_cpp.llama_embd(row_ptr, 1, width)
-                self._add(llama_cpp.llama_batch_ext_add_embd(batch, 0, embd), start + offset + row)
+                self._add(llama_cpp.llama_batch_ext_add_embd(batch, self.seq, embd), start + offset + row)
             self.context.process()
 
     def propose(
@@ -263,27 +273,30 @@ class NativeDrafter(DraftContext):
         if self.selector_top_k and size > self.block_size:  # llama.cpp's selector scores the trained block only
             raise ValueError(f"a DFlash2 block holds at most {self.block_size} tokens, got {size}")
         new_features = self._take(new_features, start)
-        self.context.trim(self.length)
-        if new_features is not None:
-            self._inject(new_features.float().cpu().numpy(), self.length)
-        batch = self.context.batch
-        llama_cpp.llama_batch_ext_clear(batch)
-        for index in range(size):
-            token = tokens[start] if index == 0 else self.cfg.mask_token_id
-            slot = llama_cpp.llama_batch_ext_add_token(batch, 0, token)
-            self._add(slot, start + index)
-            # DFlash2 reads no logits: its selector's lattice comes from the nextn rows of every block position
-            llama_cpp.llama_batch_ext_set_output_logits(batch, slot, index <= rows and not self.selector_top_k)
-        self.context.process()
-        self.length = start
-        vocab = target.vocab_size
-        if self.selector_top_k:
-            return self._walked(rows, size, vocab, target.device)
-        drafted = [
-            np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.context.ctx, i), shape=(vocab,))
-            for i in range(1, rows + 1)
-        ]
-        logits = torch.from_numpy(np.stack(drafted)).to(target.device) * self.cfg.output_multiplier
+        with self.context.lock:  # the context's batch and outputs, which other sequences' views share
+            self.context.trim(self.length, self.seq)
+            if new_features is not None:
+                self._inject(new_features.float().cpu().numpy(), self.length)
+            batch = self.context.batch
+            llama_cpp.llama_batch_ext_clear(batch)
+            for index in range(size):
+                token = tokens[start] if index == 0 else self.cfg.mask_token_id
+                slot = llama_cpp.llama_batch_ext_add_token(batch, self.seq, token)
+                self._add(slot, start + index)
+                # DFlash2 reads no logits: its selector's lattice comes from the nextn rows of every block position
+                llama_cpp.llama_batch_ext_set_output_logits(batch, slot, index <= rows and not self.selector_top_k)
+            self.context.process()
+            self.length = start
+            vocab = target.vocab_size
+            if self.selector_top_k:
+                return self._walked(rows, size, vocab, target.device)
+            drafted = np.stack(
+                [
+                    np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.context.ctx, i), shape=(vocab,))
+                    for i in range(1, rows + 1)
+                ]
+            )
+        logits = torch.from_numpy(drafted).to(target.device) * self.cfg.output_multiplier
         cap = self.cfg.final_logit_softcapping
         # ids outside a reduced draft vocabulary come at -inf and stay there, as in the torch drafter
         return torch.where(logits.isinf(), logits, torch.tanh(logits / cap) * cap) if cap else logits

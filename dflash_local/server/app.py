@@ -62,10 +62,7 @@ def create_app(
 
     async def health(request: Request) -> Response:
         state = {"status": "ok", "model": model, "busy": engine.busy, "queued": engine.queued()}
-        cache = engine.models.session.cache
-        if cache is not None:
-            state["prompt_cache"] = cache.describe()
-        return JSONResponse(state | engine.counts)
+        return JSONResponse(state | engine.state() | engine.counts)
 
     routes = [*openai_api.routes(server), *responses_api.routes(server), *anthropic_api.routes(server)]
     routes += ollama_api.routes(server)

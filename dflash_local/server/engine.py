@@ -1,6 +1,8 @@
-"""The one worker thread: takes jobs from a bounded queue in arrival order (a cancelled job gives up its place),
-iterates `generation.stream` for each through a TextStream and stops by checking (the client went away, a stop string
-appeared), handing the reply's parts and the ending to the event loop."""
+"""The worker threads (one per sequence decoded together: serve --parallel N): each takes jobs from one bounded queue
+in arrival order (a cancelled job gives up its place), iterates `generation.stream` for each through a TextStream and
+stops by checking (the client went away, a stop string appeared), handing the reply's parts and the ending to the
+event loop. With N > 1 each worker has its own views of the models (lanes.share): their forwards meet in one
+llama_decode per step."""
 
 from __future__ import annotations
 
@@ -9,13 +11,14 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
-from contextlib import closing
+from contextlib import AbstractContextManager, closing, nullcontext
 from dataclasses import dataclass, field
 
 from ..decode import Settings, Stats
 from ..errors import DFlashError
-from ..generation import OUT_OF_MEMORY, GenerationRequest, LoadedModels, decode_settings, out_of_memory, stream
+from ..generation import OUT_OF_MEMORY, GenerationRequest, LoadedModels, decode_settings, out_of_memory, share, stream
 from ..grammar import compile_grammar, prepare_tokenizer
+from ..lanes import Lanes
 from ..reasoning import opens_thinking
 from ..reply.channels import PLAIN, Parts, ReplyReader, reply_family
 from ..reply.text_stream import TextStream, end_texts, ending
@@ -73,7 +76,8 @@ class Job:
 
 
 class Engine:
-    """The one worker thread and its bounded, first-come-first-served queue of jobs."""
+    """The worker threads (`parallel` of them, one per sequence) and their bounded, first-come-first-served queue of
+    jobs."""
 
     def __init__(
         self,
@@ -87,10 +91,14 @@ class Engine:
         report: Callable[[str], None] | None = None,
         projector: Projector | None = None,
         remote_images: bool = False,
+        parallel: int = 1,
     ) -> None:
         if models.tokenizer is None:
             raise DFlashError("The model has no tokenizer (tokenizer.json), so it cannot be served.")
+        if parallel > 1 and projector is not None:
+            raise DFlashError(f"--parallel {parallel} takes no images yet: serve --mmproj with --parallel 1.")
         self.models = models
+        self.slots = [models] if parallel == 1 else share(models, parallel)  # each worker's models
         self.block_size = block_size
         self.max_new_tokens = max_new_tokens
         self.thinking = thinking  # the drafter's thinking mode: what chat templates render unless a request says
@@ -100,10 +108,12 @@ class Engine:
         self.projector, self.remote_images = projector, remote_images  # serve's --mmproj, --allow-remote-images
         self.size, self.waiting, self.arrived = size, deque[Job](), threading.Condition()
         self.counts = {"served": 0, "cancelled": 0, "failed": 0}
-        self.busy = False
+        self.running = 0  # workers generating now
         self.eos_texts = end_texts(models.tokenizer, models.stop_ids)
         self.family = reply_family(models.tokenizer.config)  # how a chat reply is read
-        threading.Thread(target=self._work, name="dflash-generation", daemon=True).start()
+        for index, slot in enumerate(self.slots):
+            name = f"dflash-generation-{index}"
+            threading.Thread(target=self._work, args=(slot,), name=name, daemon=True).start()
         threading.Thread(target=self._prepare_grammar, name="dflash-grammar", daemon=True).start()
 
     def _prepare_grammar(self) -> None:
@@ -119,7 +129,7 @@ class Engine:
         """Queue the job after those waiting; False when `size` are waiting (a cancelled one gives up its place)."""
         with self.arrived:
             live = deque(j for j in self.waiting if not j.cancelled.is_set())
-            self.counts["cancelled"] += len(self.waiting) - len(live)
+            self._count("cancelled", len(self.waiting) - len(live))
             self.waiting = live
             if len(live) >= self.size:
                 return False
@@ -131,34 +141,55 @@ class Engine:
         """How many jobs wait (cancelled ones included until the next submit or their turn)."""
         return len(self.waiting)
 
-    def _work(self) -> None:
+    @property
+    def busy(self) -> bool:
+        """Whether any worker is generating."""
+        return self.running > 0
+
+    def state(self) -> dict:
+        """For /health: the sequences decoded together, the decodes they shared, and the prompt cache (the workers'
+        stores summed) where there is one."""
+        lanes = self.slots[0].target.lanes if len(self.slots) > 1 else None
+        state = {"parallel": len(self.slots), "shared_decodes": 0 if lanes is None else lanes.shared}
+        caches = [slot.session.cache.describe() for slot in self.slots if slot.session.cache is not None]
+        if caches:
+            state["prompt_cache"] = {key: sum(cache[key] for cache in caches) for key in caches[0]}
+        return state
+
+    def _count(self, name: str, change: int = 1) -> None:
+        with self.arrived:
+            self.counts[name] += change
+
+    def _work(self, models: LoadedModels) -> None:
         while True:
             with self.arrived:
                 self.arrived.wait_for(lambda: self.waiting)
                 job = self.waiting.popleft()
-            self.busy = True
+                self.running += 1
             try:
-                self._serve(job)
+                self._serve(job, models)
             finally:
-                self.busy = False
+                with self.arrived:
+                    self.running -= 1
 
-    def _serve(self, job: Job) -> None:
-        """Generate one job and hand it its events; every exception ends as this job's Failure."""
+    def _serve(self, job: Job, models: LoadedModels) -> None:
+        """Generate one job with the worker's models and hand it its events; every exception ends as this job's
+        Failure."""
         try:
             if job.cancelled.is_set():
-                self.counts["cancelled"] += 1
+                self._count("cancelled")
                 return
-            ending = self._generate(job)
+            ending = self._generate(job, models)
             if ending is None:
-                self.counts["cancelled"] += 1
+                self._count("cancelled")
                 return
             job.emit(ending)
-            self.counts["served"] += 1
+            self._count("served")
         except DFlashError as exc:
-            self.counts["failed"] += 1
+            self._count("failed")
             job.emit(Failure(500 if job.sent else 400, str(exc)))
         except Exception as exc:  # one request's failure is its own error response, never the server's end
-            self.counts["failed"] += 1
+            self._count("failed")
             log.exception("generation failed")
             job.emit(Failure(500, f"The generation failed ({type(exc).__name__}: {exc})."))
 
@@ -181,9 +212,9 @@ class Engine:
             grammar=grammar,
         )
 
-    def _generate(self, job: Job) -> Ending | None:
+    def _generate(self, job: Job, models: LoadedModels) -> Ending | None:
         """Iterate the generation, emitting parts as they come; stop when cancelled (no Ending) or at a stop string."""
-        models, sampling = self.models, job.sampling
+        sampling = job.sampling
         ids = job.prompt(models)
         chunks = self._chunks(ids, job.images) if job.images else None
         ids = [i for chunk in chunks for i in chunk.row_ids()] if chunks else ids
@@ -197,8 +228,9 @@ class Engine:
         )
         ends = ending(self.eos_texts, models.stop_ids, settings.stop_ids)
         text = TextStream(models.tokenizer, models.stop_ids, sampling.stop, ends, reader)
+        lanes = models.target.lanes if len(self.slots) > 1 else None
         try:
-            with closing(stream(models, GenerationRequest(ids, settings))) as chunks:
+            with lanes_of(lanes, models), closing(stream(models, GenerationRequest(ids, settings))) as chunks:
                 for chunk in chunks:
                     stats = chunk.stats
                     job.cached_tokens = len(ids) - stats.prefill_tokens if reused is None else reused
@@ -233,3 +265,8 @@ def request_line(prompt_tokens: int, cached: int, stats: Stats) -> str:
         f"request: {prompt_tokens} prompt tokens ({cached} cached), prefill {stats.prefill_s:.2f} s, "
         f"{stats.new_tokens} generated at {stats.decode_tokens_per_s:.1f} tok/s"
     )
+
+
+def lanes_of(lanes: Lanes | None, models: LoadedModels) -> AbstractContextManager:
+    """While a worker generates, its sequence takes part in every shared decode (none with one worker)."""
+    return nullcontext() if lanes is None else lanes.generation(models.target.seq)

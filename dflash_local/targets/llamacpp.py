@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 import ctypes
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import gguf
 import numpy as np
@@ -19,6 +22,9 @@ from ..quant import Int8Matrix
 from ..runtime import LoadSpec, pick_dtype
 from ..tap_probe import layer_taps
 from .base import TargetOutput
+
+if TYPE_CHECKING:
+    from ..lanes import Lanes
 
 BATCH = 512
 STATE_SNAPSHOTS = 16  # per-token recurrent-state snapshots llama.cpp keeps for a hybrid target: the most positions
@@ -49,11 +55,13 @@ def model_params(spec: LoadSpec | None = None) -> ModelParams:
 
 
 def context_params(spec: LoadSpec, context: int) -> llama_cpp.llama_context_params:
-    """llama.cpp's context parameters shared by a target and its drafters: the context, batch, threads and the KV
-    cache's types (flash attention stays llama.cpp's auto, which it turns on for a quantized V cache); on the CPU
-    alone, no operation is sent to a GPU the library may offer (the CPU's kernels decide every bit)."""
+    """llama.cpp's context parameters shared by a target and its drafters: the context (for each of spec.sequences
+    sequences, each in its own KV cells: kv_unified stays off), batch, threads and the KV cache's types (flash
+    attention stays llama.cpp's auto, which it turns on for a quantized V cache); on the CPU alone, no operation is
+    sent to a GPU the library may offer (the CPU's kernels decide every bit)."""
     params = llama_cpp.llama_context_default_params()
-    params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = context, BATCH, BATCH, 1
+    params.n_ctx, params.n_batch, params.n_ubatch = context * spec.sequences, BATCH, BATCH
+    params.n_seq_max, params.kv_unified = spec.sequences, False
     params.n_threads = params.n_threads_batch = spec.runtime.threads or torch.get_num_threads()
     params.op_offload = spec.placement is not None and spec.placement.device is not None
     cache = spec.kv_cache
@@ -97,7 +105,8 @@ class LlamaCppTarget:
         self._padding = 0  # padding cells past `length` that a hybrid's last forward left in llama.cpp's memory
         self.cache_owner: object | None = None  # the Session that last filled its cache
         self.feature_layer_ids: list[int] = []
-        self._tapping = False  # llama.cpp keeps the feature layers' rows
+        self.seq = 0  # its llama.cpp sequence id (serve --parallel: one view per sequence, see `sequence`)
+        self.lanes: Lanes | None = None  # where sequences sharing the context meet to decode together
         self._head: torch.Tensor | Int8Matrix | None = None
         self.int8_head = False  # materialize the head as packed int8 rows (for a torch drafter on the CPU)
         self.fixed_rows: int | None = None  # FIXED_ROWS where verification runs on a GPU backend, else any width
@@ -183,14 +192,24 @@ class LlamaCppTarget:
     def _set_tapping(self, on: bool) -> None:
         """Have llama.cpp keep the feature layers' rows from the next decode on, or not (a decode without them
         costs a few percent less on a small model)."""
-        if on == self._tapping:
-            return
         last = self.num_layers - 1
-        for layer in self.feature_layer_ids:
-            if layer != last:
-                self._set_tap(self.context.ctx, layer + 1, on)
-        llama_cpp.llama_set_embeddings(self.context.ctx, on and last in self.feature_layer_ids)
-        self._tapping = on
+        with self.context.lock:  # other sequences' threads share the context (serve --parallel)
+            if on == self.context.tapping:
+                return
+            for layer in self.feature_layer_ids:
+                if layer != last:
+                    self._set_tap(self.context.ctx, layer + 1, on)
+            llama_cpp.llama_set_embeddings(self.context.ctx, on and last in self.feature_layer_ids)
+            self.context.tapping = on
+
+    def sequence(self, seq: int, lanes: Lanes) -> LlamaCppTarget:
+        """A view of this target for llama.cpp sequence `seq` (its own length and cache, empty), sharing the context,
+        whose forwards meet the other sequences' at `lanes` (one llama_decode for every sequence's rows)."""
+        view = copy.copy(self)
+        view.seq, view.lanes, view.cache_owner = seq, lanes, None
+        view.length = view._last_decode = view._padding = 0
+        view._fed, view.feature_layer_ids = [], list(self.feature_layer_ids)
+        return view
 
     def trim(self, length: int) -> None:
         """Forget every cached position at or after `length` (0: every cell), and a hybrid's padding cells past the
@@ -199,7 +218,7 @@ class LlamaCppTarget:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot trim the cache to {length} from {self.length}")
         if length == 0:
-            self.context.reset()
+            self.context.clear(self.seq)
             self.length = self._last_decode = self._padding = 0
             self._fed.clear()
             return
@@ -217,7 +236,7 @@ class LlamaCppTarget:
         self._last_decode = 0
         if self.recurrent and not snapshot:
             self._refeed(self._fed[:length])
-        elif not self.context.trim(length):
+        elif not self.context.trim(length, self.seq):
             if not self.recurrent:
                 raise DFlashError("llama.cpp could not roll its KV cache back.")
             self._refeed(self._fed[:length])
@@ -235,11 +254,11 @@ class LlamaCppTarget:
         """The cached positions' state (KV cells, a recurrent state), for load_state (the prompt cache)."""
         if self._padding:
             self.trim(self.length)
-        return self.context.save()
+        return self.context.save(self.seq)
 
     def load_state(self, state: bytearray, tokens: list[int]) -> None:
         """Hold a saved state again: the cache of `tokens` (as save_state gave it)."""
-        self.context.load(state)
+        self.context.load(state, self.seq)
         self.length, self._last_decode, self._padding = len(tokens), 0, 0
         self._fed[:] = tokens
 
@@ -284,7 +303,8 @@ class LlamaCppTarget:
 
     def _decode(self, ids: list[int], start: int, all_logits: bool) -> None:
         last = len(ids) - 1
-        self.context.decode([(0, start + index, token, all_logits or index == last) for index, token in enumerate(ids)])
+        rows = [(self.seq, start + index, token, all_logits or index == last) for index, token in enumerate(ids)]
+        self.context.decode(rows)
         self._last_decode = len(ids)
 
     def forward_embeddings(self, rows: np.ndarray, non_causal: bool, features: bool = True) -> TargetOutput:
@@ -347,6 +367,44 @@ class LlamaCppTarget:
             return self._view(self._embeddings_at(self.context.ctx), rows, self.hidden_size)
         return self._view(self._get_tap(self.context.ctx, layer + 1), rows, self.hidden_size)
 
+    def _chunk(
+        self, chunk: list[int], padding: int, start: int, wants: tuple[bool, bool, bool, bool]
+    ) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """Decode one chunk at start (and `padding` copies of its last token past it); read its logits and features
+        as `_read` says (wants: all_logits, wanted, greedy, features). Alone, or with lanes: a verify chunk in one
+        llama_decode with the other sequences' verify rows, a prompt chunk in one of its own."""
+        all_logits, features = wants[0], wants[3]
+        if self.lanes is not None and all_logits:
+            self._last_decode = len(chunk)
+            read = partial(self._read, wants)
+            return self.lanes.together(self.seq, (start, chunk), features, self._set_tapping, read)
+
+        def alone() -> tuple[np.ndarray | None, np.ndarray | None]:
+            self._set_tapping(features)
+            self._decode(chunk + chunk[-1:] * padding, start, all_logits)
+            every_output = features and self.num_layers - 1 in self.feature_layer_ids
+            outputs = len(chunk) + padding if all_logits or every_output else 1
+            return self._read(wants, slice(0, len(chunk)), outputs)
+
+        return alone() if self.lanes is None else self.lanes.alone(self.seq, alone)
+
+    def _read(
+        self, wants: tuple[bool, bool, bool, bool], rows: slice, outputs: int
+    ) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The last decode's logits for the batch rows `rows` (all of them with all_logits, else the last output row;
+        each row's argmax with greedy; None unless wanted) and the rows' features (None unless features), as copies;
+        `outputs`: the decode's output rows (every row where they are read by batch row)."""
+        all_logits, wanted, greedy, features = wants
+        ctx, logits, feats = self.context.ctx, None, None
+        if wanted:
+            view = self._view(self._logits_at(ctx), outputs, self.vocab_size)
+            view = view[rows] if all_logits else view[-1:]
+            logits = view.argmax(axis=1) if greedy else view.copy()
+        if features:
+            count = max(outputs, rows.stop)
+            feats = np.concatenate([self._features(i, count)[rows] for i in self.feature_layer_ids], axis=1)
+        return logits, feats
+
     def forward(
         self, ids: torch.Tensor, all_logits: bool = True, features: bool = True, greedy: bool = False
     ) -> TargetOutput:
@@ -361,23 +419,17 @@ class LlamaCppTarget:
         features = features and bool(self.feature_layer_ids)
         if self._padding:  # a hybrid's last forward left padding behind
             self.trim(start)
-        self._set_tapping(features)
         logits, feats = [], []
-        every_output = features and self.num_layers - 1 in self.feature_layer_ids
         width = (self.fixed_rows or VERIFY_ROWS) if all_logits else BATCH
         for offset in range(0, len(tokens), width):
             chunk = tokens[offset : offset + width]
             padding = 0
             if all_logits and self.fixed_rows:
                 padding = min(width - len(chunk), self.max_context - start - offset - len(chunk))
-            self._decode(chunk + chunk[-1:] * padding, start + offset, all_logits)
-            if all_logits or offset + width >= len(tokens):
-                rows = len(chunk) if all_logits or every_output else 1
-                view = self._view(self._logits_at(self.context.ctx), rows, self.vocab_size)
-                view = view if all_logits else view[-1:]
-                logits.append(view.argmax(axis=1) if greedy else view.copy())
-            if features:
-                feats.append(np.concatenate([self._features(i, len(chunk)) for i in self.feature_layer_ids], axis=1))
+            wanted = all_logits or offset + width >= len(tokens)
+            out, feat = self._chunk(chunk, padding, start + offset, (all_logits, wanted, greedy, features))
+            logits += [] if out is None else [out]
+            feats += [] if feat is None else [feat]
             self.length = start + offset + len(chunk)
             self._fed.extend(chunk)
             if self._last_decode > len(chunk):  # the padding's cells: a hybrid's stay until its next trim
