@@ -87,6 +87,38 @@ def drafter():
     )
 
 
+@pytest.fixture(scope="session")
+def vision_model(tmp_path_factory) -> Path:
+    """tests/tiny_archs.py's gemma3-vision, built once per session: hf/, hf-text/, model.gguf and mmproj.gguf."""
+    from test_architectures import build_tiny
+
+    return build_tiny(tmp_path_factory.mktemp("vision"), "gemma3-vision") / "gemma3-vision"
+
+
+@pytest.fixture(scope="session")
+def vision_drafter(vision_model, tmp_path_factory) -> Path:
+    """A one-layer block-16 DFlash drafter trained by `dflash train` for gemma3-vision's text model (its own greedy
+    continuations of the bundled held-out prompts, through llama.cpp): text only, as `dflash train` takes."""
+    from dflash_local.train.pipeline import TrainRequest, run_training
+    from dflash_local.train.selfdistill import DistillSettings
+    from dflash_local.train.trainer import TrainSettings
+
+    out = tmp_path_factory.mktemp("vision-drafter") / "drafter"
+    request = TrainRequest(
+        target=vision_model / "model.gguf",
+        corpus=[Path(__file__).resolve().parent.parent / "models" / "tiny" / "heldout_prompts.jsonl"],
+        out=out,
+        prompt_tokens=16,
+        draft_vocab=512,
+        threads=1,
+        distill=DistillSettings(new_tokens=48, batch_size=20, shard_size=20, sampled_fraction=0.0),
+        train=TrainSettings(layers=1, block_size=16, steps=200, batch_size=8, anchors=8, warmup=10, eval_every=200),
+    )
+    for _ in run_training(request):
+        pass
+    return out
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _state_home(tmp_path_factory):
     """dflash's own state (block-size calibrations, pull records) and the Hugging Face cache (the Gemma GGUF the

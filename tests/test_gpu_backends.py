@@ -1,9 +1,9 @@
 """llama.cpp's Vulkan backend on Mesa's lavapipe, a software Vulkan device that runs the GPU code path on the CPU: the
 dev install builds the Vulkan libllama, doctor lists the backend and the device, every tapped architecture and the
 bundled tiny pair run there (all layers and the native drafter), DFlash at blocks 4, 16 and auto equals plain decoding
-on that device (with a q4_0 KV cache too), and so does MTP drafting, partial offload and --cpu-moe write the same text
-as full offload, and a device that is not there is one sentence. Each run is its own process: llama.cpp is told which
-Vulkan devices it may use before it loads."""
+on that device (with a q4_0 KV cache too, and after an image in the prompt), and so does MTP drafting, partial offload
+and --cpu-moe write the same text as full offload, and a device that is not there is one sentence. Each run is its own
+process: llama.cpp is told which Vulkan devices it may use before it loads."""
 
 from __future__ import annotations
 
@@ -96,6 +96,27 @@ def test_every_architecture_runs_on_vulkan_and_dflash_equals_plain_decoding_ther
         for mode in ("lookup", "4", "16", "auto"):
             assert run[mode] == run["plain"], (run["target"], mode)
         assert len(run["auto_blocks"]) > 1, run
+
+
+def test_dflash_with_an_image_equals_plain_decoding_on_vulkan(vision_model, vision_drafter):
+    """gemma3-vision on Vulkan0 (every layer, the native drafter `dflash train` trained; the projector on the CPU):
+    after an image prompt, blocks 4 and 16 and auto (several sizes chosen; with lookup's drafts too, which are
+    accepted) give plain decoding's ids on the same device; another image, or the image's rows fed causally (a broken
+    feed), give other ids there."""
+    argv = [sys.executable, TESTS / "gpu_vision_runs.py", "vulkan", vision_model / "model.gguf"]
+    argv += [vision_model / "mmproj.gguf", vision_drafter, 16, 0, 1]
+    done = subprocess.run([*map(str, argv)], capture_output=True, text=True, env=clean_env(), timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = json.loads(done.stdout)
+    target, drafter = run["devices"]["target"], run["devices"]["drafter"]
+    assert (target["device"], drafter["device"], drafter["kind"]) == ("Vulkan0", "Vulkan0", "native"), run
+    assert target["layers_on_device"] == target["layers"], run
+    plain, other = run["plain"]
+    for mode in ("4", "16", "auto", "auto_lookup"):
+        assert run[mode] == [plain], mode
+    assert run["tau_auto_lookup"] > 1.5, run  # blocks accepted with the image's rows in the caches
+    assert len({size for size, _ in run["auto_steps"]}) > 1, run["auto_steps"]
+    assert other != plain and run["causal"] != [plain], run
 
 
 @pytest.mark.parametrize("layers", ["all", "2"])

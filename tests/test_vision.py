@@ -16,12 +16,12 @@ import pytest
 import torch
 from reference import oracle_python
 from safetensors.torch import load_file, save_file
-from test_architectures import build_tiny
+from test_gguf_lossless import auto_policy
 from tiny_models import make_drafter
 
 from dflash_local.chat import Chat, _turn
 from dflash_local.chat_template import read_template, use_template
-from dflash_local.decode import Settings, run
+from dflash_local.decode import Settings, Stats, run
 from dflash_local.drafters.suffix_index import SuffixIndex
 from dflash_local.drafters.torch_drafter import DFlashDrafter
 from dflash_local.errors import DFlashError
@@ -36,6 +36,7 @@ TESTS = Path(__file__).resolve().parent
 SIZE, ROWS = 112, 16  # the tiny tower's image size and rows per image (tests/tiny_archs.py VISION, IMAGE_ROWS)
 TOLERANCE = 2e-3  # llama.cpp's projection matrix is F16 (the converter forces it), the rest F32
 NEW_TOKENS = 24
+LOOKUP_TAU = 2.0  # auto's least tau after the image with lookup's drafts beside the trained drafter (docs/vision.md)
 
 
 def pixels(seed: int) -> np.ndarray:
@@ -44,9 +45,9 @@ def pixels(seed: int) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    """gemma3-vision's folder: hf/, hf-text/, model.gguf and mmproj.gguf."""
-    return build_tiny(tmp_path_factory.mktemp("vision"), "gemma3-vision") / "gemma3-vision"
+def model(vision_model) -> Path:
+    """gemma3-vision's folder (conftest's, built once per session): hf/, hf-text/, model.gguf and mmproj.gguf."""
+    return vision_model
 
 
 @pytest.fixture(scope="module")
@@ -94,24 +95,46 @@ def drafter(model, tmp_path_factory) -> DFlashDrafter:
     return DFlashDrafter.load(folder, LoadSpec(max_context=256))
 
 
-def decode(target, drafter, chunks: list[Chunk], block: int) -> tuple[list[int], int]:
-    """The new ids of a greedy generation after an image prompt (block 1: plain), and how many prompt positions the
-    decode loop's prefill forwarded (the image's rows were fed before it)."""
-    session = Session()
-    ids, _ = prefill(target, drafter if block > 1 else None, chunks, session)
-    settings = Settings(max_new_tokens=NEW_TOKENS, block_size=block, draft=block > 1, lookup=False)
-    new, stats = run(target, drafter if block > 1 else None, ids, settings, session=session)
-    return new, stats.prefill_tokens
+@pytest.fixture(scope="module")
+def trained(vision_drafter) -> DFlashDrafter:
+    """conftest's drafter trained by `dflash train` for the text model (text only)."""
+    return DFlashDrafter.load(vision_drafter, LoadSpec(max_context=256))
 
 
-def test_dflash_with_an_image_equals_plain_decoding(target, drafter, projector):
-    """T=0, blocks 4 and 16: DFlash's tokens after an image prompt are plain decoding's; the decode loop forwards
-    only the text after the image."""
+def decode(
+    target, drafter, chunks: list[Chunk], block: int | None, policy=None, lookup: bool = False
+) -> tuple[list[int], Stats]:
+    """The new ids of a greedy generation after an image prompt (block 1: plain; None: the drafter's block under the
+    policy) and its stats (prefill_tokens: the prompt positions the decode loop's prefill forwarded; the image's rows
+    were fed before it)."""
+    session, drafting = Session(), drafter if block != 1 else None
+    ids, _ = prefill(target, drafting, chunks, session)
+    settings = Settings(max_new_tokens=NEW_TOKENS, block_size=block, draft=block != 1, lookup=lookup)
+    return run(target, drafting, ids, settings, policy, session=session)
+
+
+def test_dflash_with_an_image_equals_plain_decoding(target, drafter, trained, projector):
+    """T=0, the drafter `dflash train` trained (conftest's) at blocks 4 and 16 and under --block-size auto's policy
+    (several sizes chosen), with lookup's drafts beside it and without, and the random drafter at 16: DFlash's tokens
+    after an image prompt are plain decoding's, and the decode loop forwards only the text after the image. Under
+    auto with lookup, blocks are accepted (tau > LOOKUP_TAU: the target repeats itself), so multi-token accepts and
+    rollbacks happen with the image's rows in the caches; the trained drafter's own drafts are not (tau 1.0: it was
+    trained on text, and this random target's answers after an image are runs of tokens its text never led to)."""
     chunks = image_chunks(projector, 0)
-    plain, forwarded = decode(target, drafter, chunks, 1)
-    assert forwarded == len(chunks[-1]) and len(plain) == NEW_TOKENS
-    for block in (4, 16):
-        assert decode(target, drafter, chunks, block) == (plain, forwarded), block
+    plain, stats = decode(target, None, chunks, 1)
+    assert stats.prefill_tokens == len(chunks[-1]) and len(plain) == NEW_TOKENS
+    new, stats = decode(target, drafter, chunks, 16)
+    assert (new, stats.prefill_tokens) == (plain, len(chunks[-1]))
+    taus = {}
+    for lookup in (False, True):
+        for block in (4, 16, None):
+            policy = auto_policy(trained.block_size) if block is None else None
+            new, stats = decode(target, trained, chunks, block, policy, lookup)
+            assert (new, stats.prefill_tokens) == (plain, len(chunks[-1])), (block, lookup)
+            taus[block or "auto", lookup] = round(stats.tau, 2)
+            assert block or len(set(stats.block_sizes)) > 1, stats.block_sizes
+    print(f"after an image, tau by (block, lookup): {taus}")
+    assert taus["auto", True] > LOOKUP_TAU, taus
 
 
 def test_the_drafter_gets_features_at_every_prompt_position(target, drafter, projector):
@@ -135,10 +158,10 @@ def test_the_image_and_its_non_causal_rows_change_the_output(target, drafter, pr
     """The equality above is not vacuous: another image, or the same image's rows fed causally (a broken feed), give
     other tokens, so DFlash decoding that fed them so would fail it."""
     chunks = image_chunks(projector, 0)
-    plain, _ = decode(target, drafter, chunks, 1)
-    assert decode(target, drafter, image_chunks(projector, 1), 1)[0] != plain
+    plain, _ = decode(target, None, chunks, 1)
+    assert decode(target, None, image_chunks(projector, 1), 1)[0] != plain
     causal = [Chunk(c.ids, c.embeddings, False) for c in chunks]
-    assert decode(target, drafter, causal, 1)[0] != plain
+    assert decode(target, None, causal, 1)[0] != plain
     assert decode(target, drafter, causal, 16)[0] != plain
 
 
