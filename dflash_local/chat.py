@@ -24,7 +24,7 @@ from .reasoning import ANSWER, Piece, opens_thinking
 from .reply.channels import Parts, ReplyReader, reply_family
 from .reply.text_stream import TextStream, end_texts, ending
 from .sampling import SamplingParams
-from .vision import MEDIA_MARKER, Chunk, Projector, image_file, prefill_for
+from .vision import MEDIA_MARKER, Chunk, Projector, image_file, named_images, prefill_for
 
 HELP = """commands:
   /help          this text
@@ -217,8 +217,14 @@ class Chat:
 
         Ctrl-C before the first token (rendering, prefill) leaves the history untouched and propagates;
         Ctrl-C while decoding keeps the partial answer and returns. Thinking shows dimmed and stays out of the history.
-        The models' session reuses the caches for the conversation's prefix that the last turn left there.
+        The models' session reuses the caches for the conversation's prefix that the last turn left there. Image
+        files the message names (a path, as in piped input) are attached as /image attaches them.
         """
+        if self.projector is not None and not self.completion:  # image files the message names go with it
+            paths, text = named_images(text)
+            self.pending = [*self.pending, *(image_file(self.projector, path) for path in paths)]
+            for path in paths:
+                self.notes.print(f"(image attached: {path})", markup=False, soft_wrap=True)
         user = {"role": "user", "content": MEDIA_MARKER * len(self.pending) + text, "images": self.pending}
         candidate = [*self.state.messages, user]
         messages, ids = self.fit(candidate)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import re
 import struct
 import weakref
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ MAX_IMAGE_BYTES = 32 * 1024 * 1024  # an image file's most bytes
 MAX_IMAGE_PIXELS = 40_000_000  # an image's most pixels (width x height), read from its header before decoding
 MEDIA_MARKER = "<__media__>"  # where an image goes in a prompt's text (libmtmd's default marker)
 IMAGE_ID_SPAN = 1 << 62  # image rows' ids are -1..-IMAGE_ID_SPAN: never a vocabulary id, never fed
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".bmp")  # what check_image reads, as a file's name ends
+_WORD = re.compile(r"""'([^']+)'|"([^"]+)"|(\S+)""")  # a quoted path, or a word
 _JPEG_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}  # frame markers: the size
 
 
@@ -87,6 +90,23 @@ def read_image(path: Path) -> bytes:
     except OSError as exc:
         raise DFlashError(f"Cannot read the image {path} ({exc.strerror or exc}).") from None
     return check_image(data, str(path))
+
+
+def named_images(text: str) -> tuple[list[Path], str]:
+    """The image files a message names (a word or quoted path ending in an image suffix, trailing punctuation aside,
+    naming a file that is there), and the message without them; as ollama reads paths in a prompt."""
+    found: list[Path] = []
+
+    def take(match: re.Match) -> str:
+        word = next(group for group in match.groups() if group is not None)
+        path = Path(word.rstrip(",;:!?)")).expanduser()
+        if path.suffix.lower() in IMAGE_SUFFIXES and path.is_file():
+            found.append(path)
+            return ""
+        return match.group(0)
+
+    rest = _WORD.sub(take, text)
+    return found, " ".join(rest.split()) if found else text
 
 
 def check_image(data: bytes, name: str) -> bytes:

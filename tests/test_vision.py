@@ -30,7 +30,15 @@ from dflash_local.prompt_cache import PromptCache
 from dflash_local.runtime import LoadSpec, RuntimeConfig
 from dflash_local.session import Session
 from dflash_local.targets.llamacpp import LlamaCppTarget
-from dflash_local.vision import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, Chunk, Projector, load_projector, prefill
+from dflash_local.vision import (
+    MAX_IMAGE_BYTES,
+    MAX_IMAGE_PIXELS,
+    MEDIA_MARKER,
+    Chunk,
+    Projector,
+    load_projector,
+    prefill,
+)
 
 TESTS = Path(__file__).resolve().parent
 SIZE, ROWS = 112, 16  # the tiny tower's image size and rows per image (tests/tiny_archs.py VISION, IMAGE_ROWS)
@@ -367,3 +375,40 @@ def test_chat_attaches_an_image_to_the_next_message(model, tmp_path, monkeypatch
     models.tokenizer.config = use_template(models.tokenizer.config, bare, model / "model.gguf")
     assert _turn(chat, f"/image {tmp_path / 'a.png'}") is False and _turn(chat, "") is False
     assert len(chat.state.messages) == 6
+
+
+def test_chat_attaches_the_image_files_a_message_names(model, tmp_path, monkeypatch):
+    """A message naming an image file (a path in piped input, quoted or not, trailing punctuation aside) takes that
+    image as /image would and leaves its path out of the text; a path to no file, a file that is not an image suffix,
+    and a chat without a projector keep the text as it is; a bad image is one `error:` line and sends nothing."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    models = load_models(model / "model.gguf", None, LoadSpec(RuntimeConfig(threads=1), max_context=256), False)
+    models.tokenizer.config = use_template(models.tokenizer.config, read_template("chatml"), model / "model.gguf")
+    settings = Settings(max_new_tokens=4, block_size=1, draft=False, lookup=False)
+    out, notes = StringIO(), StringIO()
+    chat = Chat(models, settings, Console(file=out), Console(file=notes, width=400), None, None)
+    image = png(tmp_path / "my photo.png", pixels(0))
+    assert _turn(chat, f"What is in '{image}'?") is False
+    assert "images" not in chat.state.messages[0] or not chat.state.messages[0]["images"]
+    assert str(image) in chat.state.messages[0]["content"]  # no projector: the text as it was
+    chat.state.messages = []
+    chat.projector = load_projector(models, model / "mmproj.gguf", 1)
+    counting = Counting(models.target, monkeypatch)
+    assert _turn(chat, f"What is in '{image}'?") is False
+    first = chat.state.messages[0]
+    assert len(first["images"]) == 1 and first["content"] == MEDIA_MARKER + "What is in ?", first["content"]
+    assert counting.take()[1] == ROWS and f"(image attached: {image})" in notes.getvalue()
+    plain = png(tmp_path / "b.png", pixels(1))
+    assert _turn(chat, f"and {plain}, {tmp_path / 'none.png'} and {tmp_path}?") is False
+    second = chat.state.messages[2]
+    assert (
+        len(second["images"]) == 1 and second["content"] == f"{MEDIA_MARKER}and {tmp_path / 'none.png'} and {tmp_path}?"
+    )
+    (tmp_path / "text.png").write_text("not an image\n")
+    notes.truncate(0), notes.seek(0)
+    assert _turn(chat, f"and {tmp_path / 'text.png'}") is True and len(chat.state.messages) == 4
+    assert notes.getvalue().startswith("error: ") and "is not an image dflash reads" in notes.getvalue()
+    assert not chat.pending
