@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .drafters.suffix_index import SuffixIndex
-from .prompt_cache import MIN_GAIN, PromptCache, Saved
+from .prompt_cache import MIN_GAIN, PromptCache, Saved, usable
 
 if TYPE_CHECKING:
     from .drafters.base import Drafter
@@ -67,6 +67,18 @@ class Session:
         while kept < limit and self.tokens[kept] == prompt_ids[kept]:
             kept += 1
         return kept
+
+    def reusable(self, prompt_ids: list[int]) -> int:
+        """How many leading prompt ids the caches or a saved entry would give a generation by the pair that last filled
+        the caches (serve --parallel's routing compares this between idle workers)."""
+        if self.owner is None:
+            return 0
+        target, drafter, layers = self.owner
+        kept = self.common_prefix(target, drafter, prompt_ids, layers)
+        if kept < self.length and target.recurrent:
+            kept = 0  # a trim would re-feed the rest
+        entries = [] if self.cache is None else self.cache.entries
+        return max([kept] + [usable(entry, prompt_ids) for entry in entries if entry.owner == self.owner])
 
     def record(self, tokens: list[int], length: int) -> None:
         """The caches now hold tokens[:length].

@@ -3,7 +3,8 @@
 A sequence's verify rows in one llama_decode beside other sequences' rows give the bits they give alone (a context of
 one sequence); two requests sent at once are decoded together and each answers what llama.cpp's own greedy run
 gives; at T > 0, with two sequences always in flight, the answers follow the target's distribution (chi-square
-against llama.cpp's own logits, enumerated); beyond N the queue holds --max-queue; each response's usage is its own.
+against llama.cpp's own logits, enumerated); beyond N the queue holds --max-queue; each response's usage is its own;
+a request goes to the idle worker whose caches hold the longest prefix of its prompt.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -33,9 +35,11 @@ from dflash_local.decode import Settings, generate
 from dflash_local.drafters.native import NativeDrafter
 from dflash_local.generation import LoadedModels, load_models, share
 from dflash_local.lanes import Lanes
+from dflash_local.prompt_cache import MIN_GAIN, PromptCache, Saved
 from dflash_local.runtime import LoadSpec, RuntimeConfig
 from dflash_local.sampling import SamplingParams
-from dflash_local.server.engine import Engine
+from dflash_local.server.engine import Engine, Worker, choose
+from dflash_local.session import Session
 from dflash_local.targets.llamacpp import VERIFY_ROWS, LlamaCppTarget
 
 __all__ = ["folders"]  # test_sampled_lossless's fixture, used here
@@ -300,3 +304,56 @@ def test_workers_saving_one_file_at_once_each_write_it_whole(tmp_path):
     for thread in threads:
         thread.join()
     assert not errors and path.read_text() in texts
+
+
+def holding(tokens: list[int], saved: tuple[list[int], ...] = ()) -> Worker:
+    """An idle worker whose caches hold tokens and whose prompt cache holds the saved sequences (a stand-in target:
+    only its cache's length, owner and kind)."""
+    target = SimpleNamespace(length=len(tokens), cache_owner=None, recurrent=False)
+    session = Session(PromptCache(2**20))
+    session.owner, target.cache_owner = (target, None, None), session
+    session.record(list(tokens), len(tokens))
+    for ids in saved:
+        session.cache.add(Saved(session.owner, list(ids), b"", None, None, exact=False))
+    return Worker(SimpleNamespace(session=session))
+
+
+def test_a_job_goes_to_the_idle_worker_holding_the_longest_prefix_of_its_prompt():
+    """choose: the caches' sequence or a saved entry holding the longest prefix wins, wherever it stands among the idle
+    workers; under MIN_GAIN tokens held, a tie, or a text prompt (images): the worker idle longest (the first)."""
+    a, b, c = list(range(100, 140)), list(range(200, 240)), list(range(300, 340))
+    prompt = a + [7, 8, 9]
+    idle = [holding(b), holding(a[:20]), holding(c, saved=(a,))]
+    assert choose(idle, prompt) is idle[2]  # 40 of the prompt saved beats 20 in the caches
+    assert choose(idle[:2], prompt) is idle[1]
+    assert choose([holding(b, saved=(c,)), holding(a)], prompt).models.session.tokens == a
+    assert choose(idle[:1], prompt) is idle[0]
+    short = [holding(b), holding(a[: MIN_GAIN - 1])]
+    assert choose(short, prompt) is short[0]
+    tied = [holding(b + a), holding(a), holding(a)]
+    assert choose(tied, prompt) is tied[1]
+    assert choose(idle, "text with <__media__>") is idle[0]
+
+
+def test_a_conversation_continued_goes_to_the_worker_whose_caches_hold_it(served, tiny_gguf, heldout, monkeypatch):
+    """In-process `serve --parallel 2` with a prompt cache, each request sent after the last answer ends: A, B, C (a
+    worker idle longest: the one that served A, which saves A), then A with one more turn: it goes to that worker,
+    reports A's prompt and answer as cached and answers what llama.cpp's own greedy run does; then A once more goes to
+    the same worker (the other one is idle longest). Routing by arrival alone sends both to the other worker."""
+    a, b, c = heldout[0][:24], heldout[1][:24], heldout[2][:24]
+    answer = llamacpp_greedy(tiny_gguf["q8_0"], [a], monkeypatch, NEW)[0]
+    again = a + answer + heldout[3][:8]  # 56 tokens: every prefill under 64 rows, computed row by row
+    expected = served.tokenizer.decode(llamacpp_greedy(tiny_gguf["q8_0"], [again], monkeypatch, NEW)[0])
+    models = replace(served, session=Session(PromptCache(64 * 2**20)))
+    engine = Engine(models, 4, None, size=4, parallel=2)
+    lock, log = threading.Lock(), []
+    with serving(engine) as address:
+        first = stream(address, a, log, "a", lock)
+        stream(address, b, log, "b", lock)
+        stream(address, c, log, "c", lock)
+        second = stream(address, again, log, "again", lock)
+        third = stream(address, again + heldout[4][:8], log, "third", lock, max_tokens=4)
+    assert first["text"] == served.tokenizer.decode(answer)
+    assert second["text"] == expected
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(a) + NEW - 1
+    assert third["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(again)

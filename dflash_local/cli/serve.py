@@ -71,7 +71,8 @@ Parallel = Annotated[
     typer.Option(
         "--parallel",
         help="Requests decoded together, one llama.cpp batch per step (GGUF targets on the CPU), each with its own "
-        "--max-context KV cache (N times the memory); more wait in the queue. Default 1: one at a time.",
+        "--max-context KV cache (N times the memory) and --cache-ram / N; a request goes to the idle sequence holding "
+        "the longest prefix of its prompt, more wait in the queue. Default 1: one at a time.",
     ),
 ]
 MaxConnections = Annotated[int, typer.Option("--max-connections", help="Open connections; more are answered 503.")]

@@ -1,8 +1,9 @@
-"""The worker threads (one per sequence decoded together: serve --parallel N): each takes jobs from one bounded queue
-in arrival order (a cancelled job gives up its place), iterates `generation.stream` for each through a TextStream and
-stops by checking (the client went away, a stop string appeared), handing the reply's parts and the ending to the
-event loop. With N > 1 each worker has its own views of the models (lanes.share): their forwards meet in one
-llama_decode per step."""
+"""The worker threads (one per sequence decoded together: serve --parallel N) and their dispatcher: it takes jobs from
+one bounded queue in arrival order (a cancelled job gives up its place), renders each one's prompt ids and hands the job
+to the idle worker whose caches hold the longest prefix of them (`choose`); the worker iterates `generation.stream`
+through a TextStream and stops by checking (the client went away, a stop string appeared), handing the reply's parts
+and the ending to the event loop. With N > 1 each worker has its own views of the models (lanes.share): their forwards
+meet in one llama_decode per step."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from ..errors import DFlashError
 from ..generation import OUT_OF_MEMORY, GenerationRequest, LoadedModels, decode_settings, out_of_memory, share, stream
 from ..grammar import compile_grammar, prepare_tokenizer
 from ..lanes import Lanes
+from ..prompt_cache import MIN_GAIN
 from ..reasoning import opens_thinking
 from ..reply.channels import PLAIN, Parts, ReplyReader, reply_family
 from ..reply.text_stream import TextStream, end_texts, ending
@@ -75,9 +77,27 @@ class Job:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
+@dataclass(eq=False)
+class Worker:
+    """One worker thread's models (its sequence's views) and the job handed to it with its prompt ids (None: idle)."""
+
+    models: LoadedModels
+    job: tuple[Job, list[int] | str] | None = None
+
+
+def choose(idle: list[Worker], ids: list[int] | str) -> Worker:
+    """The idle worker (idle longest first) whose caches hold the longest prefix of the prompt ids, MIN_GAIN or more;
+    the first (idle longest) where none holds that much, where it is the only one, or for a text with media markers."""
+    if len(idle) == 1 or isinstance(ids, str):
+        return idle[0]
+    held = [worker.models.session.reusable(ids) for worker in idle]
+    best = max(held)
+    return idle[held.index(best)] if best >= MIN_GAIN else idle[0]
+
+
 class Engine:
-    """The worker threads (`parallel` of them, one per sequence) and their bounded, first-come-first-served queue of
-    jobs."""
+    """The worker threads (`parallel` of them, one per sequence), their dispatcher and their bounded,
+    first-come-first-served queue of jobs."""
 
     def __init__(
         self,
@@ -108,12 +128,14 @@ class Engine:
         self.projector, self.remote_images = projector, remote_images  # serve's --mmproj, --allow-remote-images
         self.size, self.waiting, self.arrived = size, deque[Job](), threading.Condition()
         self.counts = {"served": 0, "cancelled": 0, "failed": 0}
-        self.running = 0  # workers generating now
+        self.running = 0  # jobs taken from the queue and not yet ended
+        self.idle = [Worker(slot) for slot in self.slots]  # the idle workers, idle longest first
         self.eos_texts = end_texts(models.tokenizer, models.stop_ids)
         self.family = reply_family(models.tokenizer.config)  # how a chat reply is read
-        for index, slot in enumerate(self.slots):
+        for index, worker in enumerate(self.idle):
             name = f"dflash-generation-{index}"
-            threading.Thread(target=self._work, args=(slot,), name=name, daemon=True).start()
+            threading.Thread(target=self._work, args=(worker,), name=name, daemon=True).start()
+        threading.Thread(target=self._dispatch, name="dflash-dispatch", daemon=True).start()
         threading.Thread(target=self._prepare_grammar, name="dflash-grammar", daemon=True).start()
 
     def _prepare_grammar(self) -> None:
@@ -134,7 +156,7 @@ class Engine:
             if len(live) >= self.size:
                 return False
             self.waiting.append(job)
-            self.arrived.notify()
+            self.arrived.notify_all()
         return True
 
     def queued(self) -> int:
@@ -143,7 +165,7 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        """Whether any worker is generating."""
+        """Whether any job is taken from the queue and not yet ended (its prompt rendered, or generating)."""
         return self.running > 0
 
     def state(self) -> dict:
@@ -160,38 +182,74 @@ class Engine:
         with self.arrived:
             self.counts[name] += change
 
-    def _work(self, models: LoadedModels) -> None:
+    def _dispatch(self) -> None:
+        """While a worker is idle, take the queue's first job, render its prompt ids (the tokenizer is llama.cpp's
+        vocabulary, read-only, or a Rust one: safe beside the workers) and hand it to the worker `choose` picks."""
         while True:
             with self.arrived:
-                self.arrived.wait_for(lambda: self.waiting)
-                job = self.waiting.popleft()
+                self.arrived.wait_for(lambda: self.waiting and self.idle)
+                job, idle = self.waiting.popleft(), list(self.idle)  # only this thread makes a worker busy
                 self.running += 1
+            cancelled = job.cancelled.is_set()
+            ids = None if cancelled else self._render(job)
+            worker = None if ids is None else choose(idle, ids)
+            with self.arrived:
+                if worker is None:
+                    self.counts["cancelled"] += cancelled
+                    self.running -= 1
+                    continue
+                self.idle.remove(worker)
+                worker.job = (job, ids)
+                self.arrived.notify_all()
+
+    def _render(self, job: Job) -> list[int] | str | None:
+        """The job's prompt ids (a text with media markers where it has images); None where rendering failed (the
+        job's Failure sent)."""
+        try:
+            return job.prompt(self.models)
+        except Exception as exc:
+            job.emit(self._failure(job, exc))
+            return None
+
+    def _work(self, worker: Worker) -> None:
+        """Serve each job handed to the worker; idle again before the job's last event goes out, so that a client's
+        next request finds this worker's caches among the idle ones."""
+        while True:
+            with self.arrived:
+                self.arrived.wait_for(lambda: worker.job is not None)
+                job, ids = worker.job
+            last = None
             try:
-                self._serve(job, models)
+                last = self._serve(job, worker.models, ids)
             finally:
                 with self.arrived:
+                    worker.job = None
+                    self.idle.append(worker)
                     self.running -= 1
+                    self.arrived.notify_all()
+            if last is not None:
+                job.emit(last)
 
-    def _serve(self, job: Job, models: LoadedModels) -> None:
-        """Generate one job with the worker's models and hand it its events; every exception ends as this job's
-        Failure."""
+    def _serve(self, job: Job, models: LoadedModels, ids: list[int] | str) -> Ending | Failure | None:
+        """Generate one job with the worker's models, handing it its parts; its last event (None: cancelled). Every
+        exception ends as this job's Failure."""
         try:
             if job.cancelled.is_set():
                 self._count("cancelled")
-                return
-            ending = self._generate(job, models)
-            if ending is None:
-                self._count("cancelled")
-                return
-            job.emit(ending)
-            self._count("served")
-        except DFlashError as exc:
-            self._count("failed")
-            job.emit(Failure(500 if job.sent else 400, str(exc)))
+                return None
+            ending = self._generate(job, models, ids)
+            self._count("served" if ending is not None else "cancelled")
+            return ending
         except Exception as exc:  # one request's failure is its own error response, never the server's end
-            self._count("failed")
-            log.exception("generation failed")
-            job.emit(Failure(500, f"The generation failed ({type(exc).__name__}: {exc})."))
+            return self._failure(job, exc)
+
+    def _failure(self, job: Job, exc: Exception) -> Failure:
+        """The job's Failure for exc: a DFlashError's sentence (400 before any text), else a 500 (logged)."""
+        self._count("failed")
+        if isinstance(exc, DFlashError):
+            return Failure(500 if job.sent else 400, str(exc))
+        log.exception("generation failed")
+        return Failure(500, f"The generation failed ({type(exc).__name__}: {exc}).")
 
     def settings(self, sampling: Sampling, prompt_tokens: int) -> Settings:
         """The loop's settings for a request (generation.decode_settings): no max_tokens means serve's
@@ -212,10 +270,10 @@ class Engine:
             grammar=grammar,
         )
 
-    def _generate(self, job: Job, models: LoadedModels) -> Ending | None:
-        """Iterate the generation, emitting parts as they come; stop when cancelled (no Ending) or at a stop string."""
+    def _generate(self, job: Job, models: LoadedModels, ids: list[int] | str) -> Ending | None:
+        """Iterate the generation of the prompt ids, emitting parts as they come; stop when cancelled (no Ending) or at
+        a stop string."""
         sampling = job.sampling
-        ids = job.prompt(models)
         chunks = self._chunks(ids, job.images) if job.images else None
         ids = [i for chunk in chunks for i in chunk.row_ids()] if chunks else ids
         job.prompt_tokens, stats = len(ids), Stats()
