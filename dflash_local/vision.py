@@ -8,7 +8,8 @@ import hashlib
 import re
 import struct
 import weakref
-from dataclasses import dataclass
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,27 +35,49 @@ _WORD = re.compile(r"""'([^']+)'|"([^"]+)"|(\S+)""")  # a quoted path, or a word
 _JPEG_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}  # frame markers: the size
 
 
-@dataclass
 class Chunk:
     """A run of prompt positions: token ids (text), or embedding rows (an image) with whether they attend to each
-    other both ways (Gemma 3's image rows: llama.cpp's non-causal attention inside the image)."""
+    other both ways (Gemma 3's image rows: llama.cpp's non-causal attention inside the image). A projector's image
+    chunk has a key (its pixels' and projector's digest) and encodes its rows on first use, so an image the caches
+    already hold is never encoded again."""
 
-    ids: list[int] | None = None
-    embeddings: np.ndarray | None = None
-    non_causal: bool = False
+    def __init__(
+        self,
+        ids: list[int] | None = None,
+        embeddings: np.ndarray | None = None,
+        non_causal: bool = False,
+        *,
+        key: bytes | None = None,
+        rows: int = 0,
+        encode: Callable[[], np.ndarray] | None = None,
+    ) -> None:
+        self.ids, self.non_causal, self.key, self._encode = ids, non_causal, key, encode
+        self._embeddings = embeddings
+        self.rows = len(embeddings) if embeddings is not None else rows
+
+    @property
+    def embeddings(self) -> np.ndarray | None:
+        """An image's rows (encoded now where they were not yet); None for text."""
+        if self._embeddings is None and self._encode is not None:
+            self._embeddings, self._encode = self._encode(), None
+        return self._embeddings
 
     def __len__(self) -> int:
-        return len(self.ids) if self.ids is not None else len(self.embeddings)
+        return len(self.ids) if self.ids is not None else self.rows
 
     def row_ids(self) -> list[int]:
-        """The chunk's ids: a text chunk's tokens, or an image's rows as negative ids derived from its embeddings
-        (one distinct id per row), so that only the same image matches them in the session and the prompt cache."""
+        """The chunk's ids: a text chunk's tokens, or an image's rows as negative ids derived from its key (else its
+        embeddings), one distinct id per row, so that only the same image matches them in the session and the prompt
+        cache."""
         if self.ids is not None:
             return self.ids
-        rows = np.ascontiguousarray(self.embeddings, dtype=np.float32)
-        digest = hashlib.sha256(rows.tobytes() + bytes([self.non_causal]) + str(rows.shape).encode()).digest()
+        if self.key is not None:
+            digest = hashlib.sha256(self.key + bytes([self.non_causal]) + str(self.rows).encode()).digest()
+        else:
+            rows = np.ascontiguousarray(self.embeddings, dtype=np.float32)
+            digest = hashlib.sha256(rows.tobytes() + bytes([self.non_causal]) + str(rows.shape).encode()).digest()
         ids = []
-        for row in range(len(rows)):
+        for row in range(self.rows):
             value = int.from_bytes(hashlib.sha256(digest + row.to_bytes(8, "little")).digest()[:8], "little")
             ids.append(-1 - value % IMAGE_ID_SPAN)
         return ids
@@ -179,13 +202,15 @@ class Projector:
         return self.mtmd.mtmd_bitmap_init(width, height, data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)))
 
     def chunks(self, prompt: str, bitmaps: list, add_special: bool = True) -> list[Chunk]:
-        """The prompt (text with one media marker per bitmap) as text and image chunks, each image encoded; the
-        bitmaps are freed."""
+        """The prompt (text with one media marker per bitmap) as text and image chunks, each image encoded on first
+        use (Chunk.embeddings); the bitmaps are freed."""
         mtmd = self.mtmd
         try:
             markers = prompt.count(self.marker)
             if markers != len(bitmaps):
                 raise DFlashError(f"The prompt holds {markers} image markers ({self.marker}), not {len(bitmaps)}.")
+            for bitmap in bitmaps:  # its key: what the image's chunk reports as its id
+                mtmd.mtmd_bitmap_set_id(bitmap, self._key(bitmap).hex().encode())
             text = prompt.encode()
             given = mtmd.mtmd_input_text(text, len(text), add_special, True)
             array = (mtmd.mtmd_bitmap_p_ctypes * max(1, len(bitmaps)))(*bitmaps)
@@ -213,15 +238,34 @@ class Projector:
             raise DFlashError("The projector made a chunk that is not an image (audio?), which dflash does not take.")
         if mtmd.mtmd_decode_use_mrope(self.ctx):
             raise DFlashError(f"{self.path} places image rows by 2D positions (M-RoPE), which dflash does not do yet.")
+        kept = mtmd.mtmd_input_chunk_copy(chunk)  # the chunks' list is freed; the copy lives with the Chunk
+        rows, key = (
+            mtmd.mtmd_input_chunk_get_n_tokens(chunk),
+            bytes.fromhex(mtmd.mtmd_input_chunk_get_id(chunk).decode()),
+        )
+        non_causal = bool(mtmd.mtmd_decode_use_non_causal(self.ctx, chunk))
+        image = Chunk(non_causal=non_causal, key=key, rows=rows, encode=partial(self._encode, kept, rows))
+        weakref.finalize(image, mtmd.mtmd_input_chunk_free, kept)
+        return image
+
+    def _key(self, bitmap) -> bytes:
+        """An image's identity for the caches: the digest of its pixels, size and this projector's file."""
+        mtmd = self.mtmd
+        size = mtmd.mtmd_bitmap_get_n_bytes(bitmap)
+        pixels = ctypes.string_at(mtmd.mtmd_bitmap_get_data(bitmap), size)
+        shape = struct.pack("<II", mtmd.mtmd_bitmap_get_nx(bitmap), mtmd.mtmd_bitmap_get_ny(bitmap))
+        return hashlib.sha256(pixels + shape + str(self.path.resolve()).encode()).digest()
+
+    def _encode(self, chunk, rows: int) -> np.ndarray:
+        """An image chunk's embedding rows, encoded by the projector."""
+        mtmd = self.mtmd
         status = mtmd.mtmd_encode_chunk(self.ctx, chunk)
         if status != 0:
             from .llama_lib import first_llama_error
 
             raise DFlashError(f"llama.cpp could not encode an image (status {status}: {first_llama_error()}).")
-        rows = mtmd.mtmd_input_chunk_get_n_tokens(chunk)
         out = mtmd.mtmd_get_output_embd(self.ctx)
-        values = np.ctypeslib.as_array(out, shape=(rows * self.width,)).reshape(rows, self.width).copy()
-        return Chunk(embeddings=values, non_causal=bool(mtmd.mtmd_decode_use_non_causal(self.ctx, chunk)))
+        return np.ctypeslib.as_array(out, shape=(rows * self.width,)).reshape(rows, self.width).copy()
 
 
 def prefill(

@@ -222,24 +222,25 @@ def test_the_same_image_twice_reuses_the_caches_and_another_image_does_not(
     target, drafter, projector, monkeypatch, block
 ):
     """In one session the same image prompt again forwards no image row and one text id, a longer question after
-    the same image only its new text; another image forwards its rows again (the text before it is kept). Each
-    gives fresh caches' tokens."""
+    the same image only its new text, and neither encodes the image again; another image is encoded and forwards its
+    rows (the text before it is kept). Each gives fresh caches' tokens."""
     fresh = {seed: turn(target, drafter, image_chunks(projector, seed), Session(), block)[0] for seed in (0, 1)}
-    longer = image_chunks(projector, 0, "What is it? Say more.")
-    fresh_longer = turn(target, drafter, longer, Session(), block)[0]
-    counting, session = Counting(target, monkeypatch), Session()
-    chunks = image_chunks(projector, 0)
-    assert turn(target, drafter, chunks, session, block)[0] == fresh[0]
-    assert counting.take()[1] == ROWS
-    new, forwarded = turn(target, drafter, chunks, session, block)
+    fresh_longer = turn(target, drafter, image_chunks(projector, 0, "What is it? Say more."), Session(), block)[0]
+    counting, session, encoded, encode = Counting(target, monkeypatch), Session(), [], projector._encode
+    monkeypatch.setattr(projector, "_encode", lambda chunk, rows: encoded.append(rows) or encode(chunk, rows))
+    assert turn(target, drafter, image_chunks(projector, 0), session, block)[0] == fresh[0]
+    assert counting.take()[1] == ROWS and encoded == [ROWS]
+    new, forwarded = turn(target, drafter, image_chunks(projector, 0), session, block)
     assert (new, forwarded) == (fresh[0], 1)
-    assert counting.take()[1] == 0
+    assert counting.take()[1] == 0 and encoded == [ROWS]
+    longer = image_chunks(projector, 0, "What is it? Say more.")
     new, forwarded = turn(target, drafter, longer, session, block)
     assert new == fresh_longer and forwarded < len(longer[-1]) - 1
-    assert counting.take()[1] == 0
+    assert counting.take()[1] == 0 and encoded == [ROWS]
     other = image_chunks(projector, 1)
     ids, kept = prefill(target, drafter if block > 1 else None, other, session)
     assert counting.take() == (0, ROWS) and kept == len(other[0])  # the text before the image kept, not its rows
+    assert encoded == [ROWS, ROWS]
     settings = Settings(max_new_tokens=NEW_TOKENS, block_size=block, draft=block > 1, lookup=False)
     assert run(target, drafter if block > 1 else None, ids, settings, session=session)[0] == fresh[1]
 
