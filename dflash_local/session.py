@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .drafters.suffix_index import SuffixIndex
-from .prompt_cache import MIN_GAIN, PromptCache, Saved, usable
+from .prompt_cache import MIN_GAIN, PromptCache, Saved
 
 if TYPE_CHECKING:
     from .drafters.base import Drafter
@@ -74,11 +74,8 @@ class Session:
         if self.owner is None:
             return 0
         target, drafter, layers = self.owner
-        kept = self.common_prefix(target, drafter, prompt_ids, layers)
-        if kept < self.length and target.recurrent:
-            kept = 0  # a trim would re-feed the rest
-        entries = [] if self.cache is None else self.cache.entries
-        return max([kept] + [usable(entry, prompt_ids) for entry in entries if entry.owner == self.owner])
+        given = self._given(target, self.common_prefix(target, drafter, prompt_ids, layers))
+        return given if self.cache is None else max(given, self.cache.best(self.owner, prompt_ids)[1])
 
     def record(self, tokens: list[int], length: int) -> None:
         """The caches now hold tokens[:length].
@@ -93,6 +90,11 @@ class Session:
         if self.cache is not None and self.owner is not None and self.owner[0].recurrent:
             self.cache.add(self._saved(None))
 
+    def _given(self, target: Target, kept: int) -> int:
+        """How many prompt ids the caches give, `kept` of them common: all, but none for a recurrent target whose
+        caches hold more than that (a trim re-feeds the rest)."""
+        return 0 if target.recurrent and kept < self.length else kept
+
     def _owns(self) -> bool:
         """Whether this session filled the owner pair's caches last."""
         return all(model.cache_owner is self for model in _models(*self.owner[:2]))
@@ -102,7 +104,7 @@ class Session:
         entry that holds the most of the prompt where that is MIN_GAIN more than the caches give (a recurrent
         target's caches give nothing unless the prompt continues all they hold: a trim re-feeds the rest)."""
         kept = self.common_prefix(target, drafter, prompt_ids, layers)
-        given = 0 if target.recurrent and kept < self.length else kept
+        given = self._given(target, kept)
         owner = (target, drafter, layers)
         entry, gain = self.cache.best(owner, prompt_ids)
         swap = entry is not None and gain >= given + MIN_GAIN

@@ -115,8 +115,6 @@ class Engine:
     ) -> None:
         if models.tokenizer is None:
             raise DFlashError("The model has no tokenizer (tokenizer.json), so it cannot be served.")
-        if parallel > 1 and projector is not None:
-            raise DFlashError(f"--parallel {parallel} takes no images yet: serve --mmproj with --parallel 1.")
         self.models = models
         self.slots = [models] if parallel == 1 else share(models, parallel)  # each worker's models
         self.block_size = block_size
