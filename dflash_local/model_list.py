@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 from rich.console import Console
 from rich.padding import Padding
@@ -59,8 +59,8 @@ def catalog_rows() -> list[ModelRow]:
     rows = []
     for entry in load_catalog().values():
         needs = f"{entry.memory_gb:g} GB" + (f" ({entry.quantize})" if entry.quantize else "")
-        row = ModelRow(entry.name, "catalog", _on_disk(entry), needs, entry.hardware, entry.summary)
-        rows.append(replace(row, projector=_projector(entry)))
+        on_disk, projector = _on_disk(entry), _projector(entry)
+        rows.append(ModelRow(entry.name, "catalog", on_disk, needs, entry.hardware, entry.summary, projector=projector))
     return rows
 
 
