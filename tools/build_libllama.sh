@@ -2,7 +2,8 @@
 # Builds the libllama dflash loads: llama-cpp-python's own source (the version installed in the venv) with ggml's CPU
 # matmul patched (tools/patch_ggml_cpu.py): prompt batches of 64 rows or more run llamafile's tinyBLAS and the tiled
 # K-quant matmul for all rows but their last, while verify and one-token batches and each batch's last row sum in the
-# one-token order, so DFlash stays bitwise lossless on the CPU (docs/gguf.md); and with the layer-input taps set in the
+# one-token order, and a one-row batch's flash attention takes a verify row's kernel, so DFlash stays bitwise lossless
+# on the CPU (docs/gguf.md); and with the layer-input taps set in the
 # graph builders of the architectures in TAPS (stock llama.cpp sets them for llama and qwen3, not gemma3: one line in
 # the layer loop); and beside libllama, llama.cpp's multimodal library libmtmd (image projectors: dflash_local/vision.py)
 # from the same build, linking that libllama.
@@ -21,7 +22,7 @@ venv=${1:-.venv}
 python="$venv/bin/python"
 version=$("$python" -c 'import importlib.metadata as m; print(m.version("llama_cpp_python"))')
 taps="gemma3"
-patches="prompt-rows mtmd"  # what tools/patch_ggml_*.py change, and libmtmd built beside libllama: a build made before
+patches="prompt-rows one-row-attention mtmd"  # tools/patch_ggml_*.py's changes, and libmtmd built beside libllama: a build made before
 # a new patch (or without libmtmd) is redone
 case "$backend" in
   cpu) dest="$venv/lib/dflash-libllama"; flags=() ;;
