@@ -93,6 +93,11 @@ class LlamaContext:
         with self.lock:
             return llama_cpp.llama_memory_seq_rm(self.memory, sequence, length, -1)
 
+    def first_position(self, sequence: int = 0) -> int:
+        """The earliest position whose cells a sequence holds (-1: none; past 0 where a sliding window reused cells)."""
+        with self.lock:
+            return llama_cpp.llama_memory_seq_pos_min(self.memory, sequence)
+
     def reset(self) -> None:
         """Forget every sequence's cells."""
         with self.lock:

@@ -217,10 +217,9 @@ def run_peer(
     many begin with reference (dflash's plain outputs, cut at their end of sequence)."""
     longest = max(len(ids) for _, ids in prompts)
     # as dflash loads the model: the weights unrepacked (--no-repack; llama-server's default AMX repacking also
-    # crashed it here, docs/benchmarks.md) and full-size caches for sliding-window layers (--swa-full, llama.cpp's
-    # context default, which llama-server turns off: its outputs then part from dflash's on Gemma 3)
+    # crashed it here, docs/benchmarks.md); sliding-window layers keep window-sized caches in both (its default)
     common = [str(binary), "-m", str(target), "-np", "1", "--metrics", "--no-webui", "--cache-ram", "0"]
-    common += ["--no-repack", "--swa-full"]
+    common += ["--no-repack"]
     common += ["-c", str(longest + max_new_tokens + 2 * (block_size or 16) + 64)]
     common += ["-t", str(threads), "-tb", str(threads)] if threads else []
     with exported_drafter(drafter, target) as drafter_gguf, tempfile.TemporaryDirectory(prefix="dflash-peer-") as logs:

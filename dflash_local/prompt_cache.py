@@ -19,14 +19,15 @@ MIN_GAIN = 16  # positions a saved entry must hold beyond what the caches give, 
 class Saved:
     """One sequence's caches: the pair that filled them, the ids whose state they held, each model's saved state (the
     drafter's with the features it had not cached), the suffix index over the ids (None: rebuilt on use).
-    exact: usable only by prompts that continue all its ids (a recurrent state cannot drop a suffix)."""
+    floor: the fewest of its ids a prompt must continue to use it (the target's trim_floor: all of them for a
+    recurrent state, which cannot drop a suffix; the reach of a window-sized cache)."""
 
     owner: tuple
     tokens: list[int]
     target_state: object
     drafter_state: object | None
     index: SuffixIndex | None
-    exact: bool
+    floor: int
 
     @property
     def size(self) -> int:
@@ -51,10 +52,10 @@ def state_bytes(state: object) -> int:
 
 def usable(entry: Saved, prompt_ids: list[int]) -> int:
     """How many leading prompt ids the entry's caches give (at most all but the prompt's last id)."""
-    tokens, limit = entry.tokens, len(prompt_ids) - 1
-    if entry.exact:
-        return len(tokens) if len(tokens) <= limit and prompt_ids[: len(tokens)] == tokens else 0
-    limit, kept = min(len(tokens), limit), 0
+    tokens, limit = entry.tokens, min(len(entry.tokens), len(prompt_ids) - 1)
+    if entry.floor > limit or prompt_ids[: entry.floor] != tokens[: entry.floor]:
+        return 0
+    kept = entry.floor
     while kept < limit and tokens[kept] == prompt_ids[kept]:
         kept += 1
     return kept
@@ -100,10 +101,8 @@ class PromptCache:
 
 
 def _covers(new: Saved, old: Saved) -> bool:
-    """Whether every prompt `old` serves, `new` serves as far: same pair, and old's ids begin new's (exactly equal
-    for entries usable only whole)."""
-    if new.owner != old.owner or len(old.tokens) > len(new.tokens):
-        return False
-    if old.exact and len(old.tokens) != len(new.tokens):
+    """Whether every prompt `old` serves, `new` serves as far: same pair, old's ids begin new's, and new needs no more
+    of them continued than old does."""
+    if new.owner != old.owner or len(old.tokens) > len(new.tokens) or new.floor > old.floor:
         return False
     return new.tokens[: len(old.tokens)] == old.tokens

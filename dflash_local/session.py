@@ -46,7 +46,7 @@ class Session:
         of it swapped in first), leaving at least one prompt token to forward; return how many positions are kept."""
         if self.cache is not None:
             self._swap(target, drafter, prompt_ids, layers)
-        kept = self.common_prefix(target, drafter, prompt_ids, layers)
+        kept = self._given(target, self.common_prefix(target, drafter, prompt_ids, layers))
         self.owner = (target, drafter, layers)
         for model in _models(target, drafter):
             model.cache_owner = self
@@ -85,15 +85,17 @@ class Session:
         self.tokens, self.length = tokens, length
 
     def checkpoint(self) -> None:
-        """Save a copy of the caches' state now (a prompt just prefilled) where the target's state cannot drop a
-        suffix: the next turn of the conversation continues exactly these tokens."""
-        if self.cache is not None and self.owner is not None and self.owner[0].recurrent:
+        """Save a copy of the caches' state now (a prompt just prefilled) where the target's state cannot drop any
+        suffix (a recurrent state; a window-sized cache, once the answer has reused the cells): the next turn of the
+        conversation continues these tokens."""
+        target = None if self.owner is None else self.owner[0]
+        if self.cache is not None and target is not None and (target.recurrent or target.window):
             self.cache.add(self._saved(None))
 
     def _given(self, target: Target, kept: int) -> int:
-        """How many prompt ids the caches give, `kept` of them common: all, but none for a recurrent target whose
-        caches hold more than that (a trim re-feeds the rest)."""
-        return 0 if target.recurrent and kept < self.length else kept
+        """How many prompt ids the caches give, `kept` of them common: none where the target cannot trim to `kept` in
+        place (below its trim_floor a trim feeds them again: the prefill is as short from nothing)."""
+        return kept if kept >= target.trim_floor else 0
 
     def _owns(self) -> bool:
         """Whether this session filled the owner pair's caches last."""
@@ -101,8 +103,8 @@ class Session:
 
     def _swap(self, target: Target, drafter: Drafter | None, prompt_ids: list[int], layers: tuple | None) -> None:
         """Save the caches' sequence where the prompt would drop MIN_GAIN or more of it, and swap in the pair's saved
-        entry that holds the most of the prompt where that is MIN_GAIN more than the caches give (a recurrent
-        target's caches give nothing unless the prompt continues all they hold: a trim re-feeds the rest)."""
+        entry that holds the most of the prompt where that is MIN_GAIN more than the caches give (nothing below the
+        target's trim_floor)."""
         kept = self.common_prefix(target, drafter, prompt_ids, layers)
         given = self._given(target, kept)
         owner = (target, drafter, layers)
@@ -136,7 +138,7 @@ class Session:
             target.trim(self.length)
         drafter_state = None if drafter is None else drafter.save_state()
         tokens = self.tokens[: self.length]
-        return Saved(self.owner, tokens, target.save_state(), drafter_state, index, target.recurrent)
+        return Saved(self.owner, tokens, target.save_state(), drafter_state, index, target.trim_floor)
 
 
 def _models(target: Target, drafter: Drafter | None) -> tuple:

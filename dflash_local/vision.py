@@ -287,11 +287,12 @@ def prefill(
     if len(ids) >= target.max_context:  # as the decode loop says it, before any row goes in
         raise DFlashError(f"The prompt ({len(ids)} tokens) does not fit the {target.max_context}-token context.")
     kept = reused = session.resume(target, drafter, ids, layers)  # owned by this session, trimmed to the prefix
+    cut = _image_start(chunks, kept)
+    if cut < kept:  # an image's rows are fed whole (they attend to each other); from nothing below the trim floor
+        kept = reused = _trim(target, drafter, session, ids, cut if cut >= target.trim_floor else 0)
     begin = 0
     for chunk in chunks[:-1]:
         end = begin + len(chunk)
-        if chunk.ids is None and begin < kept < end:  # an image's rows are fed whole (they attend to each other)
-            kept = reused = _trim(target, drafter, session, ids, begin)
         if kept < end:
             if chunk.ids is not None:
                 ids_in = torch.tensor(chunk.ids[kept - begin :], dtype=torch.long, device=target.device)
@@ -304,6 +305,17 @@ def prefill(
         begin = end
     session.record(ids, kept)
     return ids, reused
+
+
+def _image_start(chunks: list[Chunk], position: int) -> int:
+    """Where the image holding `position` past its first row starts (position itself where no image does)."""
+    begin = 0
+    for chunk in chunks:
+        end = begin + len(chunk)
+        if chunk.ids is None and begin < position < end:
+            return begin
+        begin = end
+    return position
 
 
 def _trim(target: LlamaCppTarget, drafter: Drafter | None, session: Session, ids: list[int], length: int) -> int:

@@ -4,10 +4,11 @@ the tests' DFlash drafters) and the auto policy (scripted costs), for each promp
 mode's ids per prompt, its steps' (verify size, acceptance length) pairs, each block's tau, and where the layers and
 the drafter ran. A target given as its own drafter drafts with its MTP layer.
 
-  python tests/gpu_runs.py [--cache-type KIND] DEVICE GPU_LAYERS CPU_MOE NEW_TOKENS PROMPT_IDS[;PROMPT_IDS...]
-      TARGET.gguf[:DRAFTER] ...
+  python tests/gpu_runs.py [--cache-type KIND] [--max-context N] DEVICE GPU_LAYERS CPU_MOE NEW_TOKENS
+      PROMPT_IDS[;PROMPT_IDS...] TARGET.gguf[:DRAFTER] ...
 
---cache-type: the targets' K and V cache type (f16, the default, q8_0 or q4_0).
+--cache-type: the targets' K and V cache type (f16, the default, q8_0 or q4_0); --max-context: the targets' context
+(default 256).
 """
 
 from __future__ import annotations
@@ -28,7 +29,14 @@ def load_library(device: str) -> None:
 
 
 def main(
-    device: str, gpu_layers: str, cpu_moe: str, new_tokens: str, prompts: str, *pairs: str, cache: str = "f16"
+    device: str,
+    gpu_layers: str,
+    cpu_moe: str,
+    new_tokens: str,
+    prompts: str,
+    *pairs: str,
+    cache: str = "f16",
+    context: int = 256,
 ) -> None:
     load_library(device)
     from test_gguf_lossless import auto_policy
@@ -44,7 +52,7 @@ def main(
         target_path, _, drafter_path = pair.partition(":")
         runtime = RuntimeConfig(device=device, threads=1)
         spec = LoadSpec(
-            runtime, max_context=256, gpu_layers=gpu_layers, cpu_moe=cpu_moe == "1", kv_cache=KVCache(cache, cache)
+            runtime, max_context=context, gpu_layers=gpu_layers, cpu_moe=cpu_moe == "1", kv_cache=KVCache(cache, cache)
         )
         drafter_file = Path(drafter_path) if drafter_path else None
         models = load_models(Path(target_path), drafter_file, spec, auto_block=False)
@@ -73,8 +81,8 @@ def main(
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).parent))
-    args = sys.argv[1:]
-    if args[0] == "--cache-type":
-        main(*args[2:], cache=args[1])
-    else:
-        main(*args)
+    args, options = sys.argv[1:], {}
+    while args[0] in ("--cache-type", "--max-context"):
+        options["cache" if args[0] == "--cache-type" else "context"] = args[1]
+        args = args[2:]
+    main(*args, cache=options.get("cache", "f16"), context=int(options.get("context", 256)))

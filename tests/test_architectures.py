@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from dflash_local.drafters.torch_drafter import DFlashDrafter
 from dflash_local.errors import DFlashError
 from dflash_local.llama_lib import loaded_library
 from dflash_local.runtime import LoadSpec, RuntimeConfig
+from dflash_local.session import Session
 from dflash_local.targets.llamacpp import STATE_SNAPSHOTS, LlamaCppTarget
 from dflash_local.train.pipeline import TrainRequest, run_training
 from dflash_local.train.selfdistill import DistillSettings
@@ -129,6 +131,35 @@ def test_dflash_equals_plain_decoding_torch_and_native_drafters(arch, models, dr
                 assert ids == plain, (*named, block)
             ids, stats = run(target, drafter, prompt, Settings(max_new_tokens=NEW_TOKENS), policy=auto_policy(16))
             assert ids == plain and len(set(stats.block_sizes)) > 1, (*named, stats.block_sizes)
+
+
+WINDOWED = ("gemma4", "gpt-oss")  # sliding_window 8: llama.cpp's window-sized cache holds pad(8 + 512, 256) = 768 cells
+PAST_THE_WINDOW = torch.randint(5, 4096, (900,), generator=torch.Generator().manual_seed(4)).tolist()
+
+
+@pytest.mark.parametrize("arch", WINDOWED)
+def test_dflash_equals_plain_decoding_past_the_window_cache_and_reuses_it_within_its_floor(arch, models, drafters):
+    """After the 900-token prompt, blocks 4, 16 and auto give plain decoding's ids; then a prompt that continues all
+    the caches hold prefills only what is new, and one sharing only its first 100 ids (below the window cache's trim
+    floor) prefills everything, each giving the ids fresh caches give."""
+    target = LlamaCppTarget.load(models[arch] / "model.gguf", LoadSpec(RuntimeConfig(threads=1), max_context=2048))
+    drafter = NativeDrafter.load(drafters[arch], target, LoadSpec(RuntimeConfig(threads=1)))
+    settings = Settings(max_new_tokens=48, draft=False)
+    plain, _ = run(target, None, PAST_THE_WINDOW, settings)
+    drafting = replace(settings, draft=True)
+    for block, policy in ((4, None), (16, None), (None, auto_policy(16))):
+        ids, stats = run(target, drafter, PAST_THE_WINDOW, replace(drafting, block_size=block), policy)
+        assert ids == plain and max(stats.block_sizes) > 1, (arch, block, stats.block_sizes)
+    session = Session()
+    run(target, drafter, PAST_THE_WINDOW, drafting, auto_policy(16), session)
+    continues = session.tokens[: session.length] + LONG_PROMPT  # all the caches hold, then more
+    shares_100 = PAST_THE_WINDOW[:100] + LONG_PROMPT
+    for prompt, forwarded in ((continues, len(LONG_PROMPT)), (shares_100, len(shares_100))):
+        ids, stats = run(target, drafter, prompt, drafting, auto_policy(16), session)
+        assert stats.prefill_tokens == forwarded, (arch, len(prompt), stats.prefill_tokens)
+        fresh, _ = run(target, drafter, prompt, drafting, auto_policy(16), Session())
+        assert ids == fresh, (arch, len(prompt))
+        run(target, drafter, continues, drafting, auto_policy(16), session)  # the session's caches again, past 768
 
 
 def test_a_hybrid_target_rolls_back_to_exactly_the_kept_tokens(models):

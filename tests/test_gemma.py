@@ -76,6 +76,59 @@ def test_dflash_equals_llamacpp_one_token_greedy(gemma, target, drafters, prompt
     assert sum(taus) / len(taus) > 1.1, taus
 
 
+PAST_THE_WINDOW = 1100  # prompt tokens: past 512 cells and past the 1,024 cells of the sliding window's cache
+
+
+@pytest.fixture(scope="module")
+def long_target(gemma) -> LlamaCppTarget:
+    """Two threads, a 2,048-token context: its sliding-window layers' cache holds pad(512 + 512, 256) = 1,024 cells,
+    reused."""
+    return LlamaCppTarget.load(gemma, LoadSpec(RuntimeConfig(threads=2), max_context=2048))
+
+
+def test_rows_past_512_cells_and_the_window_cache_equal_one_token_steps_bitwise(long_target):
+    """After 1,100 prompt tokens, on two threads, verifies of 16 rows keeping 1, 3 or 9 of them, each followed by the
+    next verify, give every kept row the logits of one-token steps, bit for bit: past 512 cells, where ggml's flash
+    attention would split a lone row's cells between the threads (tools/patch_ggml_cpu.py; without it every row
+    differed, by up to 3.7), and past the window cache's 1,024 cells, which verifies and trims leave as one-token
+    steps do."""
+    target = long_target
+    ids = torch.randint(5, 200_000, (PAST_THE_WINDOW + 40,), generator=torch.Generator().manual_seed(5))
+    prompt, extra = ids[:PAST_THE_WINDOW], ids[PAST_THE_WINDOW:]
+    target.trim(0)
+    target.forward(prompt, all_logits=False, features=False)
+    alone = torch.cat([target.forward(extra[i : i + 1], features=False).logits for i in range(len(extra))])
+    assert target.window == 512 and target.trim_floor == len(ids) - 1024 + 511, target.trim_floor
+    for keep in (1, 3, 9):
+        target.trim(PAST_THE_WINDOW)
+        rows, at = [], 0
+        while at < len(extra):
+            verified = target.forward(extra[at : at + 16], features=False).logits
+            kept = min(keep, len(verified))
+            rows.append(verified[:kept])
+            target.trim(PAST_THE_WINDOW + at + kept)
+            at += kept
+        differ = (torch.cat(rows) != alone).any(dim=1).nonzero().flatten().tolist()
+        assert differ == [], f"keeping {keep} of 16: rows {differ} of {len(extra)} differ"
+
+
+def test_dflash_after_a_prompt_past_the_window_cache_equals_plain_decoding(gemma, long_target):
+    """The held-out prompts joined (1,100 tokens): blocks 4, 16 and auto give plain decoding's ids, and the trained
+    drafter's drafts are accepted."""
+    target = long_target
+    drafter = NativeDrafter.load(ENTRY.drafter, target, LoadSpec(RuntimeConfig(threads=1)))
+    lines = [json.loads(line)["prompt"] for line in ENTRY.prompts.read_text().splitlines()]
+    prompt = GGUFTokenizer.load(gemma).encode("\n\n".join(lines))[:PAST_THE_WINDOW]
+    assert len(prompt) == PAST_THE_WINDOW
+    settings = Settings(max_new_tokens=48, stop_ids=target.stop_ids)
+    plain, _ = run(target, None, prompt, replace(settings, draft=False))
+    for block, policy in ((4, None), (16, None), (None, auto_policy(drafter.block_size))):
+        ids, stats = run(target, drafter, prompt, replace(settings, block_size=block), policy)
+        assert ids == plain, block
+        if block == 16:
+            assert stats.tokens_by_source.get("dflash", 0) > 0, stats.acceptance_lengths
+
+
 def test_the_drafters_embed_and_draft_as_the_target(target, drafters, prompts):
     """The noise block enters both drafters as llama.cpp's Gemma graph enters its first layer (embeddings times
     sqrt(hidden)), and both draft the same tokens from the same features, only ever from the draft vocabulary."""

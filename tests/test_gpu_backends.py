@@ -16,7 +16,14 @@ from pathlib import Path
 
 import pytest
 from one_error import assert_one_error
-from test_architectures import ARCHS, build_tiny, drafters, models  # noqa: F401 (the tiny architectures, drafters)
+from test_architectures import (  # noqa: F401 (the tiny architectures, drafters)
+    ARCHS,
+    PAST_THE_WINDOW,
+    WINDOWED,
+    build_tiny,
+    drafters,
+    models,
+)
 from test_mtp import model as mtp_model  # noqa: F401 (the tiny qwen35 with an MTP layer)
 
 from dflash_local import offload
@@ -48,10 +55,12 @@ def gpu_runs(
     prompts: str = PROMPT,
     tokens: int = NEW_TOKENS,
     cache: str = "f16",
+    context: int = 256,
 ) -> list[dict]:
-    """tests/gpu_runs.py in its own process, the targets' KV cache of type `cache`: one dict per target (ids per mode
-    and prompt, steps, devices)."""
-    argv = [sys.executable, TESTS / "gpu_runs.py", "--cache-type", cache, device, layers, "1" if cpu_moe else "0"]
+    """tests/gpu_runs.py in its own process, the targets' KV cache of type `cache`, their context `context`: one dict
+    per target (ids per mode and prompt, steps, devices)."""
+    argv = [sys.executable, TESTS / "gpu_runs.py", "--cache-type", cache, "--max-context", context]
+    argv += [device, layers, "1" if cpu_moe else "0"]
     argv += [str(tokens), prompts]
     done = subprocess.run([*map(str, argv), *pairs], capture_output=True, text=True, env=clean_env(), timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -96,6 +105,19 @@ def test_every_architecture_runs_on_vulkan_and_dflash_equals_plain_decoding_ther
         for mode in ("lookup", "4", "16", "auto"):
             assert run[mode] == run["plain"], (run["target"], mode)
         assert len(run["auto_blocks"]) > 1, run
+
+
+def test_dflash_equals_plain_decoding_on_vulkan_past_the_window_cache(models, drafters):  # noqa: F811
+    """gemma4 and gpt-oss (sliding window 8, a window cache of 768 cells) on Vulkan0 after a 900-token prompt, the
+    cache's cells reused: lookup and blocks 4, 16 and auto give plain decoding's ids on the device, drafts accepted."""
+    pairs = [f"{models[arch] / 'model.gguf'}:{drafters[arch]}" for arch in WINDOWED]
+    prompt = ",".join(map(str, PAST_THE_WINDOW))
+    runs = gpu_runs("vulkan", "auto", False, pairs, prompt, NEW_TOKENS, context=1024)
+    for run in runs:
+        for mode in ("lookup", "4", "16", "auto"):
+            assert run[mode] == run["plain"], (run["target"], mode)
+    accepted = [length for run in runs for _, length in run["lookup_steps"] + run["auto_steps"]]
+    assert max(accepted) > 1, runs  # gemma4's output repeats, and lookup drafts it
 
 
 def test_dflash_with_an_image_equals_plain_decoding_on_vulkan(vision_model, vision_drafter):

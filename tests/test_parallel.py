@@ -309,12 +309,12 @@ def test_workers_saving_one_file_at_once_each_write_it_whole(tmp_path):
 def holding(tokens: list[int], saved: tuple[list[int], ...] = ()) -> Worker:
     """An idle worker whose caches hold tokens and whose prompt cache holds the saved sequences (a stand-in target:
     only its cache's length, owner and kind)."""
-    target = SimpleNamespace(length=len(tokens), cache_owner=None, recurrent=False)
+    target = SimpleNamespace(length=len(tokens), cache_owner=None, recurrent=False, trim_floor=0)
     session = Session(PromptCache(2**20))
     session.owner, target.cache_owner = (target, None, None), session
     session.record(list(tokens), len(tokens))
     for ids in saved:
-        session.cache.add(Saved(session.owner, list(ids), b"", None, None, exact=False))
+        session.cache.add(Saved(session.owner, list(ids), b"", None, None, floor=0))
     return Worker(SimpleNamespace(session=session))
 
 

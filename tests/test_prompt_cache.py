@@ -34,8 +34,8 @@ CPU = LoadSpec(RuntimeConfig(device="cpu"), max_context=512)
 BILLING = "x-anthropic-billing-header: cc_version=2.1.332.{}; cc_entrypoint=sdk-cli;"
 
 
-def saved(tokens: list[int], size: int, exact: bool = False) -> Saved:
-    return Saved(("pair",), tokens, bytearray(size), None, None, exact)
+def saved(tokens: list[int], size: int, floor: int = 0) -> Saved:
+    return Saved(("pair",), tokens, bytearray(size), None, None, floor)
 
 
 def test_the_store_matches_the_longest_prefix_and_drops_the_least_recently_used():
@@ -52,12 +52,30 @@ def test_the_store_matches_the_longest_prefix_and_drops_the_least_recently_used(
     assert cache.describe() == {"entries": 2, "bytes": 250, "budget_bytes": 300}
     cache.add(saved(list(range(50)), 100))  # covers a: a goes
     assert [len(entry.tokens) for entry in cache.entries] == [40, 50]
-    hybrid = saved(list(range(20)), 10, exact=True)
+    hybrid = saved(list(range(20)), 10, floor=20)
     cache.add(hybrid)
     assert cache.best(("pair",), list(range(19)) + [0, 1]) == (cache.entries[-2], 19)  # not all of it: not usable
     assert cache.best(("pair",), list(range(20)) + [0]) == (cache.entries[-2], 20)
     cache.add(saved([1], 1000))  # alone over the budget: not kept
     assert all(len(entry.tokens) > 1 for entry in cache.entries)
+
+
+def test_an_entry_of_a_window_sized_cache_serves_prompts_that_keep_its_floor():
+    """A window-sized cache's entry serves a prompt sharing at least its floor (the window's reused cells), and a
+    later entry of the same ids with a higher floor does not push out one with a lower floor."""
+    cache = PromptCache(budget=1000)
+    early = saved(list(range(30)), 10, floor=12)
+    cache.add(early)
+    assert cache.best(("pair",), list(range(15)) + [99]) == (early, 15)
+    assert cache.best(("pair",), list(range(12)) + [99]) == (early, 12)
+    assert cache.best(("pair",), list(range(11)) + [99]) == (None, 0)
+    later = saved(list(range(40)), 10, floor=25)
+    cache.add(later)
+    assert cache.entries == [early, later]
+    assert cache.best(("pair",), list(range(20)) + [99]) == (early, 20)
+    assert cache.best(("pair",), list(range(35)) + [99]) == (later, 35)
+    cache.add(saved(list(range(50)), 10, floor=12))  # serves all they serve, as far: both go
+    assert [len(entry.tokens) for entry in cache.entries] == [50]
 
 
 def conversations(models: LoadedModels, monkeypatch, cache: PromptCache | None) -> list[tuple]:

@@ -31,6 +31,7 @@ class Target(Protocol):
     # forward only while every draft so far stands: a trim then stays inside the last forward
     recurrent: bool  # part of its state cannot drop a suffix (a hybrid): a saved state serves only prompts that
     # continue all of it
+    window: int  # a sliding window whose window-sized cache reuses cells (0: every cached position's cells are kept)
 
     @property
     def vocab_size(self) -> int: ...
@@ -42,6 +43,12 @@ class Target(Protocol):
     def num_layers(self) -> int: ...
 
     def set_feature_layers(self, layer_ids: list[int]) -> None: ...
+
+    @property
+    def trim_floor(self) -> int:
+        """The shortest length `trim` keeps in place (shorter, it feeds the kept tokens again): past 0 for a recurrent
+        state or a window-sized cache."""
+        ...
 
     def trim(self, length: int) -> None:
         """Forget every cached position at or after `length` (0: all of them)."""

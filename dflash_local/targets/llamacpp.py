@@ -100,7 +100,8 @@ class LlamaCppTarget:
         self.length = 0
         model = context.model
         self.recurrent = llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model)
-        self._fed: list[int] = []  # the cached tokens, re-fed where a recurrent state cannot roll back
+        self.window = 0  # a sliding window whose window-sized cache reuses cells (0: every position's cells kept)
+        self._fed: list[int] = []  # the cached tokens (-1: an image's row), re-fed where the cells cannot roll back
         self._last_decode = 0  # tokens in llama.cpp's last decode since the last trim
         self._padding = 0  # padding cells past `length` that a hybrid's last forward left in llama.cpp's memory
         self.cache_owner: object | None = None  # the Session that last filled its cache
@@ -133,8 +134,12 @@ class LlamaCppTarget:
         params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_NONE  # per-token output embeddings (last-layer features)
         if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
             params.n_rs_seq = STATE_SNAPSHOTS  # llama.cpp sets 0 for architectures it cannot roll back
+        # sliding-window layers keep a window-sized cache, as llama-server's (llama.cpp's default is full-size): a verify
+        # and its trim leave the cells where one-token steps put them (docs/gguf.md)
+        params.swa_full = False
         context = LlamaContext(model, params, f"a {max_context}-token context for {path}", rows=BATCH)
         target = cls(info, tensors, context, max_context, dtype, device, kernels)
+        target.window = max(llama_cpp.llama_model_n_swa(model), 0)
         target.int8_head = spec.int8_head
         on_gpu = spec.placement is not None and spec.placement.device is not None and spec.placement.gpu_layers > 0
         target.fixed_rows = FIXED_ROWS if on_gpu else None
@@ -211,10 +216,21 @@ class LlamaCppTarget:
         view._fed, view.feature_layer_ids = [], list(self.feature_layer_ids)
         return view
 
+    @property
+    def trim_floor(self) -> int:
+        """The shortest length `trim` keeps without feeding the kept tokens again: all cached positions for a recurrent
+        state; with a window-sized cache, the first length whose next position finds its whole window (cells of older
+        positions were reused); else 0."""
+        if self.recurrent:
+            return self.length
+        first = self.context.first_position(self.seq) if self.window and self.length else 0
+        return first + self.window - 1 if first > 0 else 0
+
     def trim(self, length: int) -> None:
         """Forget every cached position at or after `length` (0: every cell), and a hybrid's padding cells past the
         end. A recurrent state goes back through llama.cpp's per-token snapshots (the last STATE_SNAPSHOTS positions,
-        once per decode); further back, the kept tokens are fed again from an empty state."""
+        once per decode); further back, or below a window-sized cache's trim_floor, the kept tokens are fed again from
+        an empty state."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot trim the cache to {length} from {self.length}")
         if length == 0:
@@ -233,8 +249,9 @@ class LlamaCppTarget:
         """Drop the `dropped` cells llama.cpp holds from `length` on. llama.cpp's snapshots hold the states inside
         its last decode only (dropping all of it would leave its end), one rollback per decode."""
         snapshot = dropped < self._last_decode
+        refeed = not snapshot if self.recurrent else length < self.trim_floor
         self._last_decode = 0
-        if self.recurrent and not snapshot:
+        if refeed:
             self._refeed(self._fed[:length])
         elif not self.context.trim(length, self.seq):
             if not self.recurrent:
@@ -242,9 +259,11 @@ class LlamaCppTarget:
             self._refeed(self._fed[:length])
 
     def _refeed(self, tokens: list[int]) -> None:
-        """Empty the cache and feed it tokens for their state alone (the last logits row only; the taps stay as they
-        are, since switching them makes llama.cpp re-plan its next graph)."""
-        self.context.reset()
+        """Empty the sequence's cache and feed it tokens for their state alone (the last logits row only; the taps stay
+        as they are, since switching them makes llama.cpp re-plan its next graph). Image rows cannot be fed again."""
+        if any(token < 0 for token in tokens):
+            raise DFlashError("The cache cannot roll back past an image's rows: they would have to be fed again.")
+        self.context.clear(self.seq)
         self._last_decode = 0
         for offset in range(0, len(tokens), BATCH):
             self._decode(tokens[offset : offset + BATCH], offset, all_logits=False)
@@ -344,7 +363,7 @@ class LlamaCppTarget:
             joined = np.concatenate([self._features(i, count) for i in self.feature_layer_ids], axis=1)
             feats = torch.from_numpy(joined).to(self.device, self.dtype)
         self.length = start + count
-        self._fed.extend([0] * count)  # (re-fed only for a recurrent state, which takes no image rows)
+        self._fed.extend([-1] * count)
         return TargetOutput(torch.from_numpy(logits).to(self.device), feats)
 
     def _view(self, address: int | None, rows: int, width: int) -> np.ndarray:

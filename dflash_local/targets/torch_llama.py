@@ -223,6 +223,7 @@ class TorchLlamaTarget:
         self.cache_owner: object | None = None  # the Session that last filled its cache
         self.verify_rows: int | None = None  # a whole block in one forward
         self.recurrent = False  # every cached position can be dropped
+        self.window = 0  # a full-size cache
         self.feature_layer_ids: list[int] = []
         self.graphs = StepGraphs() if cuda_graphs and self.device.type == "cuda" else None
 
@@ -300,6 +301,10 @@ class TorchLlamaTarget:
         for cache, saved in zip(self.cache, state, strict=True):
             cache[..., : saved.shape[-2], :] = saved
         self.length = len(tokens)
+
+    @property
+    def trim_floor(self) -> int:
+        return 0
 
     def trim(self, length: int) -> None:
         """Forget every cached position at or after `length` (0: all)."""
