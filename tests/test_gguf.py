@@ -233,10 +233,10 @@ def test_torch_drafter_borrows_an_int8_head(quantize, tiny_gguf, heldout):
     spec = plan_load(tiny_gguf["q8_0"], spec)
     target = load_target(tiny_gguf["q8_0"], spec)
     hidden = torch.randn(3, target.hidden_size, generator=torch.Generator().manual_seed(0))
-    exact = hidden @ torch.from_numpy(target._dequantize(target._head_tensor, slice(None))).T
+    exact = hidden @ torch.from_numpy(target.rows.dequantize(target.rows.head_tensor, slice(None))).T
     drafter = load_drafter(TINY / "drafter", target, spec)
     logits = target.lm_head(hidden)
-    assert isinstance(target._head, Int8Matrix)
+    assert isinstance(target.rows.head, Int8Matrix)
     assert (logits - exact).norm() / exact.norm() < 0.05  # int8 rows, hidden rounded to 7 bits per call
     expected = run_ar(target, heldout[0])
     ids, stats = run(target, drafter, heldout[0], Settings(max_new_tokens=NEW_TOKENS, block_size=8))

@@ -123,8 +123,9 @@ def test_loading_reports_its_phases_to_the_spec_and_leaves_the_target_as_planned
     gguf = convert(TINY / "target", tmp_path / "tiny.gguf", "q8_0", threads=1)
     for kind, int8_head in (("torch", True), ("native", False)):
         spec = plan_load(gguf, LoadSpec(RuntimeConfig("cpu", drafter=kind), max_context=64))
-        assert load_target(gguf, spec).int8_head is int8_head
+        assert load_target(gguf, spec).rows.int8_head is int8_head
     target = LlamaCppTarget.load(gguf, LoadSpec(RuntimeConfig(threads=1), max_context=64))  # the head as floats
-    before = dict(vars(target))
+    before = {owner: dict(vars(owner)) for owner in (target, target.rows)}
     load_drafter(TINY / "drafter", target, plan_load(gguf, LoadSpec(RuntimeConfig("cpu", drafter="torch"))))
-    assert vars(target).keys() == before.keys() and all(vars(target)[k] is v for k, v in before.items())
+    for owner, attrs in before.items():
+        assert vars(owner).keys() == attrs.keys() and all(vars(owner)[k] is v for k, v in attrs.items())

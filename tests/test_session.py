@@ -198,10 +198,11 @@ def same_turns(got: list[tuple], expected: list[tuple]) -> None:
 
 
 class Cache:
-    """What a session needs of a target: a length it trims, and its cache owner."""
+    """What a session needs of a target: a length it trims anywhere (trim_floor 0), and its cache owner."""
 
     def __init__(self) -> None:
         self.length = 0
+        self.trim_floor = 0
         self.cache_owner: object | None = None
 
     def trim(self, length: int) -> None:

@@ -3,10 +3,10 @@
 # matmul patched (tools/patch_ggml_cpu.py): prompt batches of 64 rows or more run llamafile's tinyBLAS and the tiled
 # K-quant matmul for all rows but their last, while verify and one-token batches and each batch's last row sum in the
 # one-token order, and a one-row batch's flash attention takes a verify row's kernel, so DFlash stays bitwise lossless
-# on the CPU (docs/gguf.md); and with the layer-input taps set in the
-# graph builders of the architectures in TAPS (stock llama.cpp sets them for llama and qwen3, not gemma3: one line in
-# the layer loop); and beside libllama, llama.cpp's multimodal library libmtmd (image projectors: dflash_local/vision.py)
-# from the same build, linking that libllama.
+# on the CPU (docs/gguf.md); and with the layer-input taps set in the graph builders of the architectures in TAPS
+# (stock llama.cpp sets them for llama and qwen3, not gemma3: one line in the layer loop); and beside libllama,
+# llama.cpp's multimodal library libmtmd (image projectors: dflash_local/vision.py) from the same build, linking that
+# libllama.
 # --backend vulkan or cuda adds that GPU backend to the same build (its CPU backend is the same as the CPU build's);
 # the libraries go to VENV/lib/dflash-libllama (cpu) or VENV/lib/dflash-libllama-BACKEND, where
 # dflash_local/llama_lib.py finds them. A build of the same version, taps and patches there is kept.
@@ -22,8 +22,9 @@ venv=${1:-.venv}
 python="$venv/bin/python"
 version=$("$python" -c 'import importlib.metadata as m; print(m.version("llama_cpp_python"))')
 taps="gemma3"
-patches="prompt-rows one-row-attention mtmd"  # tools/patch_ggml_*.py's changes, and libmtmd built beside libllama: a build made before
-# a new patch (or without libmtmd) is redone
+# tools/patch_ggml_*.py's changes, and libmtmd built beside libllama: a build made before a new patch (or without
+# libmtmd) is redone
+patches="prompt-rows one-row-attention mtmd"
 case "$backend" in
   cpu) dest="$venv/lib/dflash-libllama"; flags=() ;;
   vulkan) dest="$venv/lib/dflash-libllama-vulkan"; flags=(-DGGML_VULKAN=ON); patches="$patches headers descriptors" ;;
@@ -48,7 +49,7 @@ if [ -f "$dest/libllama.so" ] && [ "$(cat "$dest/llama-cpp-python.version" 2>/de
   echo "==> libllama ($backend) for llama-cpp-python $version: already built"
   exit 0
 fi
-echo "==> building libllama $version for $backend with prompt rows apart from verify rows (lossless verification; minutes)"
+echo "==> building libllama $version for $backend with prompt rows apart from verify rows (lossless; minutes)"
 work=$(mktemp -d)
 stage=$(mktemp -d "$venv/lib/.dflash-libllama.XXXXXX")  # beside dest, so that the final rename is atomic
 chmod 755 "$stage"

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import copy
 import ctypes
-from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import gguf
 import numpy as np
 import torch
 
@@ -18,10 +16,10 @@ from ..gguf.file import GGUFModel, read_gguf
 from ..llama_context import LlamaContext, load_model
 from ..llama_lib import llama_cpp, output_functions, tap_functions
 from ..offload import ModelParams, Placement
-from ..quant import Int8Matrix
 from ..runtime import LoadSpec, pick_dtype
 from ..tap_probe import layer_taps
 from .base import TargetOutput
+from .gguf_rows import GGUFRows
 
 if TYPE_CHECKING:
     from ..lanes import Lanes
@@ -37,8 +35,6 @@ FIXED_ROWS = 8  # a verify forward's rows on a GPU backend: every verify and eve
 # rows in one step through llama.cpp's snapshots (it takes back one suffix per decode, within that decode)
 VERIFY_ROWS = 63  # the most rows of a CPU forward whose every row's logits are read (a verify): dflash's libllama
 # takes the fast kernels for batches of 64 rows or more, all rows but the last (tools/patch_ggml_cpu.py)
-HEAD_CHUNK = 512  # output-head rows dequantized at a time when the head is first built (gguf-py dequantizes via
-# int and float intermediates several times the rows' fp32 size: 2048 rows of a 1B head peaked 0.3 GB above the rest)
 
 
 def model_params(spec: LoadSpec | None = None) -> ModelParams:
@@ -70,12 +66,8 @@ def context_params(spec: LoadSpec, context: int) -> llama_cpp.llama_context_para
 
 
 class LlamaCppTarget:
-    """A llama.cpp context over a GGUF file; the torch drafter borrows its embeddings and head from the file.
-
-    Nothing is dequantized at load: `embed` dequantizes just the rows it is asked for from the memory-mapped
-    tensor, and `lm_head` materializes the output head once, on first use (the tied head is the
-    embedding matrix, so that is the only copy). The native drafter reads both inside llama.cpp and uses neither.
-    """
+    """A llama.cpp context over a GGUF file; the torch drafter borrows its embeddings and head from the file
+    (`rows`: nothing is dequantized at load). The native drafter reads both inside llama.cpp and uses neither."""
 
     def __init__(
         self,
@@ -88,13 +80,12 @@ class LlamaCppTarget:
         kernels: str = "auto",
     ) -> None:
         self.info = info
-        self._embed_tensor = tensors["token_embd.weight"]
-        self._head_tensor = tensors.get("output.weight", self._embed_tensor)
         self.context = context  # llama.cpp's context and model (a drafter's context reads it, a tokenizer the model)
         self._set_tap, self._get_tap = tap_functions()
         self._logits_at, self._embeddings_at = output_functions()
         self._views: dict[tuple[int, int, int], np.ndarray] = {}
         self.device, self.dtype = torch.device(device), dtype
+        self.rows = GGUFRows(tensors, info.dims.hidden, info.dims.vocab, dtype, self.device)  # for a torch drafter
         self.max_context = max_context
         self.kernels = kernels  # the mode it was loaded with (llama.cpp runs the model itself)
         self.length = 0
@@ -108,8 +99,6 @@ class LlamaCppTarget:
         self.feature_layer_ids: list[int] = []
         self.seq = 0  # its llama.cpp sequence id (serve --parallel: one view per sequence, see `sequence`)
         self.lanes: Lanes | None = None  # where sequences sharing the context meet to decode together
-        self._head: torch.Tensor | Int8Matrix | None = None
-        self.int8_head = False  # materialize the head as packed int8 rows (for a torch drafter on the CPU)
         self.fixed_rows: int | None = None  # FIXED_ROWS where verification runs on a GPU backend, else any width
         self.verify_rows: int | None = None  # the decode loop's verify forwards' most rows (see targets.base)
         self.on_gpu = False  # some of its layers run on a GPU backend
@@ -134,13 +123,13 @@ class LlamaCppTarget:
         params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_NONE  # per-token output embeddings (last-layer features)
         if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
             params.n_rs_seq = STATE_SNAPSHOTS  # llama.cpp sets 0 for architectures it cannot roll back
-        # sliding-window layers keep a window-sized cache, as llama-server's (llama.cpp's default is full-size): a verify
-        # and its trim leave the cells where one-token steps put them (docs/gguf.md)
+        # sliding-window layers keep a window-sized cache, as llama-server's (llama.cpp's default is full-size): a
+        # verify and its trim leave the cells where one-token steps put them (docs/gguf.md)
         params.swa_full = False
         context = LlamaContext(model, params, f"a {max_context}-token context for {path}", rows=BATCH)
         target = cls(info, tensors, context, max_context, dtype, device, kernels)
         target.window = max(llama_cpp.llama_model_n_swa(model), 0)
-        target.int8_head = spec.int8_head
+        target.rows.int8_head = spec.int8_head
         on_gpu = spec.placement is not None and spec.placement.device is not None and spec.placement.gpu_layers > 0
         target.fixed_rows = FIXED_ROWS if on_gpu else None
         target.verify_rows = target.fixed_rows
@@ -281,44 +270,14 @@ class LlamaCppTarget:
         self.length, self._last_decode, self._padding = len(tokens), 0, 0
         self._fed[:] = tokens
 
-    def _dequantize(self, tensor, rows) -> np.ndarray:
-        """fp32 [n, hidden] of the given rows (an index array or a slice) of a GGUF tensor, read from the file."""
-        values = gguf.quants.dequantize(tensor.read_rows(rows), tensor.tensor_type)
-        return np.asarray(values, dtype=np.float32).reshape(-1, self.hidden_size)
-
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows of the embedding matrix: from the tied head once it exists in `dtype` (no host work: CUDA graphs can
-        capture it), else dequantized from the file."""
-        if isinstance(self._head, torch.Tensor) and self._head_tensor is self._embed_tensor:
-            return torch.nn.functional.embedding(ids.to(self.device), self._head)
-        rows = self._dequantize(self._embed_tensor, ids.reshape(-1).cpu().numpy())
-        return torch.from_numpy(rows).to(self.device, self.dtype).reshape(*ids.shape, self.hidden_size)
+        return self.rows.embed(ids)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The output head (for the torch drafter), materialized from the file on first use: in `dtype`, or as packed
-        int8 rows where int8_head is set (Int8Matrix: on the CPU faster than fp32, a quarter of the memory)."""
-        if self._head is None:
-            self._head = Int8Matrix(self._head_chunks()) if self.int8_head else self._float_head()
-        if isinstance(self._head, Int8Matrix):
-            return self._head.linear(hidden)
-        return hidden.to(self._head.dtype) @ self._head.T
+        return self.rows.lm_head(hidden)
 
     def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows of the output head, dequantized from the file."""
-        rows = self._dequantize(self._head_tensor, ids.reshape(-1).cpu().numpy())
-        return torch.from_numpy(rows).to(self.device, self.dtype)
-
-    def _head_chunks(self) -> Iterator[torch.Tensor]:
-        for begin in range(0, self.vocab_size, HEAD_CHUNK):
-            yield torch.from_numpy(self._dequantize(self._head_tensor, slice(begin, begin + HEAD_CHUNK)))
-
-    def _float_head(self) -> torch.Tensor:
-        head = torch.empty((self.vocab_size, self.hidden_size), dtype=self.dtype, device=self.device)
-        begin = 0
-        for chunk in self._head_chunks():
-            head[begin : begin + len(chunk)] = chunk
-            begin += len(chunk)
-        return head
+        return self.rows.head_rows(ids)
 
     def _decode(self, ids: list[int], start: int, all_logits: bool) -> None:
         last = len(ids) - 1
