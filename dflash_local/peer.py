@@ -217,9 +217,12 @@ def run_peer(
     many begin with reference (dflash's plain outputs, cut at their end of sequence)."""
     longest = max(len(ids) for _, ids in prompts)
     # as dflash loads the model: the weights unrepacked (--no-repack; llama-server's default AMX repacking also
-    # crashed it here, docs/benchmarks.md); sliding-window layers keep window-sized caches in both (its default)
+    # crashed it here, docs/benchmarks.md), window-sized caches for sliding-window layers (both engines' default), and
+    # each prompt prefilled as dflash does, in batches of up to 512 rows: no context checkpoints (with a window-sized
+    # cache llama-server prefills a prompt's last 4 and 4 + 512 rows apart to checkpoint them, and other batches
+    # meet other kernels: docs/benchmarks.md), which serve nothing here (each prompt is sent once, uncached)
     common = [str(binary), "-m", str(target), "-np", "1", "--metrics", "--no-webui", "--cache-ram", "0"]
-    common += ["--no-repack"]
+    common += ["--no-repack", "--ctx-checkpoints", "0"]
     common += ["-c", str(longest + max_new_tokens + 2 * (block_size or 16) + 64)]
     common += ["-t", str(threads), "-tb", str(threads)] if threads else []
     with exported_drafter(drafter, target) as drafter_gguf, tempfile.TemporaryDirectory(prefix="dflash-peer-") as logs:
