@@ -42,9 +42,10 @@ def prompt() -> list[int]:
 
 
 def vocab_matrices(target: LlamaCppTarget) -> list[torch.Tensor]:
-    """The target's tensor attributes as large as a vocab x hidden matrix."""
+    """The tensor attributes of the target and of its borrowed rows (`rows`) as large as a vocab x hidden matrix."""
     size = target.vocab_size * target.hidden_size
-    return [v for v in vars(target).values() if isinstance(v, torch.Tensor) and v.numel() >= size]
+    held = [*vars(target).values(), *vars(target.rows).values()]
+    return [v for v in held if isinstance(v, torch.Tensor) and v.numel() >= size]
 
 
 def cached_ggufs() -> list[Path]:
